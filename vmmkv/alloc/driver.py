@@ -1,0 +1,165 @@
+"""Checked access to the CUDA driver through ``cuda.bindings.driver``.
+
+Contract:
+- ``call(fn, *args, **context)`` runs one driver entry point and returns its outputs without the
+  status; any status other than ``CUDA_SUCCESS`` raises :class:`CudaError`, which names the call,
+  the CUresult (name and description) and the context keywords given (rank, peer, device, size...).
+- ``primary_context(device)`` makes the device's primary context (the one torch uses) current on
+  the calling thread for the duration of a ``with`` block and restores the previous one. It works
+  in fresh threads, where no context is current.
+- ``cuda_usable()`` never raises: it says whether a driver and at least one device exist.
+- Nothing here is collective; everything is capture-safe except ``cuInit`` (done once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+try:  # cuda-python is a hard dependency, but keep `import vmmkv` working where it is broken.
+    from cuda.bindings import driver as cu
+except Exception as exc:  # pragma: no cover - exercised only on broken installs
+    cu = None
+    _IMPORT_ERROR: Exception | None = exc
+else:
+    _IMPORT_ERROR = None
+
+__all__ = [
+    "CudaError",
+    "call",
+    "cu",
+    "cuda_usable",
+    "device_count",
+    "ensure_init",
+    "finalizing",
+    "primary_context",
+]
+
+
+class CudaError(RuntimeError):
+    """A driver call failed. ``code`` is the CUresult (or None when the driver is absent)."""
+
+    def __init__(self, call_name: str, code: Any, detail: str, context: dict[str, Any]):
+        self.call_name = call_name
+        self.code = code
+        self.context = dict(context)
+        where = ", ".join(f"{k}={v}" for k, v in context.items())
+        super().__init__(f"{call_name} failed: {detail}" + (f" [{where}]" if where else ""))
+
+
+def _describe(code: Any) -> str:
+    name = getattr(code, "name", str(code))
+    try:
+        err, text = cu.cuGetErrorString(code)
+        if err == cu.CUresult.CUDA_SUCCESS and text:
+            return f"{name} ({text.decode(errors='replace')})"
+    except Exception:  # cuGetErrorString itself unavailable: the name is enough
+        pass
+    return name
+
+
+def call(fn: Any, *args: Any, **context: Any) -> Any:
+    """Call ``fn(*args)``, check its CUresult, return the remaining outputs.
+
+    Returns None for no outputs, the single output for one, a tuple otherwise.
+    """
+    name = getattr(fn, "__name__", repr(fn))
+    if cu is None:
+        raise CudaError(name, None, f"cuda.bindings is not importable: {_IMPORT_ERROR}", context)
+    try:
+        out = fn(*args)
+    except CudaError:
+        raise
+    except Exception as exc:  # e.g. libcuda.so missing: the bindings raise instead of returning
+        raise CudaError(name, None, f"{type(exc).__name__}: {exc}", context) from exc
+    if not isinstance(out, tuple):
+        out = (out,)
+    code, rest = out[0], out[1:]
+    if code != cu.CUresult.CUDA_SUCCESS:
+        raise CudaError(name, code, _describe(code), context)
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else rest
+
+
+_init_lock = threading.Lock()
+_initialized = False
+
+
+def ensure_init() -> None:
+    """``cuInit(0)`` once per process (raises CudaError when there is no usable driver)."""
+    global _initialized
+    if _initialized:
+        return
+    with _init_lock:
+        if not _initialized:
+            call(getattr(cu, "cuInit", None), 0)
+            _initialized = True
+
+
+@functools.cache
+def _probe() -> tuple[int, str]:
+    try:
+        ensure_init()
+        return int(call(cu.cuDeviceGetCount)), ""
+    except CudaError as exc:
+        return 0, str(exc)
+
+
+def cuda_usable() -> bool:
+    """True when the driver loads and reports at least one device. Never raises."""
+    return _probe()[0] > 0
+
+
+def device_count() -> int:
+    return _probe()[0]
+
+
+def why_no_cuda() -> str:
+    """The reason ``cuda_usable()`` is False ('' when it is True)."""
+    count, reason = _probe()
+    if count:
+        return ""
+    return reason or "the driver reports no CUDA device"
+
+
+_primary: dict[int, Any] = {}
+_primary_lock = threading.Lock()
+
+
+def _primary_ctx(ordinal: int) -> Any:
+    # Retained once per process and never released: torch holds the same primary context, and
+    # releasing it while tensors live would destroy it under them.
+    with _primary_lock:
+        ctx = _primary.get(ordinal)
+        if ctx is None:
+            ensure_init()
+            dev = call(cu.cuDeviceGet, ordinal, device=ordinal)
+            ctx = call(cu.cuDevicePrimaryCtxRetain, dev, device=ordinal)
+            _primary[ordinal] = ctx
+        return ctx
+
+
+@contextlib.contextmanager
+def primary_context(ordinal: int) -> Iterator[Any]:
+    """Make ``ordinal``'s primary context current on this thread inside the block."""
+    ctx = _primary_ctx(ordinal)
+    prev = call(cu.cuCtxGetCurrent, device=ordinal)
+    switch = int(prev) != int(ctx)
+    if switch:
+        call(cu.cuCtxSetCurrent, ctx, device=ordinal)
+    try:
+        yield ctx
+    finally:
+        if switch:
+            call(cu.cuCtxSetCurrent, prev, device=ordinal)
+
+
+def finalizing() -> bool:
+    """True while the interpreter shuts down: driver calls are skipped then (the driver may be
+    torn down already, and the process exit releases everything anyway)."""
+    return sys.is_finalizing()
