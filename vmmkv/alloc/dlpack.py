@@ -101,9 +101,7 @@ def tensor_at(ptr: int, nbytes: int, dtype: torch.dtype, device: torch.device) -
     code, bits = _DTYPES[dtype]
     shape = (ctypes.c_int64 * 1)(nbytes // itemsize)
     managed = _DLManagedTensor()
-    managed.dl_tensor = _DLTensor(
-        ptr, dev, 1, _DLDataType(code, bits, 1), shape, None, 0
-    )
+    managed.dl_tensor = _DLTensor(ptr, dev, 1, _DLDataType(code, bits, 1), shape, None, 0)
     managed.manager_ctx = None
     managed.deleter = _deleter
     with _live_lock:

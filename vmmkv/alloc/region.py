@@ -351,7 +351,6 @@ class VirtualRegion(_Closeable):
             _run_all(steps)
 
 
-
 class PeerRegion(_Closeable):
     """A reservation of a peer region's capacity; the peer's chunks are mapped into it.
 
@@ -432,4 +431,3 @@ class PeerRegion(_Closeable):
             ]
             steps.append(lambda: self._backend.free_reservation(self._base, self._capacity))
             _run_all(steps)
-

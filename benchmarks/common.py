@@ -1,0 +1,66 @@
+"""Shared helpers for the benchmark scripts: medians, a printed table, a JSON record."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["gpus"] = torch.cuda.device_count()
+    except Exception:
+        pass
+    return info
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds one call of ``fn`` took (host clock; ``fn`` must synchronize what it times)."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def table(rows: list[dict[str, Any]], cols: list[str]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
+    lines.append("-+-".join("-" * w for w in widths))
+    lines += [" | ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def write_json(path: str, name: str, rows: list[dict[str, Any]], **extra: Any) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"benchmark": name, "machine": machine(), "rows": rows, **extra}, f, indent=1)

@@ -1,0 +1,400 @@
+"""rendezvous() / SymmetricRegion: peer mappings, collective resize, failure semantics.
+
+Every scenario runs in spawned processes with a gloo group (tests/mputil.py). On the host
+backend (CI) the mappings are real shared memfd mappings; with marker ``gpu`` the same scenarios
+run with N processes sharing the one GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.mputil import run_world, run_world_raw
+
+CASES = [
+    pytest.param("host", 2, id="host-2"),
+    pytest.param("host", 4, id="host-4"),
+    pytest.param("cuda", 2, id="cuda-2", marks=pytest.mark.gpu),
+    pytest.param("cuda", 4, id="cuda-4", marks=pytest.mark.gpu),
+]
+
+
+def _device(backend):
+    return "cpu" if backend == "host" else "cuda:0"
+
+
+def _gran(backend):
+    from vmmkv.alloc import make_backend
+
+    return make_backend(_device(backend), backend).granularity
+
+
+def _fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _maps():
+    """Mappings vmmkv could leak: memfd chunks, and reservations (PROT_NONE) of >= 1 MiB."""
+    n = 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            rng, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in rng.split("-"))
+            if "memfd:" in line or (perms == "---p" and hi - lo >= 1 << 20):
+                n += 1
+    return n
+
+
+def _memfds():
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+        except OSError:
+            pass
+    return n
+
+
+def _pattern(writer, target, n, device, salt=0):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * writer + 10 * target + salt + 1)
+    return torch.randint(1, 256, (n,), generator=g, dtype=torch.uint8).to(device)
+
+
+def _write_all_check_own(sr, base, n, salt):
+    """Every rank writes a rank-tagged pattern at slot [base + writer*n] of every region
+    (its own and every peer's), barrier, then checks its own region holds every writer's."""
+    import torch
+    import torch.distributed as dist
+
+    me, world = sr.rank, sr.world_size
+    for target in range(world):
+        view = sr.view(target)
+        view[base + me * n : base + (me + 1) * n].copy_(_pattern(me, target, n, sr.device, salt))
+    if sr.device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier(sr.group)
+    own = sr.view(me)
+    for writer in range(world):
+        got = own[base + writer * n : base + (writer + 1) * n]
+        want = _pattern(writer, me, n, sr.device, salt)
+        assert torch.equal(got, want), f"rank {me}: bytes from rank {writer} wrong at {base}"
+
+
+def _lifecycle(rank, world, backend):
+    import torch
+    import torch.distributed as dist
+
+    from vmmkv.ipc import SymmetricRegion
+
+    g = _gran(backend)
+    fds0 = _fds()
+    chunk = 2 * g
+    sr = SymmetricRegion(
+        16 * chunk, _device(backend), chunk_bytes=chunk, initial_bytes=2 * chunk, backend=backend
+    )
+    base_ptrs = list(sr.peers.ptrs)
+    table = sr.peers.ptr_table
+    assert table.dtype == torch.int64 and table.tolist() == base_ptrs
+    assert base_ptrs[rank] == sr.region.base_ptr
+    assert sr.committed_bytes == 2 * chunk and int(sr.committed_table.item()) == 2 * chunk
+    n = 1000
+    _write_all_check_own(sr, 0, n, salt=1)
+    # grow: the new chunks of every peer are mapped; writes there land
+    assert sr.resize(6 * chunk) == 6 * chunk
+    assert int(sr.committed_table.item()) == 6 * chunk
+    assert all(sr.peers.mapped_bytes(r) == 6 * chunk for r in range(world))
+    _write_all_check_own(sr, 5 * chunk, n, salt=2)
+    _write_all_check_own(sr, 0, n, salt=1)  # old data untouched by growth
+    # shrink, then regrow: new physical memory at the same addresses, zeroed
+    assert sr.resize(3 * chunk + 1) == 4 * chunk  # rounded up to whole chunks
+    assert all(sr.peers.mapped_bytes(r) == 4 * chunk for r in range(world))
+    assert sr.resize(8 * chunk) == 8 * chunk
+    assert sr.peers.ptrs == base_ptrs and sr.peers.ptr_table is table
+    own = sr.view(rank)
+    assert int(own[4 * chunk : 8 * chunk].count_nonzero()) == 0
+    dist.barrier(sr.group)  # nobody writes into the regrown chunks before all checked zeros
+    _write_all_check_own(sr, 7 * chunk, n, salt=3)
+    sr.close()
+    sr.close()
+    assert _fds() == fds0, f"rank {rank}: fd count {fds0} -> {_fds()}"
+    return base_ptrs
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend,world", CASES)
+def test_every_rank_writes_every_peer_and_resize_keeps_addresses(backend, world):
+    ptrs = run_world(_lifecycle, world, args=(backend,), timeout=90)
+    # each process mapped every peer somewhere of its own; own slots are own regions
+    assert all(len(p) == world for p in ptrs)
+
+
+def _memory_baseline(rank, world):
+    import torch
+
+    from vmmkv.alloc import VirtualRegion
+    from vmmkv.ipc import SymmetricRegion
+
+    g = _gran("cuda")
+    torch.cuda.init()
+    probe = VirtualRegion(g, "cuda:0", backend="cuda")
+    before = probe.memory_in_use()
+    probe.close()
+    fds0 = _fds()
+    sr = SymmetricRegion(32 * g, "cuda:0", chunk_bytes=4 * g, initial_bytes=16 * g, backend="cuda")
+    sr.resize(32 * g)
+    sr.close()
+    import torch.distributed as dist
+
+    dist.barrier()  # every rank has released before anyone measures
+    probe = VirtualRegion(g, "cuda:0", backend="cuda")
+    after = probe.memory_in_use()
+    probe.close()
+    return before, after, fds0, _fds()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_device_memory_and_fds_return_to_baseline_after_close_on_every_rank():
+    out = run_world(_memory_baseline, 2, timeout=90)
+    g = _gran("cuda")
+    for before, after, fds0, fds1 in out:
+        assert fds1 == fds0
+        # other ranks' allocations count too (shared GPU): after everyone closed, back to start
+        assert after - before < 2 * g, (before, after)
+
+
+def _absent(rank, world, absent_rank, timeout):
+    from vmmkv.ipc import GroupError, SymmetricRegion
+
+    if rank == absent_rank:
+        time.sleep(timeout + 6)  # never joins
+        return "absent"
+    g = _gran("host")
+    fds0, maps0 = _memfds(), _maps()  # store sockets may reconnect: count what vmmkv owns
+    t0 = time.monotonic()
+    try:
+        SymmetricRegion(8 * g, "cpu", backend="host", initial_bytes=4 * g, timeout=timeout)
+    except GroupError as exc:
+        elapsed = time.monotonic() - t0
+        return str(exc), elapsed, fds0, _memfds(), maps0, _maps()
+    raise AssertionError("rendezvous succeeded without a rank")
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_never_joins_is_named_within_the_timeout_and_nothing_leaks():
+    timeout = 3.0
+    res = run_world_raw(_absent, 3, args=(2, timeout), timeout=30)
+    for r in res[:2]:
+        assert r.ok, r.error
+        msg, elapsed, fds0, fds1, maps0, maps1 = r.value
+        assert "ranks [2]" in msg and "did not arrive" in msg
+        assert elapsed < timeout + 3
+        assert fds1 == fds0 and maps1 == maps0
+
+
+def _dies_mid_exchange(rank, world):
+    from vmmkv.ipc import RendezvousError, SymmetricRegion, fdpass
+
+    if rank == 1:
+        real = fdpass.exchange_fds
+
+        def die(**kw):
+            os._exit(17)
+
+        fdpass.exchange_fds = die
+    g = _gran("host")
+    fds0, maps0 = _memfds(), _maps()
+    try:
+        SymmetricRegion(8 * g, "cpu", backend="host", initial_bytes=4 * g, timeout=4)
+    except RendezvousError as exc:
+        return str(exc), fds0, _memfds(), maps0, _maps()
+    finally:
+        if rank == 1:
+            fdpass.exchange_fds = real
+    raise AssertionError("survived a dead peer")
+
+
+@pytest.mark.timeout(60)
+def test_survivors_of_a_rank_killed_mid_exchange_raise_and_release_everything():
+    res = run_world_raw(_dies_mid_exchange, 3, timeout=40)
+    assert res[1].exitcode == 17
+    for r in (res[0], res[2]):
+        assert r.ok, r.error
+        msg, fds0, fds1, maps0, maps1 = r.value
+        assert "1" in msg
+        assert fds1 == fds0 and maps1 == maps0
+
+
+def _mismatch(rank, world, field):
+    from vmmkv.ipc import RendezvousError, SymmetricRegion
+
+    g = _gran("host")
+    cap, chunk = 8 * g, 2 * g
+    if field == "capacity" and rank == 1:
+        cap = 16 * g
+    if field == "chunk" and rank == 0:
+        chunk = 4 * g
+    try:
+        SymmetricRegion(cap, "cpu", backend="host", chunk_bytes=chunk, timeout=10)
+    except RendezvousError as exc:
+        return str(exc)
+    raise AssertionError("mismatch accepted")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("field,name", [("capacity", "capacity_bytes"), ("chunk", "chunk_bytes")])
+def test_mismatched_requests_raise_the_same_error_on_every_rank(field, name):
+    msgs = run_world(_mismatch, 3, args=(field,), timeout=40)
+    assert len(set(m.split("(rank ")[1].split(")", 1)[1] for m in msgs)) == 1, msgs
+    assert name in msgs[0] and "ranks [" in msgs[0]
+
+
+def _injected_oom(rank, world):
+    import torch
+
+    from vmmkv.ipc import GroupError, SymmetricRegion
+
+    g = _gran("host")
+    sr = SymmetricRegion(16 * g, "cpu", backend="host", chunk_bytes=g, initial_bytes=2 * g)
+    sr.view(rank)[: 2 * g].fill_(rank + 1)
+    backend = sr.region._backend
+    real = backend.create
+    calls = {"n": 0}
+
+    def flaky(size):
+        calls["n"] += 1
+        if rank == world - 1 and calls["n"] == 3:
+            raise MemoryError("injected out of memory")
+        return real(size)
+
+    backend.create = flaky
+    try:
+        sr.resize(8 * g)
+    except GroupError as exc:
+        msg = str(exc)
+    else:
+        raise AssertionError("grow succeeded despite the injected failure")
+    backend.create = real
+    assert sr.committed_bytes == 2 * g
+    assert all(sr.peers.mapped_bytes(r) == 2 * g for r in range(world))
+    assert sr.resize(8 * g) == 8 * g  # a later grow succeeds
+    for r in range(world):
+        assert torch.equal(sr.view(r)[: 2 * g], torch.full((2 * g,), r + 1, dtype=torch.uint8))
+    sr.close()
+    sr.close()
+    return msg
+
+
+@pytest.mark.timeout(60)
+def test_an_injected_oom_during_grow_rolls_back_every_rank_and_a_later_grow_succeeds():
+    msgs = run_world(_injected_oom, 3, timeout=40)
+    assert all("injected out of memory" in m and "ranks [2]" in m for m in msgs), msgs
+
+
+def _resize_mismatch(rank, world):
+    from vmmkv.ipc import RendezvousError, SymmetricRegion
+
+    g = _gran("host")
+    with SymmetricRegion(8 * g, "cpu", backend="host", chunk_bytes=g) as sr:
+        try:
+            sr.resize((rank + 1) * g)
+        except RendezvousError as exc:
+            return str(exc)
+    raise AssertionError("unequal resize accepted")
+
+
+@pytest.mark.timeout(60)
+def test_resize_targets_must_be_identical_on_all_ranks():
+    msgs = run_world(_resize_mismatch, 2, timeout=30)
+    assert msgs[0] == msgs[1] and "identical" in msgs[0]
+
+
+def _subgroups(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from vmmkv.ipc import SymmetricRegion
+
+    pcp, tp = 2, 2
+    layout = torch.arange(world).reshape(-1, pcp, tp)
+    mine = None
+    for d in range(layout.shape[0]):
+        for t in range(tp):
+            ranks = layout[d, :, t].tolist()
+            grp = dist.new_group(ranks, backend="gloo")
+            if rank in ranks:
+                mine, my_ranks = grp, ranks
+    g = _gran("host")
+    with SymmetricRegion(4 * g, "cpu", mine, backend="host", initial_bytes=4 * g) as sr:
+        assert sr.world_size == 2
+        peer = my_ranks[1 - sr.rank]
+        sr.view(1 - sr.rank)[:64].fill_(rank + 1)  # tag with the global rank
+        dist.barrier(mine)
+        got = sr.view(sr.rank)[:64].unique().tolist()
+        dist.barrier(mine)
+    return my_ranks, peer, got
+
+
+@pytest.mark.timeout(60)
+def test_tp2_pcp2_subgroups_rendezvous_independently_and_never_cross():
+    out = run_world(_subgroups, 4, timeout=40)
+    groups = {tuple(o[0]) for o in out}
+    assert groups == {(0, 2), (1, 3)}
+    for rank, (_, peer, got) in enumerate(out):
+        assert got == [peer + 1], (rank, peer, got)
+
+
+def _reject_nccl_like(rank, world):
+    from unittest import mock
+
+    from vmmkv.ipc import SymmetricRegion
+
+    with mock.patch("torch.distributed.get_backend", return_value="nccl"):
+        try:
+            SymmetricRegion(1 << 20, "cpu", backend="host")
+        except ValueError as exc:
+            return str(exc)
+    raise AssertionError("nccl group accepted")
+
+
+@pytest.mark.timeout(60)
+def test_an_nccl_group_is_rejected_with_advice_to_pass_the_cpu_group():
+    msgs = run_world(_reject_nccl_like, 1, timeout=30)
+    assert "CPU group" in msgs[0] and "nccl" in msgs[0]
+
+
+@pytest.mark.timeout(60)
+def test_close_at_interpreter_exit_is_clean():
+    script = textwrap.dedent(
+        """
+        import atexit, os, torch.distributed as dist
+        from tests.mputil import free_port
+        dist.init_process_group("gloo", rank=0, world_size=1,
+                                init_method=f"tcp://127.0.0.1:{free_port()}")
+        from vmmkv.ipc import SymmetricRegion
+        sr = SymmetricRegion(1 << 22, "cpu", backend="host", initial_bytes=1 << 21)
+        leaked = SymmetricRegion(1 << 22, "cpu", backend="host", initial_bytes=1 << 21)
+        atexit.register(sr.close)
+        print("ok", flush=True)
+        """
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"
+    assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr

@@ -1,0 +1,43 @@
+"""vmmkv.ipc: fd passing, ``rendezvous()``, peer maps and the collective resize protocol.
+
+Knows nothing of kernels or KV formats. Collective entry points take a CPU-capable
+(gloo) ``torch.distributed`` group; every step is bounded by a timeout and a failure on any rank
+raises on every rank.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Loaded on first use: ``vmmkv.ipc.fdpass`` stays importable without torch (its spawned test
+# children, and tools that only pass fds, skip the multi-second torch import).
+_LAZY = {
+    "GroupError": "comm",
+    "PeerTimeoutError": "comm",
+    "DirectUnsupported": "peers",
+    "PeerMap": "peers",
+    "RendezvousError": "peers",
+    "SymmetricRegion": "peers",
+    "rendezvous": "peers",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vmmkv.ipc' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "DirectUnsupported",
+    "GroupError",
+    "PeerMap",
+    "PeerTimeoutError",
+    "RendezvousError",
+    "SymmetricRegion",
+    "rendezvous",
+]
