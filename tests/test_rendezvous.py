@@ -398,3 +398,103 @@ def test_close_at_interpreter_exit_is_clean():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"
     assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr
+
+
+def _graph_through_ptr_table(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from vmmkv import ops
+    from vmmkv.ipc import SymmetricRegion
+    from vmmkv.ops.kv import KVTarget
+
+    chunk = _gran("cuda")
+    row = 1024
+    sr = SymmetricRegion(
+        4 * chunk, "cuda:0", chunk_bytes=chunk, initial_bytes=chunk, backend="cuda"
+    )
+    err = torch.zeros(1, dtype=torch.int32, device="cuda:0")
+    target = KVTarget(
+        kind="rows", ptr_table=sr.ptr_table, my_rank=rank, offset_bytes=0,
+        num_blocks=4 * chunk // row, block_size=1, block_stride=row, entry_stride=row,
+        entry_bytes=row, committed_bytes=sr.committed_table, error_counter=err,
+        cache=sr.view(rank),
+    )  # fmt: skip
+    bar = ops.DeviceBarrier(sr.peers.signal_table, None, rank, world, 1, "cuda:0")
+    first = chunk // row  # the first slot of the second, not yet committed, chunk
+    slots = torch.arange(4, device="cuda:0") + first + 4 * rank
+    rows = _pattern(rank, 99, 4 * row, "cuda:0").view(4, row)
+    ops.warm_up(0)
+    bar.arrive_and_wait(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        graph.capture_begin()
+        ops.publish_rows(target, rows, slots)
+        bar.arrive_and_wait(0)
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(s)
+
+    def check(what):
+        own = sr.view(rank)
+        for w in range(world):
+            got = own[(first + 4 * w) * row : (first + 4 * w + 4) * row]
+            want = _pattern(w, 99, 4 * row, "cuda:0")
+            assert torch.equal(got, want), f"rank {rank}: {what}: rows of rank {w} wrong"
+
+    sr.resize(2 * chunk)  # grow after capture: the graph's target chunk is now mapped everywhere
+    graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    check("replay after grow")
+    sr.resize(chunk)
+    sr.resize(2 * chunk)  # new physical memory at the same addresses
+    assert int(sr.view(rank)[chunk : 2 * chunk].count_nonzero()) == 0
+    dist.barrier()
+    graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    check("replay after shrink and regrow")
+    assert int(err.item()) == 0
+    del graph
+    bar.close()
+    sr.close()
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_graph_writing_through_ptr_table_replays_into_chunks_grown_after_capture(world):
+    assert run_world(_graph_through_ptr_table, world, timeout=150) == [True] * world
+
+
+def _fabric_probe(rank, world):
+    import logging
+
+    from vmmkv.ipc.peers import select_handle_type
+
+    records = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("vmmkv").addHandler(Grab())
+    logging.getLogger("vmmkv").setLevel(logging.INFO)
+    import torch.distributed as dist
+
+    return select_handle_type("cuda:0", dist.group.WORLD), records
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_the_fabric_probe_falls_back_to_posix_fds_and_logs_why():
+    out = run_world(_fabric_probe, 2, timeout=100)
+    for (choice, why), records in out:
+        assert choice == "posix_fd"
+        assert any("posix_fd" in r and why in r for r in records), (why, records)
+        # the lent H200s have no IMEX channel: the trial create is refused, and the reason says so
+        assert "fabric unavailable anyway" in why and "rank 0" in why and "rank 1" in why, why

@@ -49,6 +49,7 @@ __all__ = [
     "RendezvousError",
     "SymmetricRegion",
     "rendezvous",
+    "select_handle_type",
 ]
 
 log = logging.getLogger("vmmkv.ipc")
@@ -328,6 +329,42 @@ def _exchange_and_map(
         for _, peer_fds in received.values():
             for fd in peer_fds:
                 os.close(fd)
+
+
+def select_handle_type(device: Any, group: Any = None, *, timeout: float = 60.0) -> tuple[str, str]:
+    """Collective: which shareable handle type the group should use, and why.
+
+    Fabric handles are chosen only when the group spans several hosts AND every rank's probe
+    (device attribute, NVML fabric state, trial ``cuMemCreate``) passes; otherwise POSIX fds,
+    with the reason logged. Same-host groups always use POSIX fds (they reach every peer and
+    need no IMEX channel). Note: this version maps peers over fabric handles nowhere yet, so a
+    multi-host group then falls back to gather-then-insert (see ``DirectUnsupported``).
+    """
+    import torch as _torch
+
+    from ..alloc.cuda import fabric_probe
+
+    comm = StoreComm(group, timeout, tag="probe")
+    dev = _torch.device(device) if not isinstance(device, int) else _torch.device("cuda", device)
+    if dev.type == "cuda" and drv.cuda_usable():
+        ok, why = fabric_probe(dev.index if dev.index is not None else 0)
+    else:
+        ok, why = False, f"{dev} is not a CUDA device"
+    probes = comm.all_gather((socket.gethostname(), ok, why), "fabric probe")
+    hosts = {h for h, _, _ in probes}
+    failing = [f"rank {r}: {w}" for r, (_, o, w) in enumerate(probes) if not o]
+    if len(hosts) > 1 and not failing:
+        choice, reason = "fabric", ""
+    elif len(hosts) == 1:
+        choice, reason = (
+            "posix_fd",
+            "all ranks share one host"
+            + (f" (fabric unavailable anyway: {'; '.join(failing)})" if failing else ""),
+        )
+    else:
+        choice, reason = "posix_fd", "fabric unavailable: " + "; ".join(failing)
+    log.info("vmmkv: handle type %s (%s)", choice, reason or "every rank can use fabric handles")
+    return choice, reason
 
 
 def _ensure_fd_headroom(needed: int) -> None:

@@ -1,0 +1,181 @@
+// Fused KV stores: quantize each token once, write its bytes into every replica.
+//
+// One warp per token (grid-stride over tokens). Byte formats are DESIGN.md's "KV byte formats";
+// vmmkv/ops/reference.py is the pure-torch oracle the GPU tests compare against.
+// Host-side contract (checked by vmmkv/ops/kv.py before launch): bf16 inputs with unit inner
+// stride, 16-byte aligned rows for kv_c / k_pe and 8-byte aligned rows for k, 16-byte aligned
+// ds_mla views and 4-byte aligned indexer views in every region.
+#include "vmmkv_common.cuh"
+
+using namespace vmmkv;
+
+namespace {
+
+enum : unsigned { kFullMask = 0xffffffffu };
+
+__device__ __forceinline__ float warp_max(float v, int width) {
+    // fmaxf ignores NaN operands, so NaN inputs never poison a scale (matches vLLM's reduction)
+    for (int m = width / 2; m > 0; m >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, m));
+    return v;
+}
+
+__device__ __forceinline__ float abs_max8(uint4 v) {
+    float m = 0.0f;
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) m = fmaxf(m, fmaxf(fabsf(bf16_lo(w[j])), fabsf(bf16_hi(w[j]))));
+    return m;
+}
+
+// Eight bf16 (one uint4) divided by `s` -> eight e4m3 bytes (one uint2).
+__device__ __forceinline__ uint2 quantize8(uint4 v, float s) {
+    uint2 q;
+    q.x = e4m3x4(bf16_lo(v.x) / s, bf16_hi(v.x) / s, bf16_lo(v.y) / s, bf16_hi(v.y) / s);
+    q.y = e4m3x4(bf16_lo(v.z) / s, bf16_hi(v.z) / s, bf16_lo(v.w) / s, bf16_hi(v.w) / s);
+    return q;
+}
+
+// fp8_ds_mla: lane l owns kv_c elements [16 l, 16 l + 16) -> entry bytes [16 l, 16 l + 16);
+// lanes 8t..8t+7 form tile t; lanes 0..7 carry k_pe; lane 8 writes the four scales.
+__device__ __forceinline__ void mla_token(const KVDest& dst, const u16* __restrict__ kv_c,
+                                          i64 kv_c_stride, const u16* __restrict__ k_pe,
+                                          i64 k_pe_stride, i64 i, i64 slot, i64 num_local_only,
+                                          int lane) {
+    int o = 0;
+    const i64 block_off = dest_block_offset(dst, slot, lane == 0, &o);
+    if (block_off < 0) return;  // warp-uniform: every lane saw the same slot
+
+    const uint4* src = reinterpret_cast<const uint4*>(kv_c + i * kv_c_stride) + 2 * lane;
+    const uint4 v0 = src[0];
+    const uint4 v1 = src[1];
+    const float amax = warp_max(fmaxf(abs_max8(v0), abs_max8(v1)), 8);
+    const float s = fmaxf(amax / kFp8Max, kFltMin);
+    const uint2 q0 = quantize8(v0, s);
+    const uint2 q1 = quantize8(v1, s);
+    const uint4 q = make_uint4(q0.x, q0.y, q1.x, q1.y);
+
+    const float s0 = __shfl_sync(kFullMask, s, 0);
+    const float s1 = __shfl_sync(kFullMask, s, 8);
+    const float s2 = __shfl_sync(kFullMask, s, 16);
+    const float s3 = __shfl_sync(kFullMask, s, 24);
+    const uint4 scales = make_uint4(f32_bits(s0), f32_bits(s1), f32_bits(s2), f32_bits(s3));
+    uint4 pe = make_uint4(0u, 0u, 0u, 0u);
+    if (lane < 8) pe = reinterpret_cast<const uint4*>(k_pe + i * k_pe_stride)[lane];
+
+    int first, end;
+    dest_range(dst, i, num_local_only, &first, &end);
+    for (int r = first; r < end; ++r) {
+        u8* entry = region_base(dst, r) + block_off + (i64)o * dst.entry_stride;
+        reinterpret_cast<uint4*>(entry)[lane] = q;
+        if (lane < 8) reinterpret_cast<uint4*>(entry + kMlaRopeOffset)[lane] = pe;
+        if (lane == 8) *reinterpret_cast<uint4*>(entry + kMlaScaleOffset) = scales;
+    }
+}
+
+// indexer_k: lane l owns k elements [4 l, 4 l + 4); one scale for the whole 128-wide row.
+// Block layout: fp8 values of token o at o*128, its fp32 scale at block_size*128 + 4*o.
+__device__ __forceinline__ void indexer_token(const KVDest& dst, const u16* __restrict__ k,
+                                              i64 k_stride, i64 i, i64 slot,
+                                              i64 num_local_only, int ue8m0, int lane) {
+    int o = 0;
+    const i64 block_off = dest_block_offset(dst, slot, lane == 0, &o);
+    if (block_off < 0) return;
+
+    const uint2 v = reinterpret_cast<const uint2*>(k + i * k_stride)[lane];
+    const float x0 = bf16_lo(v.x), x1 = bf16_hi(v.x), x2 = bf16_lo(v.y), x3 = bf16_hi(v.y);
+    float amax = fmaxf(fmaxf(fabsf(x0), fabsf(x1)), fmaxf(fabsf(x2), fabsf(x3)));
+    amax = warp_max(amax, 32);
+    float s = fmaxf(amax, kIndexerAmaxFloor) / kFp8Max;
+    if (ue8m0) s = exp2f(ceilf(log2f(s)));
+    const u32 q = e4m3x4(x0 / s, x1 / s, x2 / s, x3 / s);
+
+    int first, end;
+    dest_range(dst, i, num_local_only, &first, &end);
+    const i64 value_off = (i64)o * kIndexerDim + 4 * lane;
+    const i64 scale_off = (i64)dst.block_size * kIndexerDim + 4 * (i64)o;
+    for (int r = first; r < end; ++r) {
+        u8* block = region_base(dst, r) + block_off;
+        *reinterpret_cast<u32*>(block + value_off) = q;
+        if (lane == 0) *reinterpret_cast<float*>(block + scale_off) = s;
+    }
+}
+
+struct TokenLoop {
+    i64 first, step;
+    int lane;
+    __device__ TokenLoop() {
+        const i64 tid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+        first = tid >> 5;
+        step = ((i64)gridDim.x * blockDim.x) >> 5;
+        lane = threadIdx.x & 31;
+    }
+};
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(256)
+vmmkv_store_ds_mla(KVDest dst, const u16* __restrict__ kv_c, i64 kv_c_stride,
+                   const u16* __restrict__ k_pe, i64 k_pe_stride, const void* __restrict__ slots,
+                   int slots_is_64, i64 num_tokens, i64 num_local_only) {
+    const TokenLoop t;
+    for (i64 i = t.first; i < num_tokens; i += t.step) {
+        const i64 slot = load_slot(slots, slots_is_64, i);
+        mla_token(dst, kv_c, kv_c_stride, k_pe, k_pe_stride, i, slot, num_local_only, t.lane);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+vmmkv_store_indexer_k(KVDest dst, const u16* __restrict__ k, i64 k_stride,
+                      const void* __restrict__ slots, int slots_is_64, i64 num_tokens,
+                      i64 num_local_only, int ue8m0) {
+    const TokenLoop t;
+    for (i64 i = t.first; i < num_tokens; i += t.step) {
+        const i64 slot = load_slot(slots, slots_is_64, i);
+        indexer_token(dst, k, k_stride, i, slot, num_local_only, ue8m0, t.lane);
+    }
+}
+
+// Both stores of one attention layer in one launch: same tokens, same slot mapping.
+extern "C" __global__ void __launch_bounds__(256)
+vmmkv_store_layer(KVDest mla, KVDest idx, const u16* __restrict__ kv_c, i64 kv_c_stride,
+                  const u16* __restrict__ k_pe, i64 k_pe_stride, const u16* __restrict__ k,
+                  i64 k_stride, const void* __restrict__ slots, int slots_is_64, i64 num_tokens,
+                  i64 num_local_only, int ue8m0) {
+    const TokenLoop t;
+    for (i64 i = t.first; i < num_tokens; i += t.step) {
+        const i64 slot = load_slot(slots, slots_is_64, i);
+        mla_token(mla, kv_c, kv_c_stride, k_pe, k_pe_stride, i, slot, num_local_only, t.lane);
+        indexer_token(idx, k, k_stride, i, slot, num_local_only, ue8m0, t.lane);
+    }
+}
+
+// Already formatted rows -> entry at block_base + o*entry_stride. `vec16` (decided on the host)
+// says rows, row stride, row bytes and every destination address are 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(256)
+vmmkv_publish_rows(KVDest dst, const u8* __restrict__ rows, i64 row_stride, i64 row_bytes,
+                   const void* __restrict__ slots, int slots_is_64, i64 num_tokens,
+                   i64 num_local_only, int vec16) {
+    const TokenLoop t;
+    for (i64 i = t.first; i < num_tokens; i += t.step) {
+        const i64 slot = load_slot(slots, slots_is_64, i);
+        int o = 0;
+        const i64 block_off = dest_block_offset(dst, slot, t.lane == 0, &o);
+        if (block_off < 0) continue;
+        int first, end;
+        dest_range(dst, i, num_local_only, &first, &end);
+        const u8* src = rows + i * row_stride;
+        const i64 entry_off = block_off + (i64)o * dst.entry_stride;
+        if (vec16) {
+            for (i64 c = t.lane; c < row_bytes / 16; c += 32) {
+                const uint4 v = reinterpret_cast<const uint4*>(src)[c];
+                for (int r = first; r < end; ++r)
+                    reinterpret_cast<uint4*>(region_base(dst, r) + entry_off)[c] = v;
+            }
+        } else {
+            for (i64 c = t.lane; c < row_bytes; c += 32) {
+                const u8 v = src[c];
+                for (int r = first; r < end; ++r) (region_base(dst, r) + entry_off)[c] = v;
+            }
+        }
+    }
+}

@@ -1,0 +1,159 @@
+// Shared device code of the vmmkv kernels: the destination description, slot checks, exact
+// bf16 -> f32 and f32 -> fp8 e4m3 conversions.
+//
+// Compiled by NVRTC (vmmkv/ops/build.py) with -std=c++17 -default-device and no fast-math, so
+// `/` is IEEE division, denormals are kept and math functions are the accurate ones.
+// No standard header is needed; <cuda_fp8.h> is used when build.py found the CUDA headers
+// (it defines VMMKV_HAVE_CUDA_FP8_H), otherwise an equivalent conversion below is used.
+#pragma once
+
+// VMMKV_CVT marks the pure conversions: VMMKV_HOST_TEST makes them callable from host code too,
+// so tests/test_nvrtc.py can check them exhaustively on a CPU (nvcc, host side).
+#if defined(VMMKV_HOST_TEST)
+#define VMMKV_CVT __host__ __device__ inline
+#else
+#define VMMKV_CVT __device__ __forceinline__
+#endif
+#define VMMKV_FN __device__ __forceinline__
+
+#if defined(VMMKV_HAVE_CUDA_FP8_H)
+#include <cuda_fp8.h>
+#endif
+
+namespace vmmkv {
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+// `inline` (external linkage) keeps NVRTC from naming them with a per-compilation hash, so
+// the cubin bytes are deterministic.
+inline constexpr float kFltMin = 0x1p-126f;       // FLT_MIN
+inline constexpr float kFp8Max = 448.0f;          // largest finite e4m3 value
+inline constexpr float kIndexerAmaxFloor = 1e-4f; // same float as vLLM's fmaxf(amax, 1e-4)
+inline constexpr int kMlaEntryBytes = 656;        // 512 fp8 + 4 fp32 scales + 64 bf16
+inline constexpr int kMlaScaleOffset = 512;
+inline constexpr int kMlaRopeOffset = 528;
+inline constexpr int kIndexerDim = 128;
+inline constexpr int kIndexerEntryBytes = 132;    // 128 fp8 + one fp32 scale, split in the block
+
+// Where a layer view lives in every replica. Mirrored byte for byte by vmmkv/ops/launch.py
+// (`KVDestStruct`); 8-byte fields first so that host and device layouts agree without padding.
+struct KVDest {
+    const i64* ptr_table;        // [num_dest] region base addresses (own and mapped peers)
+    const i64* committed_bytes;  // device int64: committed bytes of each region (grows later)
+    int* error_counter;          // device int32: tokens skipped because out of range
+    i64 offset_bytes;            // the view's offset inside each region
+    i64 block_stride;            // bytes between consecutive blocks of the view
+    i64 entry_stride;            // bytes between tokens inside a block (ds_mla, rows)
+    i64 block_extent;            // bytes of a block this kind can touch
+    i64 num_blocks;              // blocks of the view
+    int block_size;              // tokens per block
+    int num_dest;                // entries of ptr_table
+    int my_rank;                 // own entry of ptr_table
+    int reserved;
+};
+static_assert(sizeof(KVDest) == 80, "KVDest layout must match vmmkv/ops/launch.py");
+
+VMMKV_CVT u32 f32_bits(float x) {
+#if defined(__CUDA_ARCH__)
+    return __float_as_uint(x);
+#else
+    u32 u;
+    __builtin_memcpy(&u, &x, 4);
+    return u;
+#endif
+}
+
+VMMKV_CVT float f32_from_bits(u32 u) {
+#if defined(__CUDA_ARCH__)
+    return __uint_as_float(u);
+#else
+    float x;
+    __builtin_memcpy(&x, &u, 4);
+    return x;
+#endif
+}
+
+// bf16 is the upper half of an f32: the widening is exact.
+VMMKV_CVT float bf16_lo(u32 pair) { return f32_from_bits(pair << 16); }
+VMMKV_CVT float bf16_hi(u32 pair) { return f32_from_bits(pair & 0xffff0000u); }
+
+// f32 -> e4m3 (OCP fp8 e4m3fn), round to nearest even, saturating to +-448, NaN -> 0x7f.
+// Bit-exact to cuda_fp8.hpp's __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3) software
+// path (checked on every float of the fp8 range in tests/test_nvrtc.py).
+VMMKV_CVT u32 e4m3_satfinite_soft(float x) {
+    const u32 bits = f32_bits(x);
+    const u32 a = bits & 0x7fffffffu;
+    const u32 sign = (bits >> 24) & 0x80u;
+    if (a > 0x7f800000u) return 0x7fu;              // NaN: canonical, sign dropped
+    if (a >= 0x43e00000u) return sign | 0x7eu;      // |x| >= 448 (inf too): (448, 464] rounds to 448 anyway
+    if (a < 0x3c800000u) {                          // |x| < 2^-6: subnormal grid of 2^-9
+        const float m = rintf(f32_from_bits(a) * 512.0f);  // exact scaling, then RNE to 0..8
+        return sign | (u32)m;                       // 8 is 0x08, the smallest normal
+    }
+    const u32 exponent = (a >> 23) - 120u;          // rebias 127 -> 7
+    const u32 mantissa = (a >> 20) & 7u;
+    const u32 rest = a & 0xfffffu;
+    u32 q = (exponent << 3) | mantissa;
+    if (rest > 0x80000u || (rest == 0x80000u && (mantissa & 1u))) q += 1u;  // carry may bump the exponent
+    return sign | q;
+}
+
+// Two values -> two e4m3 bytes: `lo` in bits 0..7, `hi` in bits 8..15.
+VMMKV_CVT u32 e4m3x2(float lo, float hi) {
+#if defined(VMMKV_HAVE_CUDA_FP8_H) && !defined(VMMKV_HOST_TEST)
+    return (u32)__nv_cvt_float_to_fp8(lo, __NV_SATFINITE, __NV_E4M3) |
+           ((u32)__nv_cvt_float_to_fp8(hi, __NV_SATFINITE, __NV_E4M3) << 8);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    // The instruction cuda_fp8.hpp itself uses on sm_89+: first source -> upper byte.
+    u16 pair;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
+    return (u32)pair;
+#else
+    return e4m3_satfinite_soft(lo) | (e4m3_satfinite_soft(hi) << 8);
+#endif
+}
+
+// Four values (each already divided by its scale) -> four e4m3 bytes, element 0 lowest.
+VMMKV_CVT u32 e4m3x4(float a, float b, float c, float d) {
+    return e4m3x2(a, b) | (e4m3x2(c, d) << 16);
+}
+
+VMMKV_FN i64 load_slot(const void* slots, int slots_is_64, i64 i) {
+    return slots_is_64 ? static_cast<const i64*>(slots)[i] : (i64) static_cast<const int*>(slots)[i];
+}
+
+// Byte offset of the token's block inside every region, or -1 when the token writes nothing:
+// padding (slot < 0) silently, out-of-range or uncommitted blocks counted once by `counter_lane`.
+VMMKV_FN i64 dest_block_offset(const KVDest& d, i64 slot, bool counter_lane, int* offset_in_block) {
+    if (slot < 0) return -1;
+    const i64 block = slot / d.block_size;
+    const i64 off = d.offset_bytes + block * d.block_stride;
+    // block is compared first so that the product above is only used when it cannot overflow
+    if (block >= d.num_blocks || off + d.block_extent > *d.committed_bytes) {
+        if (counter_lane) atomicAdd(d.error_counter, 1);
+        return -1;
+    }
+    *offset_in_block = (int)(slot - block * d.block_size);
+    return off;
+}
+
+// Destinations of token i: the own replica only for the leading `num_local_only` tokens.
+VMMKV_FN void dest_range(const KVDest& d, i64 i, i64 num_local_only, int* first, int* end) {
+    if (i < num_local_only) {
+        *first = d.my_rank;
+        *end = d.my_rank + 1;
+    } else {
+        *first = 0;
+        *end = d.num_dest;
+    }
+}
+
+VMMKV_FN u8* region_base(const KVDest& d, int r) {
+    return reinterpret_cast<u8*>(static_cast<u64>(d.ptr_table[r]));
+}
+
+}  // namespace vmmkv

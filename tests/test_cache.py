@@ -1,0 +1,297 @@
+"""ReplicatedKVCache: direct publication and the gather fallback against a pure-torch oracle.
+
+Each rank holds its own prefill tokens (uneven counts: 13, 64, 1, 0) plus the same replicated
+decode tokens (``num_local_only``); every replica must equal, byte for byte, a CPU copy of the
+poisoned buffer into which the reference inserters wrote every rank's tokens. Guard bytes
+between and around the views are part of the comparison. Host backend in CI; ``gpu`` marker: N
+processes sharing the GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tests.mputil import run_world
+
+BS = 64  # block size
+NB = 6  # blocks per layer view
+MLA, IDX = 656, 132
+LAYER = BS * MLA + BS * IDX  # one layer's MLA block then its indexer block
+LAYERS = 2
+BLOCK_TOTAL = LAYERS * LAYER  # layer-interleaved: block b of every layer is contiguous
+GUARD = 4096
+ROWS = 1152  # a bf16 MLA row, published as-is
+TOKENS = [13, 64, 1, 0]
+DECODE = 3
+
+
+def _gen(seed, shape, dtype):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.rand(shape[0], 1, generator=g).mul(8)
+    x[x.abs() < 1e-3] = 0.5  # random non-zero data
+    return x.to(dtype)
+
+
+def _inputs(rank, world, committed_blocks):
+    """Deterministic per-rank tokens: (kv_c, k_pe, k, rows, slots) for two layers."""
+    import torch
+
+    n = TOKENS[rank % len(TOKENS)] if world > 1 else 13
+    g = torch.Generator().manual_seed(777)
+    perm = torch.randperm(committed_blocks * BS, generator=g)
+    start = sum(TOKENS[r % len(TOKENS)] for r in range(rank)) + DECODE
+    slots = perm[start : start + n].clone()
+    if n >= 4:
+        slots[1] = -1  # padding
+        slots[2] = NB * BS + 5  # beyond the view: counted, never written
+        if committed_blocks < NB:
+            slots[3] = committed_blocks * BS + 1  # an uncommitted block: counted
+    seed = 100 + rank
+    return (
+        _gen(seed, (n + 2, 512), torch.bfloat16),  # inputs longer than slot_mapping
+        _gen(seed + 1, (n + 2, 64), torch.bfloat16),
+        _gen(seed + 2, (n + 2, 128), torch.bfloat16),
+        torch.randint(0, 256, (n + 2, ROWS), generator=g, dtype=torch.uint8),
+        slots,
+    )
+
+
+def _decode(committed_blocks):
+    import torch
+
+    g = torch.Generator().manual_seed(777)
+    slots = torch.randperm(committed_blocks * BS, generator=g)[:DECODE].clone()
+    return (
+        _gen(5, (DECODE, 512), torch.bfloat16),
+        _gen(6, (DECODE, 64), torch.bfloat16),
+        _gen(7, (DECODE, 128), torch.bfloat16),
+        torch.randint(0, 256, (DECODE, ROWS), generator=torch.Generator().manual_seed(8),
+                      dtype=torch.uint8),
+        slots,
+    )  # fmt: skip
+
+
+LAYERS_AT = GUARD + NB * BS * ROWS  # layout: guard | rows view | interleaved layers | guard
+TOTAL = LAYERS_AT + NB * BLOCK_TOTAL + GUARD
+
+
+def _rows_view(buf):
+    return buf[GUARD : GUARD + NB * BS * ROWS].view(NB, BS, ROWS)
+
+
+def _views(buf):
+    """Per layer (mla view, indexer view) of the interleaved layout inside the buffer."""
+    import torch
+
+    u8 = buf.view(torch.uint8)
+    out = []
+    for layer in range(LAYERS):
+        off = LAYERS_AT + layer * LAYER
+        mla = u8.as_strided((NB, BS, MLA), (BLOCK_TOTAL, MLA, 1), u8.storage_offset() + off)
+        idx = u8.as_strided(
+            (NB, BS, IDX), (BLOCK_TOTAL, IDX, 1), u8.storage_offset() + off + BS * MLA
+        )
+        out.append((mla, idx))
+    return out
+
+
+def _oracle(poisoned, world, committed_blocks):
+    """CPU oracle: the reference inserters, every rank's tokens plus the decode tokens."""
+    import torch
+
+    from vmmkv.ops import reference as ref
+
+    want = poisoned.clone()
+    views = _views(want)
+    rows_view = _rows_view(want)
+    batches = [_decode(committed_blocks)] + [
+        _inputs(r, world, committed_blocks) for r in range(world)
+    ]
+    for kv_c, k_pe, k, rows, slots in batches:
+        ok = slots.clone()
+        ok[(ok >= committed_blocks * BS)] = -1  # uncommitted or outside: never written
+        for mla, idx in views:
+            ref.insert_ds_mla(mla, kv_c, k_pe, ok)
+            ref.insert_indexer_k(idx, k, ok)
+        ref.insert_rows(rows_view, rows, slots)  # the rows view is committed in full
+    del torch
+    return want
+
+
+def _expected_errors(rank, world, committed_blocks, mode):
+    """Skipped tokens counted per store: 2 layers x 2 kinds bounded by the committed blocks,
+    plus the rows view bounded by its NB blocks."""
+    ranks = range(world) if mode == "gather" and world > 1 else [rank]
+    n = 0
+    for r in ranks:
+        slots = _inputs(r, world, committed_blocks)[4]
+        n += 4 * int((slots >= committed_blocks * BS).sum()) + int((slots >= NB * BS).sum())
+    return n
+
+
+def _run(rank, world, backend, modes, committed_blocks=NB - 1):
+    import torch
+    import torch.distributed as dist
+
+    from vmmkv import ReplicatedKVCache
+
+    device = "cpu" if backend == "host" else "cuda:0"
+    total = TOTAL
+    chunk = 1 << 21 if backend == "cuda" else 1 << 16
+    cap = -(-total // chunk) * chunk + chunk
+    with ReplicatedKVCache(
+        dist.group.WORLD, cap, device, chunk_bytes=chunk, backend=backend
+    ) as cache:
+        buf = cache.allocate(total).view(torch.uint8)
+        views = _views(buf)
+        # The kernels' bound ends after `committed_blocks` blocks of the interleaved layers
+        # (everything is mapped, so a wrong write would land in poison and be seen).
+        start = buf.data_ptr() - cache.region.region.base_ptr
+        need = start + LAYERS_AT + committed_blocks * BLOCK_TOTAL
+        cache.grow(cap)
+        layer_b = [
+            (cache.bind(f"mla{i}", m, "fp8_ds_mla"), cache.bind(f"idx{i}", x, "indexer_k"))
+            for i, (m, x) in enumerate(views)
+        ]
+        rows_b = cache.bind("rows", _rows_view(buf), "rows")
+        results = {}
+        for mode in modes:
+            g = torch.Generator().manual_seed(rank)
+            poison = torch.randint(1, 256, (buf.numel(),), generator=g, dtype=torch.uint8)
+            buf.copy_(poison.to(buf.device))
+            cache.error_counter.zero_()
+            cache.region.committed_table.fill_(need)
+            dist.barrier()
+            dec = [t.to(device) for t in _decode(committed_blocks)]
+            own = [t.to(device) for t in _inputs(rank, world, committed_blocks)]
+            # decode tokens first (replicated, local only), then this rank's own tokens
+            kv_c, k_pe, k, rows = (torch.cat([d, o]) for d, o in zip(dec[:4], own[:4], strict=True))
+            slots = torch.cat([dec[4], own[4]]).to(torch.int32)
+            m = None if mode == "auto" else mode
+            (mla0, idx0), (mla1, idx1) = layer_b
+            cache.store_layer(mla0, idx0, kv_c, k_pe, k, slots, num_local_only=DECODE, mode=m)
+            cache.store_ds_mla(mla1, kv_c, k_pe, slots, num_local_only=DECODE, mode=m)
+            cache.store_indexer_k(idx1, k, slots, num_local_only=DECODE, mode=m)
+            cache.publish_rows(rows_b, rows, slots, num_local_only=DECODE, mode=m)
+            cache.barrier()
+            if cache.device.type == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            # the poison of every rank differs, so compare against this rank's own oracle
+            want = _oracle(poison, world, committed_blocks)
+            got = buf.cpu()
+            assert torch.equal(got, want), (
+                f"rank {rank} mode {mode}: {(got != want).sum().item()} bytes differ, first at "
+                f"{(got != want).nonzero()[:4].flatten().tolist()}"
+            )
+            errs = int(cache.error_counter.item())
+            eff = "gather" if mode == "gather" or not cache.direct else "direct"
+            assert errs == _expected_errors(rank, world, committed_blocks, eff), (mode, errs)
+            results[mode] = errs
+            dist.barrier()
+        stats = cache.stats()
+        return cache.direct, cache.why_not_direct, results, stats
+
+
+CASES = [
+    pytest.param("host", 2, id="host-2"),
+    pytest.param("host", 4, id="host-4"),
+    pytest.param("cuda", 1, id="cuda-1", marks=pytest.mark.gpu),
+    pytest.param("cuda", 2, id="cuda-2", marks=pytest.mark.gpu),
+    pytest.param("cuda", 4, id="cuda-4", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend,world", CASES)
+def test_direct_and_gather_paths_write_the_oracle_bytes_into_every_replica(backend, world):
+    out = run_world(_run, world, args=(backend, ("direct", "gather")), timeout=150)
+    for direct, why, _, stats in out:
+        assert direct and why == ""
+        assert stats["barriers"] == 2 and stats["tokens_stored"] > 0
+
+
+def _forced_gather(rank, world):
+    import torch.distributed as dist
+
+    from vmmkv import ReplicatedKVCache
+
+    records = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("vmmkv").addHandler(Grab())
+    logging.getLogger("vmmkv").setLevel(logging.INFO)
+    import os
+
+    os.environ["VMMKV_DIRECT"] = "0"
+    with ReplicatedKVCache(dist.group.WORLD, 1 << 20, "cpu", backend="host") as cache:
+        assert not cache.direct
+        why = cache.why_not_direct
+    _run(rank, world, "host", ("auto",))
+    return why, records
+
+
+@pytest.mark.timeout(120)
+def test_vmmkv_direct_0_selects_the_gather_path_and_logs_why():
+    out = run_world(_forced_gather, 2, timeout=100)
+    for why, records in out:
+        assert "VMMKV_DIRECT=0" in why
+        assert any("gather-then-insert fallback" in r and "VMMKV_DIRECT=0" in r for r in records)
+
+
+def _bind_errors(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from vmmkv import ReplicatedKVCache
+
+    msgs = []
+    with ReplicatedKVCache(dist.group.WORLD, 1 << 20, "cpu", backend="host") as cache:
+        buf = cache.allocate(BS * MLA * 2).view(torch.uint8)
+        for call in (
+            lambda: cache.bind("x", torch.zeros(2, BS, MLA, dtype=torch.uint8), "fp8_ds_mla"),
+            lambda: cache.bind("x", buf.view(2, BS, MLA).view(torch.int16), "fp8_ds_mla"),
+            lambda: cache.bind("x", buf[: 2 * BS * 132].view(2, BS, 132), "fp8_ds_mla"),
+            lambda: cache.bind("x", buf.view(2, BS, MLA), "paged"),
+            lambda: cache.allocate(1 << 21),
+            lambda: cache.allocate(0),
+            lambda: cache.grow(1 << 22),
+        ):
+            try:
+                call()
+            except (ValueError, TypeError) as exc:
+                msgs.append(f"{type(exc).__name__}: {exc}")
+            else:
+                msgs.append("no error")
+    return msgs
+
+
+@pytest.mark.timeout(60)
+def test_bind_and_allocate_reject_bad_views_sizes_and_kinds_with_clear_errors():
+    msgs = run_world(_bind_errors, 1, timeout=50)[0]
+    assert "outside" in msgs[0] and "allocate()" in msgs[0]
+    assert msgs[1].startswith("TypeError") and "uint8 or int8" in msgs[1]
+    assert "656" in msgs[2]
+    assert "kind must be one of" in msgs[3]
+    assert "exceed the capacity" in msgs[4]
+    assert "nbytes must be" in msgs[5]
+    assert "outside" in msgs[6]
+
+
+def test_vmmkv_direct_values_are_validated(monkeypatch):
+    from vmmkv.cache import resolve_direct
+
+    monkeypatch.setenv("VMMKV_DIRECT", "sometimes")
+    with pytest.raises(ValueError, match="VMMKV_DIRECT"):
+        resolve_direct(None)
+    monkeypatch.setenv("VMMKV_DIRECT", "1")
+    assert resolve_direct(None) == "1" and resolve_direct(False) == "0"
+    monkeypatch.delenv("VMMKV_DIRECT")
+    assert resolve_direct(None) == "auto"

@@ -1,0 +1,78 @@
+"""The command line: demo, doctor, bench, and the engine example, as a newcomer runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vmmkv.alloc import driver
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.timeout(300)
+def test_demo_runs_to_success_on_the_host_backend_with_two_processes():
+    p = _run("-m", "vmmkv", "demo", "--backend", "host", "--world", "2", "--blocks", "8")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "PASS: every replica byte-identical to the oracle" in p.stdout
+    assert "backend            host" in p.stdout and "direct publication" in p.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(driver.cuda_usable(), reason="checks the CPU-only report")
+def test_doctor_on_a_cpu_only_machine_reports_host_backend_only_and_succeeds():
+    p = _run("-m", "vmmkv", "doctor")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "host backend only" in p.stdout and "so_peercred" in p.stdout
+
+
+@pytest.mark.timeout(300)
+def test_bench_quick_on_the_host_backend_writes_json_and_a_png(tmp_path):
+    p = _run("-m", "vmmkv", "bench", "--quick", "--backend", "host", "--out", str(tmp_path))
+    assert p.returncode == 0, p.stdout + p.stderr
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["tokens_per_rank"] for r in data["rows"]] == [1, 32, 512, 2048]
+    assert all(r["direct_us"] > 0 and r["gather_us"] > 0 for r in data["rows"])
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_commands_fail_with_usage():
+    p = _run("-m", "vmmkv", "frobnicate")
+    assert p.returncode == 2 and "usage" in p.stderr
+
+
+@pytest.mark.timeout(300)
+def test_engine_allocator_example_runs():
+    p = _run("examples/engine_allocator.py")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "engine example: OK" in p.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(400)
+def test_demo_runs_to_success_on_the_gpu():
+    p = _run("-m", "vmmkv", "demo", timeout=380)
+    print(p.stdout)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "PASS: every replica byte-identical to the oracle" in p.stdout
+    assert "backend            cuda" in p.stdout and "grown after CUDA-graph capture" in p.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_doctor_on_the_gpu_reports_vmm_and_a_verdict():
+    p = _run("-m", "vmmkv", "doctor")
+    print(p.stdout)
+    assert "vmm" in p.stdout and "verdict:" in p.stdout and "fabric" in p.stdout
+    assert p.returncode == (0 if "can work here" in p.stdout else 1)

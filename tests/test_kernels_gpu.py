@@ -1,0 +1,801 @@
+"""The CUDA stores and the barrier, byte for byte against vmmkv.ops.reference.
+
+GPU tests (marker ``gpu``) run in one process on one device: "replicas" are separate torch
+allocations, each a packed region between two 4096-byte guards of 0xA5, so that one process
+plays every rank's memory. Regions are poisoned with random non-zero bytes before every run; the
+expected buffers are the poisoned bytes with the reference inserters applied on the CPU.
+The first tests (no marker) check argument validation on CPU tensors: it happens before any
+launch, so it needs no GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from vmmkv.ops import reference as R
+from vmmkv.ops.barrier import DeviceBarrier
+from vmmkv.ops.kv import KVTarget, publish_rows, store_ds_mla, store_indexer_k, store_layer
+from vmmkv.ops.launch import warm_up
+from vmmkv.ops.testing import requires_gpu
+
+GUARD = 4096
+GUARD_BYTE = 0xA5
+BS = 64
+MLA = 656
+IDX = 132
+REPO = Path(__file__).resolve().parents[1]
+
+# ---------------------------------------------------------------------------------------------
+# Validation (CPU tensors: everything is rejected before a launch is attempted)
+
+
+def _cpu_target(kind: str = "fp8_ds_mla", **over) -> KVTarget:
+    nb = 4
+    geometry = {
+        "indexer_k": (BS * IDX, IDX, IDX, (nb, BS * IDX)),
+        "rows": (BS * 112, 112, 100, (nb, BS, 112)),
+    }.get(kind, (BS * MLA, MLA, MLA, (nb, BS, MLA)))
+    fields = dict(
+        kind=kind,
+        ptr_table=torch.zeros(2, dtype=torch.int64),
+        my_rank=0,
+        offset_bytes=0,
+        num_blocks=nb,
+        block_size=BS,
+        block_stride=geometry[0],
+        entry_stride=geometry[1],
+        entry_bytes=geometry[2],
+        committed_bytes=torch.zeros(1, dtype=torch.int64),
+        error_counter=torch.zeros(1, dtype=torch.int32),
+        cache=torch.zeros(geometry[3], dtype=torch.uint8),
+    )
+    fields.update(over)
+    return KVTarget(**fields)
+
+
+def _bf16(*shape) -> torch.Tensor:
+    return torch.ones(*shape, dtype=torch.bfloat16)
+
+
+SLOTS = torch.arange(4, dtype=torch.int64)
+
+
+def test_stores_reject_fp16_inputs_with_a_type_error():
+    with pytest.raises(TypeError, match="float16"):
+        store_ds_mla(_cpu_target(), torch.ones(4, 512, dtype=torch.float16), _bf16(4, 64), SLOTS)
+    with pytest.raises(TypeError, match="float16"):
+        store_indexer_k(_cpu_target("indexer_k"), torch.ones(4, 128, dtype=torch.float16), SLOTS)
+
+
+def test_stores_reject_wrong_widths_naming_the_expected_shape():
+    with pytest.raises(ValueError, match=r"kv_c must have shape \[T, 512\], got \[4, 576\]"):
+        store_ds_mla(_cpu_target(), _bf16(4, 576), _bf16(4, 64), SLOTS)
+    with pytest.raises(ValueError, match=r"k must have shape \[T, 128\]"):
+        store_indexer_k(_cpu_target("indexer_k"), _bf16(4, 64), SLOTS)
+    with pytest.raises(ValueError, match=r"rows must have shape \[T, 100\]"):
+        publish_rows(_cpu_target("rows"), torch.zeros(4, 99, dtype=torch.uint8), SLOTS)
+
+
+def test_stores_reject_a_target_of_another_kind():
+    with pytest.raises(ValueError, match="'fp8_ds_mla' target, got kind 'indexer_k'"):
+        store_ds_mla(_cpu_target("indexer_k"), _bf16(4, 512), _bf16(4, 64), SLOTS)
+    with pytest.raises(TypeError, match="KVTarget"):
+        store_indexer_k(object(), _bf16(4, 128), SLOTS)
+
+
+def test_stores_reject_float_and_2d_slot_mappings():
+    with pytest.raises(TypeError, match="int32 or int64, got torch.float32"):
+        store_ds_mla(_cpu_target(), _bf16(4, 512), _bf16(4, 64), torch.zeros(4))
+    with pytest.raises(ValueError, match="1-D"):
+        store_ds_mla(
+            _cpu_target(), _bf16(4, 512), _bf16(4, 64), torch.zeros(2, 2, dtype=torch.int64)
+        )
+
+
+def test_stores_reject_inputs_shorter_than_the_slot_mapping():
+    with pytest.raises(ValueError, match="k_pe has 3 tokens, fewer than slot_mapping's 4"):
+        store_ds_mla(_cpu_target(), _bf16(4, 512), _bf16(3, 64), SLOTS)
+
+
+@pytest.mark.parametrize("nlo", [-1, 5])
+def test_stores_reject_num_local_only_outside_0_to_t(nlo):
+    with pytest.raises(ValueError, match=rf"num_local_only must be in \[0, 4\], got {nlo}"):
+        store_ds_mla(_cpu_target(), _bf16(4, 512), _bf16(4, 64), SLOTS, num_local_only=nlo)
+
+
+def test_stores_on_cpu_tensors_are_rejected_before_launching():
+    with pytest.raises(ValueError, match="CUDA device"):
+        store_ds_mla(_cpu_target(), _bf16(4, 512), _bf16(4, 64), SLOTS)
+
+
+def test_store_layer_needs_an_mla_and_an_indexer_target():
+    with pytest.raises(ValueError, match="idx_target must be a 'indexer_k' target"):
+        store_layer(_cpu_target(), _cpu_target(), _bf16(4, 512), _bf16(4, 64), _bf16(4, 128), SLOTS)
+
+
+@pytest.mark.parametrize(
+    ("over", "error", "match"),
+    [
+        ({"kind": "fp8"}, ValueError, "kind must be one of"),
+        ({"my_rank": 2}, ValueError, r"my_rank must be in \[0, 1\], got 2"),
+        ({"block_stride": BS * MLA - 16}, ValueError, "blocks would overlap"),
+        ({"offset_bytes": 8}, ValueError, "offset_bytes of a fp8_ds_mla view must be a multiple of 16"),
+        ({"entry_stride": 664, "block_stride": BS * 664}, ValueError, "entry_stride of a fp8_ds_mla"),
+        ({"entry_bytes": 576}, ValueError, "must be 656, got 576"),
+        ({"committed_bytes": torch.zeros(1, dtype=torch.int32)}, ValueError, "committed_bytes must be an int64"),
+        ({"error_counter": torch.zeros(2, dtype=torch.int32)}, ValueError, "error_counter must be an int32 tensor of 1"),
+        ({"cache": torch.zeros(4, dtype=torch.int8)}, TypeError, "cache must be a uint8 tensor"),
+        ({"ptr_table": torch.zeros(2, dtype=torch.int32)}, ValueError, "ptr_table must be"),
+        ({"num_blocks": 1.5}, TypeError, "num_blocks must be an int"),
+    ],
+)  # fmt: skip
+def test_targets_are_validated_when_built(over, error, match):
+    with pytest.raises(error, match=match):
+        _cpu_target(**over)
+
+
+def test_the_custom_ops_declare_what_they_mutate():
+    import vmmkv.ops  # noqa: F401  (registers the ops)
+
+    schema = str(torch.ops.vmmkv.store_ds_mla.default._schema)
+    assert "Tensor(a0!) cache" in schema and "Tensor(a1!) error_counter" in schema
+    schema = str(torch.ops.vmmkv.barrier.default._schema)
+    assert "Tensor(a0!) epochs" in schema and "Tensor(a1!)[] fence" in schema
+    for op in ("store_indexer_k", "store_layer", "publish_rows"):
+        assert "!" in str(getattr(torch.ops.vmmkv, op).default._schema)
+
+
+def test_barrier_arguments_are_validated():
+    table = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="CUDA device"):
+        DeviceBarrier(table, None, rank=0, world=2, lanes=1, device="cpu")
+    with pytest.raises(ValueError, match=r"rank must be an int in \[0, 2\), got 2"):
+        DeviceBarrier(table, None, rank=2, world=2, lanes=1, device="cuda:0")
+    with pytest.raises(ValueError, match="timeout_s"):
+        DeviceBarrier(table, None, rank=0, world=2, lanes=1, device="cuda:0", timeout_s=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU helpers
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one layer's MLA and Indexer views sit inside a region."""
+
+    num_blocks: int
+    mla_offset: int
+    mla_stride: int
+    idx_offset: int
+    idx_stride: int
+    region_bytes: int
+
+
+def packed(num_blocks: int) -> Layout:
+    mla = num_blocks * BS * MLA
+    return Layout(num_blocks, 0, BS * MLA, mla, BS * IDX, mla + num_blocks * BS * IDX)
+
+
+def interleaved(num_blocks: int, layers: int = 3, layer: int = 1) -> Layout:
+    per_layer = BS * (MLA + IDX)
+    stride = layers * per_layer
+    return Layout(
+        num_blocks, layer * per_layer, stride, layer * per_layer + BS * MLA, stride,
+        num_blocks * stride,
+    )  # fmt: skip
+
+
+def mla_view(region: torch.Tensor, lay: Layout) -> torch.Tensor:
+    return region.as_strided(
+        (lay.num_blocks, BS, MLA),
+        (lay.mla_stride, MLA, 1),
+        region.storage_offset() + lay.mla_offset,
+    )
+
+
+def idx_view(region: torch.Tensor, lay: Layout) -> torch.Tensor:
+    return region.as_strided(
+        (lay.num_blocks, BS * IDX), (lay.idx_stride, 1), region.storage_offset() + lay.idx_offset
+    )
+
+
+class Replicas:
+    """``n`` simulated replicas: separate allocations, each [guard | region | guard]."""
+
+    def __init__(self, n: int, region_bytes: int, device: torch.device):
+        self.region_bytes = region_bytes
+        self.bufs = [
+            torch.empty(region_bytes + 2 * GUARD, dtype=torch.uint8, device=device)
+            for _ in range(n)
+        ]
+        self.regions = [b[GUARD : GUARD + region_bytes] for b in self.bufs]
+        self.ptr_table = torch.tensor(
+            [r.data_ptr() for r in self.regions], dtype=torch.int64, device=device
+        )
+        self.committed = torch.tensor([region_bytes], dtype=torch.int64, device=device)
+
+    def poison(self, seed: int) -> list[torch.Tensor]:
+        """Fill guards with 0xA5 and regions with random non-zero bytes; return CPU copies."""
+        g = torch.Generator().manual_seed(seed)
+        for b in self.bufs:
+            host = torch.full((b.numel(),), GUARD_BYTE, dtype=torch.uint8)
+            host[GUARD : GUARD + self.region_bytes] = torch.randint(
+                1, 256, (self.region_bytes,), generator=g, dtype=torch.uint8
+            )
+            b.copy_(host)
+        torch.cuda.synchronize()
+        return [b.cpu() for b in self.bufs]
+
+    def assert_equal(self, expected: list[torch.Tensor]) -> None:
+        torch.cuda.synchronize()
+        for r, (got, want) in enumerate(zip(self.bufs, expected, strict=True)):
+            got = got.cpu()
+            assert (got[:GUARD] == GUARD_BYTE).all() and (got[-GUARD:] == GUARD_BYTE).all(), r
+            if not torch.equal(got, want):
+                diff = (got != want).nonzero().flatten()
+                first = int(diff[0]) - GUARD
+                raise AssertionError(
+                    f"replica {r}: {diff.numel()} bytes differ, first at region offset {first}: "
+                    f"got {got[diff[:8]].tolist()} want {want[diff[:8]].tolist()}"
+                )
+
+
+def targets(rep: Replicas, lay: Layout, my_rank: int) -> tuple[KVTarget, KVTarget]:
+    dev = rep.ptr_table.device
+    region = rep.regions[my_rank]
+    mla = KVTarget(
+        "fp8_ds_mla", rep.ptr_table, my_rank, lay.mla_offset, lay.num_blocks, BS, lay.mla_stride,
+        MLA, MLA, rep.committed, torch.zeros(1, dtype=torch.int32, device=dev),
+        mla_view(region, lay),
+    )  # fmt: skip
+    idx = KVTarget(
+        "indexer_k", rep.ptr_table, my_rank, lay.idx_offset, lay.num_blocks, BS, lay.idx_stride,
+        IDX, IDX, rep.committed, torch.zeros(1, dtype=torch.int32, device=dev),
+        idx_view(region, lay),
+    )  # fmt: skip
+    return mla, idx
+
+
+def _bf16_bits(bits: list[int]) -> torch.Tensor:
+    return torch.tensor([b - 0x10000 if b >= 0x8000 else b for b in bits], dtype=torch.int16).view(
+        torch.bfloat16
+    )
+
+
+def make_inputs(tokens: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kv_c [T,512] and k_pe [T,64] as views of one [T,576] tensor (as engines pass them), and
+    k [T,128]: random non-zero bf16 at per-tile magnitudes 1e-3..1e3, plus extreme rows."""
+    g = torch.Generator().manual_seed(seed)
+    mag = 10 ** (torch.rand(tokens, 5, 1, generator=g) * 6 - 3)
+    x = (torch.randn(tokens, 5, 128, generator=g) * mag).reshape(tokens, 640)
+    x[0, 0:128] = 0.0  # a zero tile: scale FLT_MIN
+    x[0, 130] = -0.0
+    x[1, 128:256] = _bf16_bits(list(range(1, 129))).float()  # bf16 subnormals only
+    x[2, 256], x[2, 257] = 3.0e38, -2.5e38  # near the bf16 maximum
+    x[3, :] *= 1e-36  # normal and subnormal values, fp8 subnormal outputs
+    x[4, 384:512] = torch.tensor([56.0, -28.0, 7.0, 3.5] * 32)  # tile amax 448 * 2^-3 exactly
+    x[5, 512:640] = torch.tensor([56.0, -0.5] * 64)  # indexer: ue8m0 scale exactly 2^-3
+    x[6, 512:640] = 0.0  # indexer: amax floor 1e-4
+    x[7, 512:640] = torch.tensor([56.25, 1.0] * 64)  # indexer: the bf16 above 56 -> 2^-2
+    x[8, 512:640] *= 1e-38  # indexer: subnormal inputs
+    x[9, 512] = 3.0e38
+    x = x.bfloat16()
+    both = torch.empty(tokens, 576, dtype=torch.bfloat16)
+    both[:, :512] = x[:, :512]
+    both[:, 512:] = (torch.randn(tokens, 64, generator=g) * 3).bfloat16()
+    both = both.to(device)
+    return both[:, :512], both[:, 512:], x[:, 512:].contiguous().to(device)
+
+
+def make_slots(tokens: int, num_blocks: int, seed: int, dtype, padded=(3, 17), oob=(5, 40)):
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(num_blocks * BS, generator=g)[:tokens].to(torch.int64)
+    for i in padded:
+        slots[i] = -1
+    for j, i in enumerate(oob):
+        slots[i] = num_blocks * BS + j * 1000  # the first slot past the end, and far past it
+    return slots.to(dtype)
+
+
+def expect_mla(exp, lay, my_rank, kv_c, k_pe, slots, nlo=0, first_uncommitted_block=None):
+    """Apply the reference insert to the CPU copies ``exp`` as the kernel should."""
+    s = slots.cpu().long().clone()
+    if first_uncommitted_block is not None:
+        s[s >= first_uncommitted_block * BS] = -1
+    for r, buf in enumerate(exp):
+        start = 0 if r == my_rank else nlo
+        region = buf[GUARD:-GUARD]
+        R.insert_ds_mla(mla_view(region, lay), kv_c.cpu()[start:], k_pe.cpu()[start:], s[start:])
+
+
+def expect_idx(exp, lay, my_rank, k, slots, nlo=0, ue8m0=True, first_uncommitted_block=None):
+    s = slots.cpu().long().clone()
+    if first_uncommitted_block is not None:
+        s[s >= first_uncommitted_block * BS] = -1
+    for r, buf in enumerate(exp):
+        start = 0 if r == my_rank else nlo
+        R.insert_indexer_k(idx_view(buf[GUARD:-GUARD], lay), k.cpu()[start:], s[start:], ue8m0)
+
+
+def n_out_of_range(slots: torch.Tensor, num_blocks: int) -> int:
+    return int((slots.cpu() >= num_blocks * BS).sum())
+
+
+@pytest.fixture
+def dev():
+    d = torch.device("cuda", torch.cuda.current_device())
+    warm_up(d)
+    return d
+
+
+LAYOUTS = {"packed": packed(6), "interleaved": interleaved(6)}
+
+# ---------------------------------------------------------------------------------------------
+# Stores
+
+
+@requires_gpu
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_store_ds_mla_writes_reference_bytes_into_every_replica(dev, layout, slot_dtype):
+    lay = LAYOUTS[layout]
+    rep = Replicas(3, lay.region_bytes, dev)
+    mla, _ = targets(rep, lay, my_rank=1)
+    kv_c, k_pe, _ = make_inputs(200, seed=1, device=dev)
+    slots = make_slots(190, lay.num_blocks, seed=2, dtype=slot_dtype).to(dev)  # inputs longer
+    exp = rep.poison(3)
+    store_ds_mla(mla, kv_c, k_pe, slots)
+    expect_mla(exp, lay, 1, kv_c, k_pe, slots)
+    rep.assert_equal(exp)
+    assert mla.error_counter.item() == n_out_of_range(slots, lay.num_blocks) == 2
+
+
+@requires_gpu
+@pytest.mark.parametrize("ue8m0", [True, False])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_store_indexer_k_writes_the_split_block_layout_into_every_replica(dev, layout, ue8m0):
+    lay = LAYOUTS[layout]
+    rep = Replicas(3, lay.region_bytes, dev)
+    _, idx = targets(rep, lay, my_rank=2)
+    _, _, k = make_inputs(200, seed=4, device=dev)
+    slots = make_slots(195, lay.num_blocks, seed=5, dtype=torch.int64).to(dev)
+    exp = rep.poison(6)
+    store_indexer_k(idx, k, slots, ue8m0=ue8m0)
+    expect_idx(exp, lay, 2, k, slots, ue8m0=ue8m0)
+    rep.assert_equal(exp)
+    assert idx.error_counter.item() == 2
+
+
+@requires_gpu
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_store_layer_writes_both_views_in_one_launch(dev, slot_dtype):
+    lay = interleaved(5)
+    rep = Replicas(2, lay.region_bytes, dev)
+    mla, idx = targets(rep, lay, my_rank=0)
+    kv_c, k_pe, k = make_inputs(150, seed=7, device=dev)
+    slots = make_slots(150, lay.num_blocks, seed=8, dtype=slot_dtype).to(dev)
+    exp = rep.poison(9)
+    store_layer(mla, idx, kv_c, k_pe, k, slots)
+    expect_mla(exp, lay, 0, kv_c, k_pe, slots)
+    expect_idx(exp, lay, 0, k, slots)
+    rep.assert_equal(exp)
+    assert mla.error_counter.item() == idx.error_counter.item() == 2
+
+
+@requires_gpu
+def test_num_local_only_leading_tokens_reach_only_the_own_replica(dev):
+    lay = packed(6)
+    rep = Replicas(3, lay.region_bytes, dev)
+    mla, idx = targets(rep, lay, my_rank=1)
+    kv_c, k_pe, k = make_inputs(180, seed=10, device=dev)
+    slots = make_slots(180, lay.num_blocks, seed=11, dtype=torch.int64).to(dev)
+    exp = rep.poison(12)
+    store_layer(mla, idx, kv_c, k_pe, k, slots, num_local_only=37)
+    expect_mla(exp, lay, 1, kv_c, k_pe, slots, nlo=37)
+    expect_idx(exp, lay, 1, k, slots, nlo=37)
+    rep.assert_equal(exp)
+    exp = rep.poison(13)
+    store_ds_mla(mla, kv_c, k_pe, slots, num_local_only=180)  # all local
+    expect_mla(exp, lay, 1, kv_c, k_pe, slots, nlo=180)
+    rep.assert_equal(exp)
+
+
+@requires_gpu
+@pytest.mark.parametrize("vec16", [True, False])
+def test_publish_rows_copies_rows_on_the_vector_and_the_byte_path(dev, vec16):
+    width, entry_stride, offset = (656, 672, 4096) if vec16 else (100, 103, 4101)
+    nb = 5
+    region_bytes = offset + nb * BS * entry_stride + 64
+    rep = Replicas(3, region_bytes, dev)
+    views = [
+        r.as_strided(
+            (nb, BS, width), (BS * entry_stride, entry_stride, 1), r.storage_offset() + offset
+        )
+        for r in rep.regions
+    ]
+    target = KVTarget(
+        "rows", rep.ptr_table, 0, offset, nb, BS, BS * entry_stride, entry_stride, width,
+        rep.committed, torch.zeros(1, dtype=torch.int32, device=dev), views[0],
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(14)
+    rows = torch.randint(0, 256, (150, width), generator=g, dtype=torch.uint8).to(dev)
+    slots = make_slots(140, nb, seed=15, dtype=torch.int32).to(dev)
+    exp = rep.poison(16)
+    publish_rows(target, rows, slots, num_local_only=9)
+    for r, buf in enumerate(exp):
+        start = 0 if r == 0 else 9
+        region = buf[GUARD:-GUARD]
+        view = region.as_strided(
+            (nb, BS, width), (BS * entry_stride, entry_stride, 1), GUARD + offset
+        )
+        R.insert_rows(view, rows.cpu()[start:], slots.cpu()[start:])
+    rep.assert_equal(exp)
+    assert target.error_counter.item() == 2
+
+
+@requires_gpu
+def test_negative_and_out_of_range_slots_write_nothing_and_are_counted_exactly(dev):
+    lay = packed(4)
+    rep = Replicas(2, lay.region_bytes, dev)
+    mla, idx = targets(rep, lay, my_rank=0)
+    kv_c, k_pe, k = make_inputs(16, seed=17, device=dev)
+    end = lay.num_blocks * BS
+    for dtype, huge in ((torch.int32, 2**31 - 1), (torch.int64, 2**62)):
+        slots = torch.tensor([-1, end, -5, end + 1, huge, -(2**30), end * 7, -1], dtype=dtype)
+        exp = rep.poison(18)
+        mla.error_counter.zero_()
+        idx.error_counter.zero_()
+        store_layer(mla, idx, kv_c, k_pe, k, slots.to(dev))
+        rep.assert_equal(exp)
+        assert mla.error_counter.item() == idx.error_counter.item() == 4
+
+
+@requires_gpu
+def test_blocks_beyond_committed_bytes_are_skipped_counted_and_written_after_growth(dev):
+    lay = packed(6)
+    rep = Replicas(2, lay.region_bytes, dev)
+    mla, idx = targets(rep, lay, my_rank=0)
+    kv_c, k_pe, k = make_inputs(200, seed=19, device=dev)
+    slots = make_slots(200, lay.num_blocks, seed=20, dtype=torch.int64).to(dev)
+    # MLA blocks 0..2 fit (block 2 ends exactly at the limit), 3.. do not; the indexer view
+    # lies entirely beyond the limit
+    rep.committed.fill_(lay.mla_offset + 3 * lay.mla_stride)
+    exp = rep.poison(21)
+    store_layer(mla, idx, kv_c, k_pe, k, slots)
+    expect_mla(exp, lay, 0, kv_c, k_pe, slots, first_uncommitted_block=3)
+    rep.assert_equal(exp)
+    s = slots.cpu()
+    valid = s >= 0
+    assert mla.error_counter.item() == int((valid & (s >= 3 * BS)).sum())
+    assert idx.error_counter.item() == int(valid.sum())
+
+    rep.committed.fill_(lay.region_bytes)  # the cache grew: same targets, same launch arguments
+    mla.error_counter.zero_()
+    idx.error_counter.zero_()
+    exp = rep.poison(22)
+    store_layer(mla, idx, kv_c, k_pe, k, slots)
+    expect_mla(exp, lay, 0, kv_c, k_pe, slots)
+    expect_idx(exp, lay, 0, k, slots)
+    rep.assert_equal(exp)
+    assert mla.error_counter.item() == idx.error_counter.item() == 2
+
+
+@requires_gpu
+def test_misaligned_inputs_are_rejected_before_launch(dev):
+    lay = packed(2)
+    rep = Replicas(1, lay.region_bytes, dev)
+    mla, idx = targets(rep, lay, my_rank=0)
+    raw = torch.zeros(4, 584, dtype=torch.bfloat16, device=dev)
+    kv_c, k_pe = raw[:, 4:516], raw[:, 516:580]  # 8-byte offset
+    slots = torch.zeros(4, dtype=torch.int64, device=dev)
+    with pytest.raises(ValueError, match="kv_c rows must be 16-byte aligned"):
+        store_ds_mla(mla, kv_c, k_pe, slots)
+    with pytest.raises(ValueError, match="k rows must be 8-byte aligned"):
+        store_indexer_k(idx, raw[:, 2:130], slots)
+
+
+@requires_gpu
+def test_reference_gives_the_same_bytes_on_cuda_and_cpu(dev):
+    kv_c, k_pe, k = make_inputs(64, seed=23, device=dev)
+    assert torch.equal(
+        R.quantize_ds_mla(kv_c, k_pe).cpu(), R.quantize_ds_mla(kv_c.cpu(), k_pe.cpu())
+    )
+    for ue8m0 in (True, False):
+        v_gpu, s_gpu = R.quantize_indexer_k(k, ue8m0)
+        v_cpu, s_cpu = R.quantize_indexer_k(k.cpu(), ue8m0)
+        assert torch.equal(v_gpu.cpu(), v_cpu) and torch.equal(s_gpu.cpu(), s_cpu)
+
+
+@requires_gpu
+def test_nonfinite_inputs_give_the_reference_bytes(dev):
+    lay = packed(2)
+    rep = Replicas(1, lay.region_bytes, dev)
+    mla, idx = targets(rep, lay, my_rank=0)
+    kv_c, k_pe, k = make_inputs(16, seed=24, device=dev)
+    kv_c[0, 3] = float("nan")
+    kv_c[1, 200] = float("inf")
+    kv_c[2, 300] = -float("inf")
+    k[3, 7] = float("nan")
+    k[4, 9] = -float("inf")
+    slots = torch.arange(16, dtype=torch.int64, device=dev)
+    exp = rep.poison(25)
+    store_layer(mla, idx, kv_c, k_pe, k, slots)
+    expect_mla(exp, lay, 0, kv_c, k_pe, slots)
+    expect_idx(exp, lay, 0, k, slots)
+    rep.assert_equal(exp)
+
+
+@requires_gpu
+def test_custom_ops_run_eagerly_and_refuse_a_copied_cache(dev):
+    lay = packed(3)
+    rep = Replicas(2, lay.region_bytes, dev)
+    mla, _ = targets(rep, lay, my_rank=1)
+    kv_c, k_pe, _ = make_inputs(60, seed=26, device=dev)
+    slots = make_slots(60, lay.num_blocks, seed=27, dtype=torch.int64).to(dev)
+    exp = rep.poison(28)
+    args = (mla.error_counter, mla.ptr_table, mla.committed_bytes, kv_c, k_pe, slots, mla._layout())
+    torch.ops.vmmkv.store_ds_mla(mla.cache, *args, 5)
+    expect_mla(exp, lay, 1, kv_c, k_pe, slots, nlo=5)
+    rep.assert_equal(exp)
+    with pytest.raises(RuntimeError, match="replaced the mutated cache by a copy"):
+        torch.ops.vmmkv.store_ds_mla(mla.cache.clone(), *args, 5)
+
+
+@requires_gpu
+def test_the_build_without_cuda_headers_gives_the_same_bytes(dev, tmp_path):
+    script = textwrap.dedent(
+        """
+        import torch
+        from vmmkv.ops import build
+        from tests.test_kernels_gpu import (
+            Replicas, expect_idx, expect_mla, make_inputs, make_slots, packed, targets,
+        )
+        from vmmkv.ops.kv import store_layer
+
+        assert build.cuda_include_dir() is None
+        dev = torch.device("cuda", 0)
+        lay = packed(4)
+        rep = Replicas(2, lay.region_bytes, dev)
+        mla, idx = targets(rep, lay, my_rank=0)
+        kv_c, k_pe, k = make_inputs(200, seed=29, device=dev)
+        slots = make_slots(200, lay.num_blocks, seed=30, dtype=torch.int64).to(dev)
+        exp = rep.poison(31)
+        store_layer(mla, idx, kv_c, k_pe, k, slots)
+        expect_mla(exp, lay, 0, kv_c, k_pe, slots)
+        expect_idx(exp, lay, 0, k, slots)
+        rep.assert_equal(exp)
+        print("BUILTIN-CONVERSION-OK")
+        """
+    )
+    env = dict(os.environ, VMMKV_CUDA_INCLUDE="none", PYTHONPATH=_pythonpath())
+    env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", str(dev.index))
+    run = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0 and "BUILTIN-CONVERSION-OK" in run.stdout, run.stdout + run.stderr
+
+
+def _pythonpath() -> str:
+    return os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA graphs
+
+
+@requires_gpu
+def test_captured_stores_and_barrier_replay_byte_exact_and_follow_committed_growth(dev):
+    lay = interleaved(5)
+    rep = Replicas(1, lay.region_bytes, dev)
+    mla, idx = targets(rep, lay, my_rank=0)
+    sig = torch.zeros(2 * 2 * 1, dtype=torch.int32, device=dev)
+    sig_table = torch.tensor([sig.data_ptr()], dtype=torch.int64, device=dev)
+    bar = DeviceBarrier(sig_table, None, rank=0, world=1, lanes=2, device=dev)
+    kv_c, k_pe, k = (t.clone() for t in make_inputs(120, seed=32, device=dev))
+    slots = make_slots(120, lay.num_blocks, seed=33, dtype=torch.int64).to(dev)
+    kv_c2, k_pe2, _ = (t.clone() for t in make_inputs(30, seed=34, device=dev))
+    slots2 = torch.zeros(30, dtype=torch.int32, device=dev)
+
+    bar.arrive_and_wait(0)  # loads the kernels; epochs now [1, 0]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        store_layer(mla, idx, kv_c, k_pe, k, slots)
+        bar.arrive_and_wait(0)
+        torch.ops.vmmkv.store_ds_mla(
+            mla.cache, mla.error_counter, mla.ptr_table, mla.committed_bytes, kv_c2, k_pe2,
+            slots2, mla._layout(), 0,
+        )  # fmt: skip
+        bar.arrive_and_wait(1)
+
+    for round_, limit in enumerate([None, 2, None]):
+        fresh = make_inputs(120, seed=40 + round_, device=dev)
+        for static, new in zip((kv_c, k_pe, k), fresh, strict=True):
+            static.copy_(new)
+        slots.copy_(make_slots(120, lay.num_blocks, seed=50 + round_, dtype=torch.int64))
+        extra = make_inputs(30, seed=60 + round_, device=dev)
+        kv_c2.copy_(extra[0])
+        k_pe2.copy_(extra[1])
+        # second store: its own slots, disjoint from the first (blocks 4.. of the view)
+        slots2.copy_(torch.randperm(BS)[:30].to(torch.int32) + 4 * BS)
+        slots[slots >= 4 * BS] = -1
+        rep.committed.fill_(
+            lay.region_bytes if limit is None else lay.mla_offset + limit * lay.mla_stride
+        )
+        mla.error_counter.zero_()
+        exp = rep.poison(70 + round_)
+        graph.replay()
+        expect_mla(exp, lay, 0, kv_c, k_pe, slots, first_uncommitted_block=limit)
+        expect_idx(exp, lay, 0, k, slots, first_uncommitted_block=limit)
+        expect_mla(exp, lay, 0, kv_c2, k_pe2, slots2, first_uncommitted_block=limit)
+        rep.assert_equal(exp)
+        assert bar.epochs.tolist() == [2 + round_, 1 + round_]
+    bar.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Barrier
+
+
+def _two_ranks(dev, lanes: int, timeout_s: float = 5.0):
+    world = 2
+    sigs = [torch.zeros(lanes * 2 * world, dtype=torch.int32, device=dev) for _ in range(world)]
+    table = torch.tensor([s.data_ptr() for s in sigs], dtype=torch.int64, device=dev)
+    bars = [
+        DeviceBarrier(
+            table, None, rank=r, world=world, lanes=lanes, device=dev, timeout_s=timeout_s
+        )
+        for r in range(world)
+    ]
+    streams = [torch.cuda.Stream(dev) for _ in range(world)]
+    return sigs, bars, streams
+
+
+@requires_gpu
+def test_two_ranks_on_two_streams_pass_barriers_and_lanes_count_independently(dev):
+    sigs, bars, streams = _two_ranks(dev, lanes=3)
+    plan = [0, 0, 2, 0, 2, 0]  # lane 1 never used
+    for lane in plan:
+        for r in (0, 1):
+            with torch.cuda.stream(streams[r]):
+                bars[r].arrive_and_wait(lane)
+    torch.cuda.synchronize()
+    want = [plan.count(lane) for lane in range(3)]
+    for r in (0, 1):
+        assert bars[r].epochs.tolist() == want
+        assert bars[r].read_diagnostic() is None
+        s = sigs[r].view(3, 2, 2).cpu()
+        assert s[0, want[0] & 1].tolist() == [want[0]] * 2  # last epoch, from both ranks
+        assert s[0, (want[0] - 1) & 1].tolist() == [want[0] - 1] * 2
+        assert s[1].eq(0).all()
+    for b in bars:
+        b.close()
+        b.close()  # idempotent
+
+
+@requires_gpu
+def test_stores_before_the_barrier_are_visible_to_the_peer_after_it(dev):
+    lay = packed(4)
+    rep = Replicas(2, lay.region_bytes, dev)
+    mla0, _ = targets(rep, lay, my_rank=0)  # rank 0 writes both replicas
+    sigs, bars, streams = _two_ranks(dev, lanes=1)
+    kv_c, k_pe, _ = make_inputs(256, seed=80, device=dev)
+    slots = torch.randperm(lay.num_blocks * BS)[:256].to(dev)
+    exp = rep.poison(81)
+    expect_mla(exp, lay, 0, kv_c, k_pe, slots)
+    seen = torch.empty_like(rep.bufs[1])
+    # load torch's sleep kernel now: lazy module loading while a barrier spins would wait for it
+    torch.cuda._sleep(1)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(streams[1]):  # rank 1 waits at the barrier, then reads its replica
+        bars[1].arrive_and_wait(0)
+        seen.copy_(rep.bufs[1])
+    with torch.cuda.stream(streams[0]):
+        torch.cuda._sleep(50_000_000)  # make rank 1 wait for real
+        store_ds_mla(mla0, kv_c, k_pe, slots)
+        bars[0].arrive_and_wait(0)
+    torch.cuda.synchronize()
+    assert torch.equal(seen.cpu(), exp[1])
+
+
+@requires_gpu
+def test_barrier_lanes_interleave_eagerly_and_in_captured_graphs(dev):
+    sigs, bars, streams = _two_ranks(dev, lanes=2)
+    for r in (0, 1):  # load the kernels before capture
+        with torch.cuda.stream(streams[r]):
+            bars[r].arrive_and_wait(1)
+    torch.cuda.synchronize()
+    graphs = []
+    for r in (0, 1):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            bars[r].arrive_and_wait(0)
+            bars[r].arrive_and_wait(1)
+            bars[r].arrive_and_wait(0)
+        graphs.append(g)
+    torch.cuda.synchronize()
+    assert [b.epochs.tolist() for b in bars] == [[0, 1], [0, 1]]  # capture ran nothing
+    for step in range(3):
+        for r in (0, 1):
+            with torch.cuda.stream(streams[r]):
+                graphs[r].replay()
+                bars[r].arrive_and_wait(step % 2)
+    torch.cuda.synchronize()
+    want = [
+        6 + 2,
+        1 + 3 + 1,
+    ]  # lane 0: 2 per replay + steps 0, 2; lane 1: 1 + 1 per replay + step 1
+    assert [b.epochs.tolist() for b in bars] == [want, want]
+    assert all(b.read_diagnostic() is None for b in bars)
+
+
+@requires_gpu
+def test_a_missing_peer_times_out_with_a_diagnostic_and_kills_the_process(dev):
+    script = textwrap.dedent(
+        """
+        import os, torch
+        from vmmkv.ops.barrier import DeviceBarrier
+        dev = torch.device("cuda", 0)
+        sigs = [torch.zeros(2 * 2 * 2, dtype=torch.int32, device=dev) for _ in range(2)]
+        table = torch.tensor([s.data_ptr() for s in sigs], dtype=torch.int64, device=dev)
+        bar = DeviceBarrier(table, None, rank=0, world=2, lanes=2, device=dev, timeout_s=0.2)
+        bar.arrive_and_wait(lane=1)  # rank 1 never arrives
+        try:
+            torch.cuda.synchronize()
+            print("SYNCHRONIZE-RETURNED", flush=True)
+        except Exception as exc:
+            print("SYNCHRONIZE-FAILED", type(exc).__name__, flush=True)
+        print("DIAG", bar.read_diagnostic(), flush=True)
+        os._exit(3)
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=_pythonpath())
+    env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", str(dev.index))
+    run = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    out = run.stdout + run.stderr
+    assert run.returncode != 0, out
+    assert "SYNCHRONIZE-FAILED" in out, out
+    assert "DIAG vmmkv barrier timeout: lane=1 rank=0 missing peer=1 epoch=1 observed=0" in out, out
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile
+
+
+@requires_gpu
+def test_torch_compile_keeps_store_then_barrier_then_read_in_order(dev):
+    lay = packed(3)
+    rep = Replicas(1, lay.region_bytes, dev)
+    mla, _ = targets(rep, lay, my_rank=0)
+    sig = torch.zeros(2, dtype=torch.int32, device=dev)
+    table = torch.tensor([sig.data_ptr()], dtype=torch.int64, device=dev)
+    bar = DeviceBarrier(table, None, rank=0, world=1, lanes=1, device=dev, fence=[mla.cache])
+    kv_c, k_pe, _ = make_inputs(100, seed=90, device=dev)
+    slots = make_slots(100, lay.num_blocks, seed=91, dtype=torch.int64).to(dev)
+
+    def step(kv_c, k_pe, slots):
+        store_ds_mla(mla, kv_c, k_pe, slots)
+        bar.arrive_and_wait(0)
+        return mla.cache.sum(dtype=torch.int64)
+
+    compiled = torch.compile(step, fullgraph=True)
+    for seed in (92, 93):
+        exp = rep.poison(seed)
+        got = compiled(kv_c, k_pe, slots)
+        expect_mla(exp, lay, 0, kv_c, k_pe, slots)
+        rep.assert_equal(exp)
+        want = mla_view(exp[0][GUARD:-GUARD], lay).sum(dtype=torch.int64)
+        assert got.item() == want.item()
+    assert bar.epochs.tolist() == [2]

@@ -1,0 +1,276 @@
+"""NVRTC build of the kernels and the on-disk cubin cache (no GPU needed)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from vmmkv.ops import build, launch
+
+ARCHS = ["sm_80", "sm_90", "sm_100"]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("VMMKV_CACHE_DIR", str(tmp_path / "kernels"))
+    return tmp_path / "kernels"
+
+
+def _cache_files(folder: Path) -> list[Path]:
+    return sorted(folder.iterdir()) if folder.exists() else []
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_kernel_compiles_for_each_arch(arch, cache):
+    cubins = build.compile_all(arch)
+    assert sorted(cubins) == sorted(build.KERNELS)
+    for name, cubin in cubins.items():
+        assert cubin.startswith(b"\x7fELF"), name
+        for entry in build.KERNELS[name]:
+            assert entry.encode() in cubin, f"{entry} missing from {name} ({arch})"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_kernel_compiles_without_the_cuda_headers(arch, cache, monkeypatch):
+    monkeypatch.setenv("VMMKV_CUDA_INCLUDE", "none")
+    assert build.cuda_include_dir() is None
+    cubins = build.compile_all(arch)
+    assert all(c.startswith(b"\x7fELF") for c in cubins.values())
+
+
+def test_sources_come_from_the_checkout_csrc():
+    folder = build.csrc_dir()
+    assert (folder / "kv_store.cu").is_file() and (folder / "barrier.cu").is_file()
+    source, headers = build.read_source("kv_store.cu")
+    assert "vmmkv_store_ds_mla" in source and "vmmkv_common.cuh" in headers
+
+
+def test_options_never_ask_for_fast_math():
+    for inc in (None, "/some/include"):
+        opts = build.compile_options("sm_90", inc)
+        assert "--gpu-architecture=sm_90" in opts and "-std=c++17" in opts
+        assert not any("fast" in o or "ftz=true" in o or "prec" in o for o in opts)
+
+
+@pytest.mark.parametrize("with_headers", [False, True])
+def test_ptx_uses_ieee_division_no_flush_to_zero_and_the_satfinite_cvt(with_headers):
+    include = build.cuda_include_dir() if with_headers else None
+    if with_headers and include is None:
+        pytest.skip("CUDA headers not found")
+    ptx = build.compile_ptx("kv_store.cu", "sm_90", include)
+    assert "div.rn.f32" in ptx
+    assert not re.search(r"div\.(approx|full)", ptx) and ".ftz" not in ptx
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+
+
+def test_barrier_ptx_uses_system_scope_release_and_acquire():
+    ptx = build.compile_ptx("barrier.cu", "sm_90")
+    for op in ("fence.acq_rel.sys", "st.release.sys.global", "ld.acquire.sys.global", "trap"):
+        assert op in ptx, op
+    assert "%globaltimer" in ptx
+
+
+def test_bad_arch_and_unknown_source_are_rejected():
+    with pytest.raises(ValueError, match="sm_90"):
+        build.compile_options("90", None)
+    with pytest.raises(ValueError, match="unknown kernel source"):
+        build.compile_source("nope.cu", "sm_90")
+
+
+def test_compile_errors_raise_with_the_nvrtc_log():
+    with pytest.raises(build.BuildError) as info:
+        build._nvrtc_compile("broken.cu", "int f( { return 0; }", {}, ["--gpu-architecture=sm_90"])
+    assert "broken.cu" in str(info.value) and "error" in info.value.log
+
+
+def test_cache_key_changes_with_arch_options_source_headers_and_version():
+    src, hdrs = build.read_source("kv_store.cu")
+    opts = build.compile_options("sm_90", None)
+    base = build.cache_key("kv_store.cu", src, hdrs, opts, "sm_90", (13, 0))
+    assert base == build.cache_key("kv_store.cu", src, dict(hdrs), list(opts), "sm_90", (13, 0))
+    variants = [
+        build.cache_key("kv_store.cu", src, hdrs, build.compile_options("sm_80", None), "sm_80", (13, 0)),
+        build.cache_key("kv_store.cu", src, hdrs, opts + ["-lineinfo"], "sm_90", (13, 0)),
+        build.cache_key("kv_store.cu", src + "\n", hdrs, opts, "sm_90", (13, 0)),
+        build.cache_key("kv_store.cu", src, {k: v + " " for k, v in hdrs.items()}, opts, "sm_90", (13, 0)),
+        build.cache_key("kv_store.cu", src, hdrs, opts, "sm_90", (13, 1)),
+        build.cache_key("kv_store.cu", src, hdrs, opts, "sm_90", (13, 0), b"header text"),
+        build.cache_key("barrier.cu", src, hdrs, opts, "sm_90", (13, 0)),
+    ]  # fmt: skip
+    assert len({base, *variants}) == len(variants) + 1
+
+
+def test_cache_is_written_once_and_reused_without_compiling(cache, monkeypatch):
+    first = build.compile_source("barrier.cu", "sm_90")
+    files = _cache_files(cache)
+    assert len(files) == 1 and files[0].name.startswith("barrier-sm_90-")
+    assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]
+    mtime = files[0].stat().st_mtime_ns
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled although the cache holds the cubin")
+
+    monkeypatch.setattr(build, "_nvrtc_compile", no_compile)
+    assert build.compile_source("barrier.cu", "sm_90") == first
+    assert files[0].stat().st_mtime_ns == mtime
+
+
+def test_cache_lives_under_xdg_cache_home_without_vmmkv_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv("VMMKV_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert build.cache_dir() == tmp_path / "vmmkv" / "kernels"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "garbage"])
+def test_a_corrupt_cache_file_is_ignored_and_rebuilt(cache, damage):
+    good = build.compile_source("barrier.cu", "sm_90")
+    (path,) = _cache_files(cache)
+    data = path.read_bytes()
+    bad = {
+        "truncate": data[: len(data) // 2],
+        "flip": data[:-10] + bytes([data[-10] ^ 0xFF]) + data[-9:],
+        "empty": b"",
+        "garbage": os.urandom(len(data)),
+    }[damage]
+    path.write_bytes(bad)
+    assert build.compile_source("barrier.cu", "sm_90") == good
+    assert path.read_bytes() == data
+
+
+def test_a_failed_cache_write_leaves_no_partial_file(cache, monkeypatch):
+    def failing_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(build.os, "replace", failing_replace)
+    cubin = build.compile_source("barrier.cu", "sm_90")  # still compiled and returned
+    assert cubin.startswith(b"\x7fELF")
+    assert _cache_files(cache) == []  # neither the final file nor the temporary one
+
+
+def test_an_unwritable_cache_dir_only_disables_caching(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("VMMKV_CACHE_DIR", str(blocker / "kernels"))
+    assert build.compile_source("barrier.cu", "sm_90").startswith(b"\x7fELF")
+
+
+def test_concurrent_builds_agree_and_leave_one_valid_file(cache):
+    results: list[bytes] = []
+    errors: list[BaseException] = []
+
+    def work():
+        try:
+            results.append(build.compile_source("barrier.cu", "sm_80"))
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(set(results)) == 1
+    (path,) = _cache_files(cache)
+    assert build._read_cached(path) == results[0]
+
+
+def test_header_compile_failure_falls_back_to_the_builtin_conversion(cache, monkeypatch, tmp_path):
+    fake = tmp_path / "include"
+    fake.mkdir()
+    (fake / "cuda_fp8.h").write_text("#error this header is from an incompatible toolkit\n")
+    (fake / "cuda_fp8.hpp").write_text("")
+    monkeypatch.setenv("VMMKV_CUDA_INCLUDE", str(fake))
+    with pytest.warns(RuntimeWarning, match="built-in fp8 conversion"):
+        cubin = build.compile_source("kv_store.cu", "sm_90")
+    assert cubin.startswith(b"\x7fELF")
+
+
+def test_a_vmmkv_cuda_include_without_the_header_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("VMMKV_CUDA_INCLUDE", str(tmp_path))
+    with pytest.raises(build.BuildError, match="cuda_fp8.h"):
+        build.cuda_include_dir()
+
+
+def test_host_kvdest_layout_matches_the_device_struct(cache):
+    fields = [
+        "ptr_table", "committed_bytes", "error_counter", "offset_bytes", "block_stride",
+        "entry_stride", "block_extent", "num_blocks", "block_size", "num_dest", "my_rank",
+        "reserved",
+    ]  # fmt: skip
+    sizes = [8] * 8 + [4] * 4
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    assert launch.KVDEST.size == sum(sizes) == 80
+    checks = "\n".join(
+        f'static_assert(__builtin_offsetof(vmmkv::KVDest, {f}) == {o}, "{f}");'
+        for f, o in zip(fields, offsets, strict=True)
+    )
+    _, headers = build.read_source("kv_store.cu")
+    source = '#include "vmmkv_common.cuh"\n' + checks + "\n"
+    try:
+        build._nvrtc_compile("layout.cu", source, headers, build.compile_options("sm_90", None))
+    except build.BuildError as exc:
+        if "type name is not allowed" in exc.log:  # this NVRTC lacks __builtin_offsetof
+            pytest.skip("NVRTC without __builtin_offsetof")
+        raise
+
+
+_HOST_HARNESS = r"""
+#include <cstdio>
+#include <cstdint>
+#include <cstring>
+#include <cuda_fp8.h>
+#include "vmmkv_common.cuh"
+
+static unsigned long long checked = 0, bad = 0;
+
+static void check(uint32_t bits) {
+    float x;
+    std::memcpy(&x, &bits, 4);
+    const unsigned want = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+    const unsigned want_neg = __nv_cvt_float_to_fp8(-x, __NV_SATFINITE, __NV_E4M3);
+    const unsigned got = vmmkv::e4m3_satfinite_soft(x);
+    const unsigned got_pair = vmmkv::e4m3x2(x, -x);
+    ++checked;
+    if (got != want || got_pair != (want | (want_neg << 8))) {
+        if (bad < 10) std::printf("MISMATCH %08x: header %02x, vmmkv %02x\n", bits, want, got);
+        ++bad;
+    }
+}
+
+int main() {
+    // every float with |x| in [2^-15, 2^10): the whole e4m3 range, its rounding and saturation
+    for (uint32_t e = 112; e <= 136; ++e)
+        for (uint32_t m = 0; m < (1u << 23); ++m) check((e << 23) | m);
+    for (uint64_t b = 0; b < (1ull << 32); b += 9973) check((uint32_t)b);  // a sample of the rest
+    const uint32_t specials[] = {0u, 0x80000000u, 0x7f800000u, 0xff800000u, 0x7fc00000u,
+                                 0xffc00000u, 0x7f800001u, 1u, 0x807fffffu, 0x7f7fffffu};
+    for (uint32_t b : specials) check(b);
+    std::printf("checked %llu floats, %llu mismatches\n", checked, bad);
+    return bad != 0;
+}
+"""
+
+
+@pytest.mark.timeout(600)
+def test_builtin_e4m3_conversion_equals_cuda_fp8_header_on_every_fp8_range_float(tmp_path):
+    nvcc = shutil.which("nvcc")
+    include = build.cuda_include_dir()
+    if nvcc is None or include is None:
+        pytest.skip("needs nvcc and the CUDA headers to run the header's host conversion")
+    src = tmp_path / "harness.cu"
+    src.write_text(_HOST_HARNESS)
+    exe = tmp_path / "harness"
+    subprocess.run(
+        [nvcc, "-O2", "-std=c++17", "-DVMMKV_HOST_TEST", f"-I{build.csrc_dir()}", f"-I{include}",
+         "-o", str(exe), str(src)],
+        check=True, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert ", 0 mismatches" in run.stdout

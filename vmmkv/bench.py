@@ -1,0 +1,221 @@
+"""``python -m vmmkv bench``: direct publication against the gather fallback, over a token sweep.
+
+Spawns the same group as the demo (one process per GPU; two sharing one GPU; host backend
+without a GPU). Per step: ``store_layer`` of one Main-KV + Indexer-K layer, then ``barrier``;
+direct (peer writes) and gather (all-gather + local insert) measured side by side in one run,
+medians after warm-up, the slowest rank's median reported. Prints a table, writes JSON and a
+PNG plot (latency against tokens, one line per path; matplotlib when installed, otherwise a
+small built-in renderer without text). ``--quick`` finishes within a minute. The detailed
+kernel, region and rendezvous benchmarks live in the repository's ``benchmarks/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+import sys
+import time
+import zlib
+from typing import Any
+
+from ._spawn import spawn_group
+
+BS = 64
+FULL = (1, 8, 32, 128, 512, 2048, 8192)
+QUICK = (1, 32, 512, 2048)
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    width = 30
+    fill = int(width * done / total)
+    sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{total} {label:<24}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def _rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from . import ReplicatedKVCache, ops
+
+    backend = opts["backend"]
+    if backend == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        ngpu = torch.cuda.device_count()
+        device_group = dist.new_group(backend="nccl") if ngpu >= world else None
+    else:
+        device, device_group = torch.device("cpu"), None
+    sweep = opts["tokens"]
+    nblk = -(-(max(sweep) * world) // BS) + 1
+    mla_b, idx_b = nblk * BS * 656, nblk * BS * 132
+    chunk = (2 << 20) if backend == "cuda" else (1 << 16)
+    cap = -(-(mla_b + idx_b) // chunk) * chunk
+    out: dict[str, Any] = {"rank": rank, "rows": []}
+    with ReplicatedKVCache(
+        dist.group.WORLD, cap, device, device_group=device_group, initial_bytes=cap,
+        chunk_bytes=chunk, backend=backend,
+    ) as cache:  # fmt: skip
+        buf = cache.allocate(mla_b + idx_b).view(torch.uint8)
+        mla = cache.bind("mla", buf[:mla_b].view(nblk, BS, 656), "fp8_ds_mla")
+        idx = cache.bind("idx", buf[mla_b:].view(nblk, BS, 132), "indexer_k")
+        out["direct"] = cache.direct
+        if device.type == "cuda":
+            ops.warm_up(device)
+        g = torch.Generator().manual_seed(rank)
+        for i, t in enumerate(sweep):
+            kv_c = torch.randn(t, 512, generator=g).bfloat16().to(device)
+            k_pe = torch.randn(t, 64, generator=g).bfloat16().to(device)
+            k = torch.randn(t, 128, generator=g).bfloat16().to(device)
+            slots = (torch.arange(t) + rank * t).to(device)
+
+            def step(mode, kv_c=kv_c, k_pe=k_pe, k=k, slots=slots):
+                cache.store_layer(mla, idx, kv_c, k_pe, k, slots, mode=mode)
+                cache.barrier()
+
+            row = {"tokens_per_rank": t}
+            for mode in ("direct", "gather") if cache.direct else ("gather",):
+                row[f"{mode}_us"] = _median_us(lambda m=mode: step(m), device, opts["iters"])
+            out["rows"].append(row)
+            if rank == 0:
+                _progress(i + 1, len(sweep), f"{t} tokens/rank")
+    return out
+
+
+def _median_us(fn, device, iters: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - t0) * 1e6)
+    return sorted(times)[len(times) // 2]
+
+
+def _png(path: str, series: dict[str, list[tuple[float, float]]]) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, pts in series.items():
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens per rank")
+        ax.set_ylabel("step latency (us, median, slowest rank)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        return "matplotlib"
+    except ImportError:
+        _png_plain(path, series)
+        return "built-in (no text: blue = direct, orange = gather)"
+
+
+def _png_plain(path: str, series: dict[str, list[tuple[float, float]]], w=480, h=320) -> None:
+    """Log-log polyline plot without text, for machines without matplotlib."""
+    import math
+
+    px = [[(255, 255, 255)] * w for _ in range(h)]
+    pts = [p for s in series.values() for p in s if p[0] > 0 and p[1] > 0]
+    lx = [math.log(p[0]) for p in pts]
+    ly = [math.log(p[1]) for p in pts]
+    x0, x1 = min(lx), max(lx) if max(lx) > min(lx) else min(lx) + 1
+    y0, y1 = min(ly), max(ly) if max(ly) > min(ly) else min(ly) + 1
+
+    def to_px(x, y):
+        fx = 30 + (math.log(x) - x0) / (x1 - x0) * (w - 50)
+        fy = h - 30 - (math.log(y) - y0) / (y1 - y0) * (h - 50)
+        return int(fx), int(fy)
+
+    def line(a, b, color):
+        n = max(abs(b[0] - a[0]), abs(b[1] - a[1]), 1)
+        for i in range(n + 1):
+            x = a[0] + (b[0] - a[0]) * i // n
+            y = a[1] + (b[1] - a[1]) * i // n
+            for dx in (0, 1):
+                if 0 <= x + dx < w and 0 <= y < h:
+                    px[y][x + dx] = color
+
+    line((30, h - 30), (w - 10, h - 30), (0, 0, 0))
+    line((30, 10), (30, h - 30), (0, 0, 0))
+    colors = [(31, 119, 180), (255, 127, 14), (44, 160, 44)]
+    for color, pts_s in zip(colors, series.values(), strict=False):
+        ps = [to_px(*p) for p in pts_s if p[0] > 0 and p[1] > 0]
+        for a, b in zip(ps, ps[1:], strict=False):
+            line(a, b, color)
+    raw = b"".join(b"\0" + bytes(c for p in row for c in p) for row in px)
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
+
+    with open(path, "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n")
+        f.write(chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)))
+        f.write(chunk(b"IDAT", zlib.compress(raw, 9)))
+        f.write(chunk(b"IEND", b""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .alloc import driver
+
+    ap = argparse.ArgumentParser(prog="python -m vmmkv bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a short sweep (under a minute)")
+    ap.add_argument("--world", type=int, default=None)
+    ap.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto")
+    ap.add_argument("--out", default="vmmkv-bench", help="directory for bench.json and bench.png")
+    a = ap.parse_args(argv)
+    backend = a.backend
+    if backend == "auto":
+        backend = "cuda" if driver.cuda_usable() else "host"
+    world = a.world or (max(2, driver.device_count()) if backend == "cuda" else 2)
+    tokens = QUICK if a.quick else FULL
+    if backend == "host":
+        tokens = tuple(t for t in tokens if t <= 2048)
+    opts = {"backend": backend, "tokens": list(tokens), "iters": 10 if a.quick else 50}
+    print(f"bench: {world} ranks, {backend} backend, tokens/rank {list(tokens)}", flush=True)
+    reports = spawn_group(_rank, world, opts, timeout=900)
+    bad = [r for r in reports if "error" in r]
+    if bad:
+        for r in bad:
+            print(f"rank {r.get('rank')} failed: {r['error']}", file=sys.stderr)
+        return 1
+    rows = []
+    for i, t in enumerate(tokens):
+        row: dict[str, Any] = {"tokens_per_rank": t}
+        for key in reports[0]["rows"][i]:
+            if key.endswith("_us"):
+                row[key] = max(r["rows"][i][key] for r in reports)
+        if "direct_us" in row:
+            row["direct/gather"] = row["direct_us"] / row["gather_us"]
+        rows.append(row)
+    cols = list(rows[0])
+    print(" | ".join(f"{c:>16}" for c in cols))
+    for row in rows:
+        print(" | ".join(f"{row[c]:>16.3g}" if isinstance(row[c], float) else f"{row[c]:>16}"
+                         for c in cols))  # fmt: skip
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "bench.json"), "w") as f:
+        json.dump({"world": world, "backend": backend, "rows": rows}, f, indent=1)
+    series = {
+        k[:-3]: [(r["tokens_per_rank"], r[k]) for r in rows] for k in cols if k.endswith("_us")
+    }
+    how = _png(os.path.join(a.out, "bench.png"), series)
+    print(f"wrote {a.out}/bench.json and {a.out}/bench.png ({how})")
+    return 0

@@ -1,0 +1,36 @@
+"""vmmkv.ops: CUDA sources (csrc/) built with NVRTC, launches on torch's current stream, torch
+custom ops (namespace ``vmmkv``) and the pure-torch reference of the KV byte formats.
+
+- ``reference``: quantizers and inserters (the test oracle and the host backend's store path).
+- ``build``: NVRTC build and on-disk cubin cache; ``compile_all(arch)`` needs no GPU.
+- ``kv``: ``KVTarget`` and the fused stores into every replica.
+- ``barrier``: ``DeviceBarrier``, the system-scope barrier among ranks.
+Importing this package registers the custom ops; it needs no GPU.
+"""
+
+from .barrier import BarrierTimeout, DeviceBarrier
+from .kv import KVTarget, publish_rows, store_ds_mla, store_indexer_k, store_layer
+from .launch import warm_up
+from .reference import (
+    insert_ds_mla,
+    insert_indexer_k,
+    insert_rows,
+    quantize_ds_mla,
+    quantize_indexer_k,
+)
+
+__all__ = [
+    "BarrierTimeout",
+    "DeviceBarrier",
+    "KVTarget",
+    "insert_ds_mla",
+    "insert_indexer_k",
+    "insert_rows",
+    "publish_rows",
+    "quantize_ds_mla",
+    "quantize_indexer_k",
+    "store_ds_mla",
+    "store_indexer_k",
+    "store_layer",
+    "warm_up",
+]

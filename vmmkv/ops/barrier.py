@@ -1,0 +1,250 @@
+"""Device-side system-scope barrier (DESIGN.md, "Barrier"; kernel in csrc/barrier.cu).
+
+Contract:
+- ``sig_table``: int64 [world] device tensor of signal-region base addresses, own region at
+  ``rank`` (peers' regions mapped into this process). Each region holds int32
+  ``[lanes][2][world]``, zero-initialised before the first barrier, owned and kept alive by the
+  caller. ``epochs``: int32 [lanes] in local device memory (allocated zeroed when None); every
+  rank's epochs of a lane must start equal. A lane is used by one stream at a time.
+- ``fence``: tensors (e.g. the local caches) that torch.compile must not move across the
+  barrier: the custom op declares them mutated (eager mode relies on stream order alone).
+- ``arrive_and_wait(lane)`` launches one CTA on torch's current stream: it publishes this rank's
+  arrival with a system-scope release and waits (acquire) for every rank. Stores issued earlier
+  on the stream are visible to every peer once all ranks passed. Capture-safe (the epoch
+  advances on the device, so replays need no host update) once the kernels are loaded (the first
+  barrier or ``vmmkv.ops.launch.warm_up`` before capture). Collective in effect: every rank must
+  call it for the same lane the same number of times.
+- While a barrier spins, a kernel this process launches for the first time may wait for it:
+  CUDA's lazy module loading (the default) can need the context idle to load a module. Load
+  such kernels before (vmmkv's own are loaded whole by ``vmmkv.ops.launch.warm_up``).
+- A peer missing for ``timeout_s`` makes the kernel write a diagnostic to host-mapped memory,
+  printf it and ``__trap()``: the CUDA context is then unusable and the process should exit.
+  ``read_diagnostic()`` reads that record from host memory (no CUDA call, works after the trap).
+- ``close()`` frees the host-mapped diagnostic memory (idempotent, local, skipped while the
+  interpreter finalizes); call it when no barrier launched by this object can still run. The
+  memory is also freed when the object is garbage collected.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vmmkv.alloc import driver
+from vmmkv.ops import launch as _launch
+
+__all__ = ["BarrierTimeout", "DeviceBarrier"]
+
+_log = logging.getLogger(__name__)
+
+_DIAG_MAGIC = 0x564D4D42  # csrc/barrier.cu kDiagMagic
+_DIAG_WORDS = 8  # magic, lane, rank, missing_peer, epoch, observed, world, reserved
+_MAX_THREADS = 1024
+
+
+@dataclass(frozen=True)
+class BarrierTimeout:
+    """What a timed-out barrier kernel reported before trapping."""
+
+    lane: int
+    rank: int
+    missing_peer: int
+    epoch: int
+    observed: int
+    world: int
+
+    def __str__(self) -> str:
+        return (
+            f"vmmkv barrier timeout: lane={self.lane} rank={self.rank} "
+            f"missing peer={self.missing_peer} epoch={self.epoch} observed={self.observed} "
+            f"world={self.world}"
+        )
+
+
+def _free_host(host_ptr: int, ordinal: int) -> None:
+    if driver.finalizing():
+        return
+    with driver.primary_context(ordinal):
+        driver.call(driver.cu.cuMemFreeHost, host_ptr, device=ordinal)
+
+
+def _free_host_at_gc(host_ptr: int, ordinal: int) -> None:
+    # garbage collection has nobody to raise to (e.g. the context died after a barrier timeout)
+    try:
+        _free_host(host_ptr, ordinal)
+    except driver.CudaError as exc:
+        _log.warning("vmmkv DeviceBarrier: freeing its diagnostic memory failed: %s", exc)
+
+
+class DeviceBarrier:
+    """Barrier among ``world`` ranks over mapped signal regions; see the module docstring."""
+
+    def __init__(
+        self,
+        sig_table: torch.Tensor,
+        epochs: torch.Tensor | None,
+        rank: int,
+        world: int,
+        lanes: int,
+        device: torch.device | int | str,
+        timeout_s: float = 10.0,
+        fence: Sequence[torch.Tensor] = (),
+    ):
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if dev.type != "cuda":
+            raise ValueError(f"device must be a CUDA device, got {dev}")
+        for name, v, lo in (("world", world, 1), ("lanes", lanes, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+            raise ValueError(f"rank must be an int in [0, {world}), got {rank!r}")
+        if (
+            not isinstance(timeout_s, (int, float))
+            or not math.isfinite(timeout_s)
+            or timeout_s <= 0
+        ):
+            raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
+        if not isinstance(sig_table, torch.Tensor):
+            raise TypeError(f"sig_table must be a torch.Tensor, got {type(sig_table).__name__}")
+        if sig_table.dtype != torch.int64 or sig_table.shape != (world,):
+            raise ValueError(
+                f"sig_table must be int64 [{world}], got {sig_table.dtype} {list(sig_table.shape)}"
+            )
+        ordinal = _launch.device_ordinal(dev)
+        dev = torch.device("cuda", ordinal)
+        if sig_table.device != dev or not sig_table.is_contiguous():
+            raise ValueError(f"sig_table must be contiguous on {dev}, got {sig_table.device}")
+        if epochs is None:
+            epochs = torch.zeros(lanes, dtype=torch.int32, device=dev)
+        elif not isinstance(epochs, torch.Tensor):
+            raise TypeError(f"epochs must be a torch.Tensor or None, got {type(epochs).__name__}")
+        elif epochs.dtype != torch.int32 or epochs.shape != (lanes,) or epochs.device != dev:
+            raise ValueError(
+                f"epochs must be int32 [{lanes}] on {dev}, got {epochs.dtype} "
+                f"{list(epochs.shape)} on {epochs.device}"
+            )
+        elif not epochs.is_contiguous():
+            raise ValueError("epochs must be contiguous")
+        self.sig_table = sig_table
+        self.epochs = epochs
+        self.rank = rank
+        self.world = world
+        self.lanes = lanes
+        self.device = dev
+        self.ordinal = ordinal
+        self.timeout_ns = int(timeout_s * 1e9)
+        self.fence = list(fence)
+        for t in self.fence:
+            if not isinstance(t, torch.Tensor) or t.device != dev:
+                raise ValueError(f"fence must hold tensors on {dev}, got {t!r:.80}")
+        self._fence_ptrs = [t.data_ptr() for t in self.fence]
+        self._threads = min(_MAX_THREADS, 32 * -(-world // 32))
+
+        flags = driver.cu.CU_MEMHOSTALLOC_DEVICEMAP | driver.cu.CU_MEMHOSTALLOC_PORTABLE
+        nbytes = 4 * _DIAG_WORDS
+        with driver.primary_context(ordinal):
+            host_ptr = int(driver.call(driver.cu.cuMemHostAlloc, nbytes, flags, device=ordinal))
+            try:
+                ctypes.memset(host_ptr, 0, nbytes)
+                dev_ptr = driver.call(driver.cu.cuMemHostGetDevicePointer, host_ptr, 0)
+            except BaseException:
+                driver.call(driver.cu.cuMemFreeHost, host_ptr, device=ordinal)
+                raise
+        self._host_ptr = host_ptr
+        self._diag_dev_ptr = int(dev_ptr)
+        self._closed = False
+        self._free = weakref.finalize(self, _free_host_at_gc, host_ptr, ordinal)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def arrive_and_wait(self, lane: int = 0) -> None:
+        """Launch the barrier for ``lane`` on the current stream (see the module docstring)."""
+        if isinstance(lane, bool) or not isinstance(lane, int) or not 0 <= lane < self.lanes:
+            raise ValueError(f"lane must be an int in [0, {self.lanes}), got {lane!r}")
+        if self.closed:
+            raise RuntimeError("DeviceBarrier is closed")
+        if torch.compiler.is_compiling():
+            torch.ops.vmmkv.barrier(
+                self.epochs, self.fence, self.sig_table, lane, self.rank, self.world,
+                self.timeout_ns, self._diag_dev_ptr, self._fence_ptrs,
+            )  # fmt: skip
+            return
+        self._launch(lane)
+
+    def _launch(self, lane: int) -> None:
+        _launch.BARRIER.launch(
+            self.ordinal, 1, self._threads, self.sig_table.data_ptr(), self.epochs.data_ptr(),
+            lane, self.rank, self.world, self.timeout_ns, self._diag_dev_ptr,
+        )  # fmt: skip
+
+    def read_diagnostic(self) -> BarrierTimeout | None:
+        """The record a timed-out barrier wrote, or None (no timeout, or closed)."""
+        if self.closed:
+            return None
+        words = (ctypes.c_int32 * _DIAG_WORDS).from_address(self._host_ptr)
+        if words[0] != _DIAG_MAGIC:
+            return None
+        return BarrierTimeout(*(int(w) for w in words[1:7]))
+
+    def close(self) -> None:
+        """Free the host-mapped diagnostic memory. Idempotent; raises CudaError if the free
+        fails (the memory is then left to process exit)."""
+        self._closed = True
+        if self._free.detach() is not None:
+            _free_host(self._host_ptr, self.ordinal)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library custom op (torch.compile path; also callable directly, eager or under capture)
+
+
+@torch.library.custom_op("vmmkv::barrier", mutates_args=("epochs", "fence"))
+def _op_barrier(
+    epochs: torch.Tensor,
+    fence: list[torch.Tensor],
+    sig_table: torch.Tensor,
+    lane: int,
+    rank: int,
+    world: int,
+    timeout_ns: int,
+    diag_ptr: int,
+    fence_ptrs: list[int],
+) -> None:
+    """``fence`` is declared mutated only to keep torch.compile from moving reads of those
+    tensors across the barrier; ``fence_ptrs`` are their addresses when the barrier was made."""
+    if [t.data_ptr() for t in fence] != list(fence_ptrs):
+        raise RuntimeError(
+            "vmmkv::barrier got fence tensors at other addresses than the barrier was built with: "
+            "torch.compile replaced them by copies, whose write-back would undo peers' stores. "
+            "Pass caches as graph inputs or module buffers."
+        )
+    if epochs.dtype != torch.int32 or epochs.dim() != 1 or not 0 <= lane < epochs.numel():
+        raise ValueError(
+            f"epochs must be int32 [lanes] with lane in range, got {epochs.dtype} "
+            f"{list(epochs.shape)} and lane {lane}"
+        )
+    if sig_table.dtype != torch.int64 or sig_table.shape != (world,) or not 0 <= rank < world:
+        raise ValueError(
+            f"sig_table must be int64 [{world}] and rank in [0, {world}), got {sig_table.dtype} "
+            f"{list(sig_table.shape)} and rank {rank}"
+        )
+    if epochs.device != sig_table.device:
+        raise ValueError(f"epochs on {epochs.device} but sig_table on {sig_table.device}")
+    ordinal = _launch.device_ordinal(epochs.device)
+    _launch.BARRIER.launch(
+        ordinal, 1, min(_MAX_THREADS, 32 * -(-world // 32)), sig_table.data_ptr(),
+        epochs.data_ptr(), lane, rank, world, timeout_ns, diag_ptr,
+    )  # fmt: skip
+
+
+@_op_barrier.register_fake
+def _(epochs, fence, sig_table, lane, rank, world, timeout_ns, diag_ptr, fence_ptrs):
+    return None

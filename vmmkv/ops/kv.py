@@ -1,0 +1,582 @@
+"""Fused KV stores into every replica (DESIGN.md, "KV byte formats").
+
+Contract:
+- A :class:`KVTarget` describes one layer view (kind, where it sits in every replica's region,
+  block geometry) plus three device tensors the kernels use: ``committed_bytes`` (int64 [1], the
+  region's committed size, read by the kernel on every launch so the cache may grow after
+  CUDA-graph capture), ``error_counter`` (int32 [1], incremented once per token skipped for an
+  out-of-range or uncommitted block) and ``cache`` (the local uint8 tensor the op mutates, for
+  torch's dependency tracking). The caller owns and keeps alive every tensor and the mapped
+  regions; nothing here allocates device memory or frees anything.
+- ``store_ds_mla``/``store_indexer_k``/``store_layer``/``publish_rows`` validate everything
+  (types, shapes, devices, alignment, ranges) before launching and raise TypeError/ValueError
+  naming the value got and what was expected. Token count = ``slot_mapping.numel()``; inputs may
+  be longer. Tokens ``i < num_local_only`` go to the own replica only, the others to every
+  replica. Slots < 0 are skipped silently.
+- Launches go to torch's current stream: capture-safe after the first launch on a device (which
+  compiles/loads; call ``vmmkv.ops.launch.warm_up`` before capture). Not collective. Stores to
+  peers become visible to them only after a system-scope barrier (vmmkv.ops.barrier).
+- Under ``torch.compile`` the functions call the ``torch.ops.vmmkv.*`` custom ops, which declare
+  the cache and error counter as mutated. The kernels write through the region addresses, not
+  through the tensor handed to the op, so the op refuses to run (RuntimeError) if compilation
+  replaced ``cache`` by a copy; keep caches as graph inputs or module buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from vmmkv.ops import launch as _launch
+from vmmkv.ops.reference import INDEXER_DIM, INDEXER_ENTRY_BYTES, MLA_ENTRY_BYTES
+
+__all__ = [
+    "KINDS",
+    "KVTarget",
+    "publish_rows",
+    "store_ds_mla",
+    "store_indexer_k",
+    "store_layer",
+]
+
+KINDS = ("fp8_ds_mla", "indexer_k", "rows")
+_WARPS_PER_CTA = 8
+_THREADS = 32 * _WARPS_PER_CTA
+_MAX_GRID = 65535
+
+
+def _require_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _require_int(name: str, v: object, lo: int, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+    if v < lo or (hi is not None and v > hi):
+        want = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {want}, got {v}")
+    return v
+
+
+@dataclass(frozen=True, eq=False)
+class KVTarget:
+    """One layer view of a replicated KV cache, as the store kernels see it.
+
+    ``ptr_table``: int64 [num_dest] device tensor of region base addresses, own base at
+    ``my_rank`` (peers' regions mapped into this process). Region bases must be 16-byte aligned
+    (VMM reservations are). The view starts at ``offset_bytes`` in every region; block ``b``
+    starts ``b * block_stride`` later; inside a block token ``o`` is at ``o * entry_stride``
+    (fp8_ds_mla, rows) or split (indexer_k: values at ``o*128``, scale at
+    ``block_size*128 + 4*o``). ``entry_bytes``: 656 (fp8_ds_mla), 132 (indexer_k), the row size
+    (rows).
+    """
+
+    kind: str
+    ptr_table: torch.Tensor
+    my_rank: int
+    offset_bytes: int
+    num_blocks: int
+    block_size: int
+    block_stride: int
+    entry_stride: int
+    entry_bytes: int
+    committed_bytes: torch.Tensor
+    error_counter: torch.Tensor
+    cache: torch.Tensor
+    _dest: bytes = dataclasses.field(init=False, repr=False, default=b"")
+    _cache_ptr: int = dataclasses.field(init=False, repr=False, default=0)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        pt = _require_tensor("ptr_table", self.ptr_table)
+        if pt.dtype != torch.int64 or pt.dim() != 1 or pt.numel() < 1 or not pt.is_contiguous():
+            raise ValueError(
+                f"ptr_table must be a contiguous 1-D int64 tensor with >= 1 entry, got "
+                f"{pt.dtype} shape {list(pt.shape)}"
+            )
+        _require_int("my_rank", self.my_rank, 0, pt.numel() - 1)
+        _require_int("offset_bytes", self.offset_bytes, 0)
+        _require_int("num_blocks", self.num_blocks, 0)
+        _require_int("block_size", self.block_size, 1, 2**31 - 1)
+        _require_int("block_stride", self.block_stride, 0)
+        _require_int("entry_stride", self.entry_stride, 0)
+        _require_int("entry_bytes", self.entry_bytes, 1)
+        want_bytes = {"fp8_ds_mla": MLA_ENTRY_BYTES, "indexer_k": INDEXER_ENTRY_BYTES}
+        if self.kind in want_bytes and self.entry_bytes != want_bytes[self.kind]:
+            raise ValueError(
+                f"entry_bytes of a {self.kind} view must be {want_bytes[self.kind]}, "
+                f"got {self.entry_bytes}"
+            )
+        if self.kind != "indexer_k" and self.entry_stride < self.entry_bytes:
+            raise ValueError(
+                f"entry_stride ({self.entry_stride}) must be >= entry_bytes ({self.entry_bytes})"
+            )
+        if self.block_stride < self.block_extent:
+            raise ValueError(
+                f"block_stride ({self.block_stride}) is smaller than the bytes one block spans "
+                f"({self.block_extent}): blocks would overlap"
+            )
+        align = {"fp8_ds_mla": 16, "indexer_k": 4, "rows": 1}[self.kind]
+        for name in ("offset_bytes", "block_stride") + (
+            ("entry_stride",) if self.kind == "fp8_ds_mla" else ()
+        ):
+            if getattr(self, name) % align:
+                raise ValueError(
+                    f"{name} of a {self.kind} view must be a multiple of {align}, "
+                    f"got {getattr(self, name)}"
+                )
+        cb = _require_tensor("committed_bytes", self.committed_bytes)
+        if cb.dtype != torch.int64 or cb.numel() != 1:
+            raise ValueError(
+                f"committed_bytes must be an int64 tensor of 1 element, got {cb.dtype} "
+                f"shape {list(cb.shape)}"
+            )
+        ec = _require_tensor("error_counter", self.error_counter)
+        if ec.dtype != torch.int32 or ec.numel() != 1:
+            raise ValueError(
+                f"error_counter must be an int32 tensor of 1 element, got {ec.dtype} "
+                f"shape {list(ec.shape)}"
+            )
+        cache = _require_tensor("cache", self.cache)
+        if cache.dtype != torch.uint8:
+            raise TypeError(f"cache must be a uint8 tensor, got {cache.dtype}")
+        for name, t in (("committed_bytes", cb), ("error_counter", ec), ("cache", cache)):
+            if t.device != pt.device:
+                raise ValueError(
+                    f"{name} is on {t.device} but ptr_table is on {pt.device}; all must match"
+                )
+        object.__setattr__(self, "_dest", self._pack(ec))
+        object.__setattr__(self, "_cache_ptr", cache.data_ptr() if cache.is_cuda else 0)
+        if self.kind == "fp8_ds_mla" and self._cache_ptr % 16:
+            raise ValueError(
+                f"the fp8_ds_mla cache view must be 16-byte aligned, got address "
+                f"{self._cache_ptr:#x}"
+            )
+
+    @property
+    def device(self) -> torch.device:
+        return self.ptr_table.device
+
+    @property
+    def num_dest(self) -> int:
+        return self.ptr_table.numel()
+
+    @property
+    def block_extent(self) -> int:
+        """Bytes from a block's start that this kind can write."""
+        if self.kind == "indexer_k":
+            return self.block_size * INDEXER_ENTRY_BYTES
+        return (self.block_size - 1) * self.entry_stride + self.entry_bytes
+
+    def _pack(self, error_counter: torch.Tensor) -> bytes:
+        if not self.ptr_table.is_cuda:
+            return b""  # validation-only target (CPU tensors): never launched
+        return _launch.KVDEST.pack(
+            self.ptr_table.data_ptr(),
+            self.committed_bytes.data_ptr(),
+            error_counter.data_ptr(),
+            self.offset_bytes,
+            self.block_stride,
+            self.entry_stride,
+            self.block_extent,
+            self.num_blocks,
+            self.block_size,
+            self.num_dest,
+            self.my_rank,
+            0,
+        )
+
+    def _layout(self) -> list[int]:
+        """Scalars of the custom ops (KVTarget itself cannot cross torch.library)."""
+        return [
+            self.my_rank,
+            self.offset_bytes,
+            self.num_blocks,
+            self.block_size,
+            self.block_stride,
+            self.entry_stride,
+            self.entry_bytes,
+            self._cache_ptr,
+        ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (no data_ptr here: it also runs while torch.compile traces with fake tensors)
+
+
+def _check_target(name: str, target: object, kind: str) -> KVTarget:
+    if not isinstance(target, KVTarget):
+        raise TypeError(f"{name} must be a KVTarget, got {type(target).__name__}")
+    if target.kind != kind:
+        raise ValueError(f"{name} must be a {kind!r} target, got kind {target.kind!r}")
+    return target
+
+
+def _check_input(name: str, t: object, dim: int, device: torch.device, tokens: int) -> None:
+    if (
+        isinstance(t, torch.Tensor)
+        and t.dtype == torch.bfloat16
+        and t.dim() == 2
+        and t.shape[1] == dim
+        and t.shape[0] >= tokens
+        and t.stride(1) == 1
+        and t.device == device
+    ):
+        return  # the common case, checked in one go; below only explains a failure
+    t = _require_tensor(name, t)
+    if t.dtype == torch.float16:
+        raise TypeError(f"{name} is float16; only bfloat16 inputs are supported")
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"{name} must be bfloat16, got {t.dtype}")
+    if t.dim() != 2 or t.shape[1] != dim:
+        raise ValueError(f"{name} must have shape [T, {dim}], got {list(t.shape)}")
+    if t.shape[0] < tokens:
+        raise ValueError(f"{name} has {t.shape[0]} tokens, fewer than slot_mapping's {tokens}")
+    if t.stride(1) != 1:
+        raise ValueError(f"{name} rows must be contiguous (stride(1) == 1), got {t.stride()}")
+    raise ValueError(f"{name} is on {t.device}, expected the target's device {device}")
+
+
+def _check_slots(slot_mapping: object, device: torch.device) -> int:
+    s = _require_tensor("slot_mapping", slot_mapping)
+    if s.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"slot_mapping must be int32 or int64, got {s.dtype}")
+    if s.dim() != 1:
+        raise ValueError(f"slot_mapping must be 1-D, got shape {list(s.shape)}")
+    n = s.shape[0]
+    if n > 1 and s.stride(0) != 1:
+        raise ValueError(f"slot_mapping must be contiguous, got stride {s.stride()}")
+    if s.device != device:
+        raise ValueError(f"slot_mapping is on {s.device}, expected the target's device {device}")
+    return n
+
+
+def _check_cuda(device: torch.device) -> int:
+    if device.type != "cuda":
+        raise ValueError(f"the target's tensors must be on a CUDA device, got {device}")
+    return _launch.device_ordinal(device)
+
+
+def _check_aligned(name: str, t: torch.Tensor, align: int) -> None:
+    row_bytes = t.stride(0) * t.element_size()
+    if t.data_ptr() % align or (t.shape[0] > 1 and row_bytes % align):
+        raise ValueError(
+            f"{name} rows must be {align}-byte aligned, got address {t.data_ptr():#x} and row "
+            f"stride {row_bytes} bytes"
+        )
+
+
+def _grid(tokens: int) -> int:
+    return max(1, min(_MAX_GRID, -(-tokens // _WARPS_PER_CTA)))
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+# ---------------------------------------------------------------------------------------------
+# Launches (eager path, also the custom ops' implementations)
+
+
+def _launch_ds_mla(t: KVTarget, kv_c, k_pe, slots, tokens: int, nlo: int) -> None:
+    ordinal = _check_cuda(t.device)
+    _check_aligned("kv_c", kv_c, 16)
+    _check_aligned("k_pe", k_pe, 16)
+    if tokens == 0:
+        return
+    _launch.STORE_DS_MLA.launch(
+        ordinal, _grid(tokens), _THREADS, t._dest,
+        kv_c.data_ptr(), kv_c.stride(0), k_pe.data_ptr(), k_pe.stride(0),
+        slots.data_ptr(), int(slots.dtype == torch.int64), tokens, nlo,
+    )  # fmt: skip
+
+
+def _launch_indexer(t: KVTarget, k, slots, tokens: int, nlo: int, ue8m0: bool) -> None:
+    ordinal = _check_cuda(t.device)
+    _check_aligned("k", k, 8)
+    if tokens == 0:
+        return
+    _launch.STORE_INDEXER_K.launch(
+        ordinal, _grid(tokens), _THREADS, t._dest,
+        k.data_ptr(), k.stride(0), slots.data_ptr(), int(slots.dtype == torch.int64),
+        tokens, nlo, int(ue8m0),
+    )  # fmt: skip
+
+
+def _launch_layer(mla: KVTarget, idx: KVTarget, kv_c, k_pe, k, slots, tokens, nlo, ue8m0):
+    ordinal = _check_cuda(mla.device)
+    _check_aligned("kv_c", kv_c, 16)
+    _check_aligned("k_pe", k_pe, 16)
+    _check_aligned("k", k, 8)
+    if tokens == 0:
+        return
+    _launch.STORE_LAYER.launch(
+        ordinal, _grid(tokens), _THREADS, mla._dest, idx._dest,
+        kv_c.data_ptr(), kv_c.stride(0), k_pe.data_ptr(), k_pe.stride(0),
+        k.data_ptr(), k.stride(0), slots.data_ptr(), int(slots.dtype == torch.int64),
+        tokens, nlo, int(ue8m0),
+    )  # fmt: skip
+
+
+def _launch_rows(t: KVTarget, rows: torch.Tensor, slots, tokens: int, nlo: int) -> None:
+    ordinal = _check_cuda(t.device)
+    if tokens == 0:
+        return
+    row_stride = rows.stride(0)
+    vec16 = all(
+        v % 16 == 0
+        for v in (
+            rows.data_ptr(),
+            row_stride if tokens > 1 else 0,
+            t.entry_bytes,
+            t.offset_bytes,
+            t.block_stride,
+            t.entry_stride,
+            t._cache_ptr,
+        )
+    )
+    _launch.PUBLISH_ROWS.launch(
+        ordinal, _grid(tokens), _THREADS, t._dest,
+        rows.data_ptr(), row_stride, t.entry_bytes, slots.data_ptr(),
+        int(slots.dtype == torch.int64), tokens, nlo, int(vec16),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+
+
+def store_ds_mla(
+    target: KVTarget,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    num_local_only: int = 0,
+) -> None:
+    """Quantize ``kv_c [T, 512]`` / ``k_pe [T, 64]`` (bf16) to fp8_ds_mla entries and store
+    them into every replica of ``target``."""
+    target = _check_target("target", target, "fp8_ds_mla")
+    tokens = _check_slots(slot_mapping, target.device)
+    _check_input("kv_c", kv_c, 512, target.device, tokens)
+    _check_input("k_pe", k_pe, 64, target.device, tokens)
+    nlo = _require_int("num_local_only", num_local_only, 0, tokens)
+    if _compiling():
+        torch.ops.vmmkv.store_ds_mla(
+            target.cache, target.error_counter, target.ptr_table, target.committed_bytes,
+            kv_c, k_pe, slot_mapping, target._layout(), nlo,
+        )  # fmt: skip
+        return
+    _launch_ds_mla(target, kv_c, k_pe, slot_mapping, tokens, nlo)
+
+
+def store_indexer_k(
+    target: KVTarget,
+    k: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    num_local_only: int = 0,
+    ue8m0: bool = True,
+) -> None:
+    """Quantize the indexer keys ``k [T, 128]`` (bf16) and store them into every replica."""
+    target = _check_target("target", target, "indexer_k")
+    tokens = _check_slots(slot_mapping, target.device)
+    _check_input("k", k, INDEXER_DIM, target.device, tokens)
+    nlo = _require_int("num_local_only", num_local_only, 0, tokens)
+    if not isinstance(ue8m0, bool):
+        raise TypeError(f"ue8m0 must be a bool, got {type(ue8m0).__name__}")
+    if _compiling():
+        torch.ops.vmmkv.store_indexer_k(
+            target.cache, target.error_counter, target.ptr_table, target.committed_bytes,
+            k, slot_mapping, target._layout(), nlo, ue8m0,
+        )  # fmt: skip
+        return
+    _launch_indexer(target, k, slot_mapping, tokens, nlo, ue8m0)
+
+
+def store_layer(
+    mla_target: KVTarget,
+    idx_target: KVTarget,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    k: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    num_local_only: int = 0,
+    ue8m0: bool = True,
+) -> None:
+    """``store_ds_mla`` and ``store_indexer_k`` of one layer in a single launch."""
+    mla = _check_target("mla_target", mla_target, "fp8_ds_mla")
+    idx = _check_target("idx_target", idx_target, "indexer_k")
+    if idx.device != mla.device:
+        raise ValueError(f"idx_target is on {idx.device} but mla_target is on {mla.device}")
+    tokens = _check_slots(slot_mapping, mla.device)
+    _check_input("kv_c", kv_c, 512, mla.device, tokens)
+    _check_input("k_pe", k_pe, 64, mla.device, tokens)
+    _check_input("k", k, INDEXER_DIM, mla.device, tokens)
+    nlo = _require_int("num_local_only", num_local_only, 0, tokens)
+    if not isinstance(ue8m0, bool):
+        raise TypeError(f"ue8m0 must be a bool, got {type(ue8m0).__name__}")
+    if _compiling():
+        torch.ops.vmmkv.store_layer(
+            mla.cache, mla.error_counter, idx.cache, idx.error_counter,
+            mla.ptr_table, mla.committed_bytes, idx.ptr_table, idx.committed_bytes,
+            kv_c, k_pe, k, slot_mapping, mla._layout(), idx._layout(), nlo, ue8m0,
+        )  # fmt: skip
+        return
+    _launch_layer(mla, idx, kv_c, k_pe, k, slot_mapping, tokens, nlo, ue8m0)
+
+
+def publish_rows(
+    target: KVTarget,
+    rows: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    num_local_only: int = 0,
+) -> None:
+    """Copy already formatted rows ``[T, entry_bytes]`` (uint8) into every replica."""
+    target = _check_target("target", target, "rows")
+    tokens = _check_slots(slot_mapping, target.device)
+    rows = _require_tensor("rows", rows)
+    if rows.dtype != torch.uint8:
+        raise TypeError(f"rows must be uint8, got {rows.dtype}")
+    if rows.dim() != 2 or rows.shape[1] != target.entry_bytes:
+        raise ValueError(f"rows must have shape [T, {target.entry_bytes}], got {list(rows.shape)}")
+    if rows.shape[0] < tokens:
+        raise ValueError(f"rows has {rows.shape[0]} tokens, fewer than slot_mapping's {tokens}")
+    if rows.stride(1) != 1:
+        raise ValueError(f"rows must be contiguous in dim 1, got strides {rows.stride()}")
+    if rows.device != target.device:
+        raise ValueError(f"rows is on {rows.device}, expected the target's device {target.device}")
+    nlo = _require_int("num_local_only", num_local_only, 0, tokens)
+    if _compiling():
+        torch.ops.vmmkv.publish_rows(
+            target.cache, target.error_counter, target.ptr_table, target.committed_bytes,
+            rows, slot_mapping, target._layout(), nlo,
+        )  # fmt: skip
+        return
+    _launch_rows(target, rows, slot_mapping, tokens, nlo)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library custom ops (torch.compile path; also callable directly, eager or under capture)
+
+
+def _target_from_op(kind, cache, error_counter, ptr_table, committed_bytes, layout) -> KVTarget:
+    if len(layout) != 8:
+        raise ValueError(f"layout must have 8 entries, got {len(layout)}")
+    my_rank, offset, num_blocks, block_size, block_stride, entry_stride, entry_bytes, ptr = layout
+    if cache.data_ptr() != ptr:
+        raise RuntimeError(
+            f"vmmkv::{kind} got a cache tensor at {cache.data_ptr():#x} instead of the target's "
+            f"{ptr:#x}: torch.compile replaced the mutated cache by a copy, which the kernels "
+            f"(writing through region addresses) would not update. Pass caches as graph inputs "
+            f"or module buffers."
+        )
+    return KVTarget(
+        kind, ptr_table, my_rank, offset, num_blocks, block_size, block_stride, entry_stride,
+        entry_bytes, committed_bytes, error_counter, cache,
+    )  # fmt: skip
+
+
+@torch.library.custom_op("vmmkv::store_ds_mla", mutates_args=("cache", "error_counter"))
+def _op_store_ds_mla(
+    cache: torch.Tensor,
+    error_counter: torch.Tensor,
+    ptr_table: torch.Tensor,
+    committed_bytes: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    layout: list[int],
+    num_local_only: int,
+) -> None:
+    t = _target_from_op("fp8_ds_mla", cache, error_counter, ptr_table, committed_bytes, layout)
+    store_ds_mla(t, kv_c, k_pe, slot_mapping, num_local_only=num_local_only)
+
+
+@_op_store_ds_mla.register_fake
+def _(cache, error_counter, ptr_table, committed_bytes, kv_c, k_pe, slot_mapping, layout, nlo):
+    return None
+
+
+@torch.library.custom_op("vmmkv::store_indexer_k", mutates_args=("cache", "error_counter"))
+def _op_store_indexer_k(
+    cache: torch.Tensor,
+    error_counter: torch.Tensor,
+    ptr_table: torch.Tensor,
+    committed_bytes: torch.Tensor,
+    k: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    layout: list[int],
+    num_local_only: int,
+    ue8m0: bool,
+) -> None:
+    t = _target_from_op("indexer_k", cache, error_counter, ptr_table, committed_bytes, layout)
+    store_indexer_k(t, k, slot_mapping, num_local_only=num_local_only, ue8m0=ue8m0)
+
+
+@_op_store_indexer_k.register_fake
+def _(cache, error_counter, ptr_table, committed_bytes, k, slot_mapping, layout, nlo, ue8m0):
+    return None
+
+
+@torch.library.custom_op(
+    "vmmkv::store_layer",
+    mutates_args=("mla_cache", "mla_error_counter", "idx_cache", "idx_error_counter"),
+)
+def _op_store_layer(
+    mla_cache: torch.Tensor,
+    mla_error_counter: torch.Tensor,
+    idx_cache: torch.Tensor,
+    idx_error_counter: torch.Tensor,
+    mla_ptr_table: torch.Tensor,
+    mla_committed_bytes: torch.Tensor,
+    idx_ptr_table: torch.Tensor,
+    idx_committed_bytes: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    k: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    mla_layout: list[int],
+    idx_layout: list[int],
+    num_local_only: int,
+    ue8m0: bool,
+) -> None:
+    mla = _target_from_op(
+        "fp8_ds_mla", mla_cache, mla_error_counter, mla_ptr_table, mla_committed_bytes, mla_layout
+    )
+    idx = _target_from_op(
+        "indexer_k", idx_cache, idx_error_counter, idx_ptr_table, idx_committed_bytes, idx_layout
+    )
+    store_layer(mla, idx, kv_c, k_pe, k, slot_mapping, num_local_only=num_local_only, ue8m0=ue8m0)
+
+
+@_op_store_layer.register_fake
+def _(*args):
+    return None
+
+
+@torch.library.custom_op("vmmkv::publish_rows", mutates_args=("cache", "error_counter"))
+def _op_publish_rows(
+    cache: torch.Tensor,
+    error_counter: torch.Tensor,
+    ptr_table: torch.Tensor,
+    committed_bytes: torch.Tensor,
+    rows: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    layout: list[int],
+    num_local_only: int,
+) -> None:
+    t = _target_from_op("rows", cache, error_counter, ptr_table, committed_bytes, layout)
+    publish_rows(t, rows, slot_mapping, num_local_only=num_local_only)
+
+
+@_op_publish_rows.register_fake
+def _(cache, error_counter, ptr_table, committed_bytes, rows, slot_mapping, layout, nlo):
+    return None

@@ -1,0 +1,264 @@
+"""Pure-torch reference of the KV byte formats (DESIGN.md, "KV byte formats").
+
+This is the oracle of the GPU tests and the store path of the host backend, so it reproduces the
+CUDA kernels bit for bit, on any device (CPU or CUDA tensors):
+
+- fp32 arithmetic is IEEE: every division is tensor / tensor (torch turns ``cuda_tensor / 448.0``
+  into a multiplication by the rounded reciprocal, which is not the kernel's ``/``).
+- fp32 -> e4m3 is round-to-nearest-even with SATFINITE: values are clamped to +-448 first
+  (torch's own cast turns overflow into NaN; the clamp does not change any in-range rounding,
+  since (448, 464] rounds to 448 anyway), and NaN becomes 0x7f, the canonical NaN that
+  ``__nv_cvt_float_to_fp8`` returns whatever the NaN's sign.
+- amax ignores NaN like the kernels' ``fmaxf`` reduction; an inf input gives an inf scale, so
+  its tile holds 0x7f (inf/inf) for the inf and signed zeros elsewhere, as on the GPU.
+- fp16 inputs are rejected (TypeError): only bf16 is specified.
+
+Inserters write into a cache view exactly as the kernels do and return how many tokens were
+skipped for being out of range (slot >= num_blocks * block_size); slot < 0 is padding, skipped
+silently. Token count = ``slot_mapping.numel()``; longer inputs are cut. Duplicate slots: the last
+token wins here, the kernels leave it unspecified. Nothing here allocates beyond temporaries;
+the caller owns every tensor. Capture-safe only on CUDA tensors without host syncs: the returned
+count needs ``.item()``, so do not call the inserters inside CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+
+import torch
+
+__all__ = [
+    "FP8_MAX",
+    "INDEXER_AMAX_FLOOR",
+    "INDEXER_DIM",
+    "INDEXER_ENTRY_BYTES",
+    "MLA_ENTRY_BYTES",
+    "MLA_KV_DIM",
+    "MLA_ROPE_DIM",
+    "e4m3_satfinite",
+    "indexer_scale",
+    "insert_ds_mla",
+    "insert_indexer_k",
+    "insert_rows",
+    "quantize_ds_mla",
+    "quantize_indexer_k",
+    "ue8m0",
+]
+
+if sys.byteorder != "little":  # pragma: no cover - the formats are little-endian on every GPU host
+    raise ImportError("vmmkv.ops.reference assumes a little-endian host")
+
+MLA_KV_DIM = 512
+MLA_ROPE_DIM = 64
+MLA_TILE = 128
+MLA_ENTRY_BYTES = MLA_KV_DIM + 4 * (MLA_KV_DIM // MLA_TILE) + 2 * MLA_ROPE_DIM  # 656
+INDEXER_DIM = 128
+INDEXER_ENTRY_BYTES = INDEXER_DIM + 4  # 132, split inside the block
+FP8_MAX = 448.0
+FLT_MIN = 2.0**-126
+# The float nearest to 1e-4 (0x38d1b717): vLLM writes fmaxf(amax, 1e-4), the double literal
+# converted to float, which is this same float.
+INDEXER_AMAX_FLOOR = struct.unpack("<f", struct.pack("<I", 0x38D1B717))[0]
+
+
+def _check_bf16(name: str, t: torch.Tensor, dim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype == torch.float16:
+        raise TypeError(f"{name} is float16; only bfloat16 is supported (got {t.dtype})")
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"{name} must be bfloat16, got {t.dtype}")
+    if t.dim() != 2 or t.shape[1] != dim:
+        raise ValueError(f"{name} must have shape [T, {dim}], got {list(t.shape)}")
+
+
+def _full(like: torch.Tensor, value: float) -> torch.Tensor:
+    return torch.full_like(like, value, dtype=torch.float32)
+
+
+def _abs_ignoring_nan(x: torch.Tensor) -> torch.Tensor:
+    a = x.abs()
+    return torch.where(torch.isnan(a), torch.zeros_like(a), a)
+
+
+def e4m3_satfinite(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> e4m3 bytes (uint8), RNE, saturating to +-448, NaN -> 0x7f. Same shape."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"e4m3_satfinite expects float32, got {x.dtype}")
+    q = x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.where(torch.isnan(x), torch.full_like(q, 0x7F), q)
+
+
+def quantize_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """bf16 ``kv_c [T, 512]`` and ``k_pe [T, 64]`` -> uint8 ``[T, 656]`` fp8_ds_mla entries."""
+    _check_bf16("kv_c", kv_c, MLA_KV_DIM)
+    _check_bf16("k_pe", k_pe, MLA_ROPE_DIM)
+    if kv_c.shape[0] != k_pe.shape[0] or kv_c.device != k_pe.device:
+        raise ValueError(
+            f"kv_c and k_pe must have the same token count and device, got "
+            f"{list(kv_c.shape)} on {kv_c.device} and {list(k_pe.shape)} on {k_pe.device}"
+        )
+    t = kv_c.shape[0]
+    x = kv_c.float().reshape(t, MLA_KV_DIM // MLA_TILE, MLA_TILE)
+    amax = _abs_ignoring_nan(x).amax(dim=-1)  # [T, 4]
+    scale = torch.maximum(amax / _full(amax, FP8_MAX), _full(amax, FLT_MIN))
+    values = e4m3_satfinite(x / scale.unsqueeze(-1)).reshape(t, MLA_KV_DIM)
+    scale_bytes = scale.contiguous().view(torch.uint8).reshape(t, 16)  # little-endian fp32
+    rope_bytes = k_pe.contiguous().view(torch.uint8).reshape(t, 2 * MLA_ROPE_DIM)
+    return torch.cat([values, scale_bytes, rope_bytes], dim=1)
+
+
+def ue8m0(s: torch.Tensor) -> torch.Tensor:
+    """``exp2f(ceilf(log2f(s)))`` of positive float32 scales: the power of two at or above."""
+    if s.dtype != torch.float32:
+        raise TypeError(f"s must be float32, got {s.dtype}")
+    # log2f's result is rounded to a float before ceilf, and that rounding decides the power of
+    # two just above 2^k: the exact log2 of nextafter(2^k) is k + 1.7e-7, which rounds to k for
+    # |k| >= 4 (ceil keeps k) but stays above k in float64. So take log2 in float64 and round it
+    # to float32 (the correctly rounded log2f), then ceil. CUDA's log2f is within 1 ulp; for
+    # bf16 inputs s is either an exact power of two (log2f is exact there) or at least 0.4% away
+    # from one, where every faithful log2f gives the same ceiling.
+    e = torch.ceil(torch.log2(s.double()).float())
+    # 2^e from its bits (exact): scales here are >= 2^-23, and e >= 128 (inf scale) gives inf
+    biased = (e.clamp(-126.0, 128.0).to(torch.int32) + 127) << 23
+    return biased.view(torch.float32)
+
+
+def indexer_scale(amax: torch.Tensor, ue8m0: bool = True) -> torch.Tensor:
+    """The indexer scale of a float32 ``amax``: ``fmaxf(amax, 1e-4f) / 448``, then with ue8m0
+    ``exp2f(ceilf(log2f(s)))``."""
+    if amax.dtype != torch.float32:
+        raise TypeError(f"amax must be float32, got {amax.dtype}")
+    s = torch.maximum(amax, _full(amax, INDEXER_AMAX_FLOOR)) / _full(amax, FP8_MAX)
+    return _ue8m0(s) if ue8m0 else s
+
+
+def quantize_indexer_k(k: torch.Tensor, ue8m0: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 ``k [T, 128]`` -> (uint8 values ``[T, 128]``, float32 scales ``[T]``)."""
+    _check_bf16("k", k, INDEXER_DIM)
+    x = k.float()
+    scale = indexer_scale(_abs_ignoring_nan(x).amax(dim=-1), ue8m0)
+    return e4m3_satfinite(x / scale.unsqueeze(-1)), scale
+
+
+# ---------------------------------------------------------------------------------------------
+# Inserters
+
+
+def _slots(slot_mapping: torch.Tensor) -> torch.Tensor:
+    if not isinstance(slot_mapping, torch.Tensor):
+        raise TypeError(f"slot_mapping must be a torch.Tensor, got {type(slot_mapping).__name__}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    if slot_mapping.dim() != 1:
+        raise ValueError(f"slot_mapping must be 1-D, got shape {list(slot_mapping.shape)}")
+    return slot_mapping.long()
+
+
+def _check_tokens(name: str, t: torch.Tensor, n: int) -> None:
+    if t.shape[0] < n:
+        raise ValueError(f"{name} has {t.shape[0]} tokens, fewer than slot_mapping's {n}")
+
+
+def _check_cache(cache: torch.Tensor, row_bytes: int | None) -> None:
+    if not isinstance(cache, torch.Tensor) or cache.dtype != torch.uint8:
+        got = cache.dtype if isinstance(cache, torch.Tensor) else type(cache).__name__
+        raise TypeError(f"cache must be a uint8 tensor, got {got}")
+    if cache.dim() != 3 or (row_bytes is not None and cache.shape[2] != row_bytes):
+        want = f"[num_blocks, block_size, {row_bytes if row_bytes is not None else 'row_bytes'}]"
+        raise ValueError(f"cache must have shape {want}, got {list(cache.shape)}")
+
+
+def _scatter(
+    cache_rows: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, block_size: int
+) -> int:
+    """cache_rows: [num_blocks, block_size, W] view; rows: [T, W]. Returns the out-of-range count."""
+    num_slots = cache_rows.shape[0] * block_size
+    valid = slots >= 0
+    in_range = slots < num_slots
+    skipped = int((valid & ~in_range).sum().item())
+    keep = valid & in_range
+    s = slots[keep]
+    cache_rows[s // block_size, s % block_size] = rows[keep].to(cache_rows.device)
+    return skipped
+
+
+def insert_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> int:
+    """Copy formatted ``rows [T', row_bytes]`` (uint8) to ``cache[block, offset]``."""
+    slots = _slots(slot_mapping)
+    _check_cache(cache, None)
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != cache.shape[2]:
+        raise ValueError(
+            f"rows must be uint8 [T, {cache.shape[2]}], got {rows.dtype} {list(rows.shape)}"
+        )
+    n = slots.numel()
+    _check_tokens("rows", rows, n)
+    return _scatter(cache, rows[:n], slots.to(cache.device), cache.shape[1])
+
+
+def insert_ds_mla(
+    cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor
+) -> int:
+    """Quantize and insert into an fp8_ds_mla view ``[num_blocks, block_size, 656]`` (any
+    strides, e.g. one layer of a layer-interleaved buffer)."""
+    slots = _slots(slot_mapping)
+    _check_cache(cache, MLA_ENTRY_BYTES)
+    n = slots.numel()
+    _check_tokens("kv_c", kv_c, n)
+    _check_tokens("k_pe", k_pe, n)
+    rows = quantize_ds_mla(kv_c[:n], k_pe[:n])
+    return _scatter(cache, rows, slots.to(cache.device), cache.shape[1])
+
+
+def _indexer_block_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    if not isinstance(cache, torch.Tensor) or cache.dtype != torch.uint8:
+        raise TypeError("cache must be a uint8 tensor")
+    if cache.dim() == 3:
+        if cache.shape[2] != INDEXER_ENTRY_BYTES:
+            raise ValueError(
+                f"indexer cache must be [num_blocks, block_size, 132], got {list(cache.shape)}"
+            )
+        block_size = cache.shape[1]
+        if cache.stride(2) != 1 or cache.stride(1) != INDEXER_ENTRY_BYTES:
+            raise ValueError(
+                f"each indexer block must be contiguous, got strides {list(cache.stride())}"
+            )
+        blocks = cache.as_strided(
+            (cache.shape[0], block_size * INDEXER_ENTRY_BYTES), (cache.stride(0), 1)
+        )
+    elif cache.dim() == 2:
+        if cache.shape[1] % INDEXER_ENTRY_BYTES or cache.stride(1) != 1:
+            raise ValueError(
+                f"indexer cache must be [num_blocks, block_size*132] with contiguous blocks, "
+                f"got shape {list(cache.shape)} strides {list(cache.stride())}"
+            )
+        block_size = cache.shape[1] // INDEXER_ENTRY_BYTES
+        blocks = cache
+    else:
+        raise ValueError(f"indexer cache must be 2-D or 3-D, got shape {list(cache.shape)}")
+    nb = blocks.shape[0]
+    values = blocks[:, : block_size * INDEXER_DIM].unflatten(1, (block_size, INDEXER_DIM))
+    scales = blocks[:, block_size * INDEXER_DIM :].unflatten(1, (block_size, 4))
+    assert values.shape[0] == scales.shape[0] == nb
+    return values, scales, block_size
+
+
+def insert_indexer_k(
+    cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tensor, ue8m0: bool = True
+) -> int:
+    """Quantize and insert into an Indexer-K view: ``[num_blocks, block_size*132]`` or
+    ``[num_blocks, block_size, 132]`` whose blocks hold ``block_size*128`` fp8 values (token o at
+    ``o*128``) followed by ``block_size`` fp32 scales (token o at ``block_size*128 + 4*o``)."""
+    slots = _slots(slot_mapping)
+    values_view, scales_view, block_size = _indexer_block_views(cache)
+    n = slots.numel()
+    _check_tokens("k", k, n)
+    values, scale = quantize_indexer_k(k[:n], ue8m0)
+    slots = slots.to(cache.device)
+    skipped = _scatter(values_view, values, slots, block_size)
+    _scatter(scales_view, scale.contiguous().view(torch.uint8).reshape(n, 4), slots, block_size)
+    return skipped
+
+
+_ue8m0 = ue8m0  # indexer_scale's parameter of the same name shadows the function
