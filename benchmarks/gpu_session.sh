@@ -3,7 +3,7 @@
 # benchmark). Logs and JSON go to $OUT (the folder whose files come back). Usage:
 #   bash benchmarks/gpu_session.sh tests|bench|all
 set -u
-export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD:$PWD/.gpu-site NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/bench-out}
 mkdir -p "$OUT"
@@ -20,9 +20,9 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     {
-        python3 benchmarks/bench_region.py --out "$OUT/bench_region.json"
-        python3 benchmarks/bench_rendezvous.py --out "$OUT/bench_rendezvous.json"
         python3 benchmarks/bench_store.py --out "$OUT/bench_store.json"
         python3 -m vmmkv bench --quick --out "$OUT"
+        python3 benchmarks/bench_region.py --out "$OUT/bench_region.json"
+        python3 benchmarks/bench_rendezvous.py --out "$OUT/bench_rendezvous.json"
     } 2>&1 | tee "$OUT/bench.log" | grep -v " done$"
 fi

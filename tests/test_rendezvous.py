@@ -95,8 +95,14 @@ def _lifecycle(rank, world, backend):
     from vmmkv.ipc import SymmetricRegion
 
     g = _gran(backend)
-    fds0 = _fds()
     chunk = 2 * g
+    # warm-up cycle: torch's and the driver's own first-use fds (CUDA: uvm, caps, ...) are
+    # opened here, so the count below measures what vmmkv keeps
+    warm = SymmetricRegion(2 * chunk, _device(backend), chunk_bytes=chunk, backend=backend)
+    warm.resize(2 * chunk)
+    _write_all_check_own(warm, 0, 64, salt=0)
+    warm.close()
+    fds0 = _fds()
     sr = SymmetricRegion(
         16 * chunk, _device(backend), chunk_bytes=chunk, initial_bytes=2 * chunk, backend=backend
     )
@@ -138,21 +144,22 @@ def test_every_rank_writes_every_peer_and_resize_keeps_addresses(backend, world)
 
 def _memory_baseline(rank, world):
     import torch
+    import torch.distributed as dist
 
     from vmmkv.alloc import VirtualRegion
     from vmmkv.ipc import SymmetricRegion
 
     g = _gran("cuda")
     torch.cuda.init()
+    dist.barrier()  # every rank's CUDA context exists before anyone measures
     probe = VirtualRegion(g, "cuda:0", backend="cuda")
     before = probe.memory_in_use()
     probe.close()
+    dist.barrier()  # nobody allocates before everyone measured
     fds0 = _fds()
     sr = SymmetricRegion(32 * g, "cuda:0", chunk_bytes=4 * g, initial_bytes=16 * g, backend="cuda")
     sr.resize(32 * g)
     sr.close()
-    import torch.distributed as dist
-
     dist.barrier()  # every rank has released before anyone measures
     probe = VirtualRegion(g, "cuda:0", backend="cuda")
     after = probe.memory_in_use()

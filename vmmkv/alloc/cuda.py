@@ -13,6 +13,8 @@ region refuses growth during capture before reaching them).
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from .driver import call, cu, primary_context
@@ -88,7 +90,8 @@ def _nvml_fabric_state(ordinal: int) -> str:
         pynvml.nvmlInit()
         try:
             h = pynvml.nvmlDeviceGetHandleByIndex(ordinal)
-            info = pynvml.nvmlDeviceGetGpuFabricInfo(h)
+            info = pynvml.c_nvmlGpuFabricInfo_t()
+            pynvml.nvmlDeviceGetGpuFabricInfo(h, ctypes.byref(info))
             if info.state != pynvml.NVML_GPU_FABRIC_STATE_COMPLETED:
                 return f"device {ordinal}: NVML fabric state {info.state} (not COMPLETED)"
             if info.status != pynvml.NVML_SUCCESS:

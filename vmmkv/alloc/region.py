@@ -8,7 +8,9 @@ Contract:
   synchronize. Both are local (not collective), refuse during CUDA stream capture, and are
   transactional: a failing ``commit`` leaves the region as it was.
 - ``tensor(dtype)`` is a view over the whole capacity; only the committed prefix may be touched,
-  and every view is invalid after ``close()``.
+  and every view is invalid after ``close()``. A CUDA graph may be captured over uncommitted
+  addresses with kernels (they touch memory only when they run); a memcpy/memset node is
+  validated against the range at capture time and fails there.
 - There is no ``__del__``: a finalizer could run a device synchronize in the middle of someone's
   graph capture. An unclosed region lives until the process exits (the OS reclaims it).
 - ``close()`` is local and idempotent; it finishes every step (synchronize, unmap, release the
