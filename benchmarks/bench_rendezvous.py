@@ -1,8 +1,8 @@
 """Rendezvous / grow / shrink / close of SymmetricRegion against bare driver costs.
 
 PCP groups of 2 and 4 processes sharing the GPU(s) (rank r uses GPU r % count), per-rank
-capacity 8 and 32 GiB, chunks 256 MiB and 1 GiB. Each rank starts with one committed chunk,
-then grows by ``--grow-gib`` (default 8 GiB), shrinks back and closes; the slowest rank's time
+capacity 8 and 32 GiB, chunks 256 MiB and 1 GiB. Each rank rendezvous with nothing committed,
+then grows by ``--grow-gib`` (default 8 GiB), shrinks to zero and closes; the slowest rank's time
 (after a barrier) is reported. Next to it, in the same run: bare cuda.bindings create + export +
 import + map of the same chunks in one process (target: grow <= 2x that), and torch symmetric
 memory ``empty`` + ``rendezvous`` of the grow size in a 1-rank group (it refuses two ranks on
@@ -39,19 +39,24 @@ def _rank_main(rank, world, port, configs, grow, q):
     out = []
     try:
         for cap, chunk in configs:
+            if grow > cap:
+                raise ValueError(f"--grow-gib ({grow}) exceeds a capacity of {cap} bytes")
             t = {}
             dist.barrier()
             t0 = time.perf_counter()
-            sr = SymmetricRegion(cap, dev, chunk_bytes=chunk, initial_bytes=chunk, backend="cuda")
+            sr = SymmetricRegion(cap, dev, chunk_bytes=chunk, backend="cuda")
             t["rendezvous"] = time.perf_counter() - t0
             for name, fn in (
-                ("grow", lambda sr=sr, c=chunk: sr.resize(c + grow)),
-                ("shrink", lambda sr=sr, c=chunk: sr.resize(c)),
+                ("grow", lambda sr=sr: sr.resize(grow)),
+                ("shrink", lambda sr=sr: sr.resize(0)),
                 ("close", sr.close),
             ):
                 dist.barrier()
                 t[name] = timed(fn)
             out.append(t)
+    except BaseException as exc:
+        q.put((rank, f"{type(exc).__name__}: {exc}"))
+        raise
     finally:
         dist.destroy_process_group()
     q.put((rank, out))
@@ -75,6 +80,10 @@ def _spawn(world, configs, grow):
     results = {}
     for _ in range(world):
         rank, out = q.get(timeout=900)
+        if isinstance(out, str):
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"rank {rank} failed: {out}")
         results[rank] = out
     for p in procs:
         p.join(60)

@@ -150,8 +150,12 @@ def _memory_baseline(rank, world):
     from vmmkv.ipc import SymmetricRegion
 
     g = _gran("cuda")
-    torch.cuda.init()
-    dist.barrier()  # every rank's CUDA context exists before anyone measures
+    # warm-up cycle: CUDA context, torch's allocator and lazily loaded modules on every rank
+    warm = SymmetricRegion(4 * g, "cuda:0", chunk_bytes=2 * g, initial_bytes=4 * g, backend="cuda")
+    warm.close()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    dist.barrier()  # every rank is warm before anyone measures
     probe = VirtualRegion(g, "cuda:0", backend="cuda")
     before = probe.memory_in_use()
     probe.close()
@@ -160,6 +164,8 @@ def _memory_baseline(rank, world):
     sr = SymmetricRegion(32 * g, "cuda:0", chunk_bytes=4 * g, initial_bytes=16 * g, backend="cuda")
     sr.resize(32 * g)
     sr.close()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     dist.barrier()  # every rank has released before anyone measures
     probe = VirtualRegion(g, "cuda:0", backend="cuda")
     after = probe.memory_in_use()

@@ -154,7 +154,7 @@ class CudaBackend:
 
     def free_reservation(self, ptr: int, size: int) -> None:
         with primary_context(self.ordinal):
-            call(cu.cuMemAddressFree, ptr, size, device=self.ordinal, ptr=hex(ptr), size=size)
+            call(cu.cuMemAddressFree, ptr, size, device=self.ordinal, ptr=ptr, size=size)
 
     def create(self, size: int):
         with primary_context(self.ordinal):
@@ -178,7 +178,7 @@ class CudaBackend:
             call(cu.cuMemRelease, handle, device=self.ordinal)
 
     def map(self, ptr: int, size: int, handle, *, exportable: bool = False) -> None:
-        ctx = dict(device=self.ordinal, ptr=hex(ptr), size=size)
+        ctx = dict(device=self.ordinal, ptr=ptr, size=size)
         with primary_context(self.ordinal):
             mapped = False
             try:
@@ -200,10 +200,10 @@ class CudaBackend:
 
     def unmap(self, ptr: int, size: int) -> None:
         with primary_context(self.ordinal):
-            call(cu.cuMemUnmap, ptr, size, device=self.ordinal, ptr=hex(ptr), size=size)
+            call(cu.cuMemUnmap, ptr, size, device=self.ordinal, ptr=ptr, size=size)
 
     def export(self, ptr: int, size: int) -> int:
-        ctx = dict(device=self.ordinal, ptr=hex(ptr), size=size)
+        ctx = dict(device=self.ordinal, ptr=ptr, size=size)
         with primary_context(self.ordinal):
             handle = call(cu.cuMemRetainAllocationHandle, ptr, **ctx)
             try:
@@ -220,7 +220,7 @@ class CudaBackend:
 
     def zero(self, ptr: int, size: int) -> None:
         with primary_context(self.ordinal):
-            call(cu.cuMemsetD8, ptr, 0, size, device=self.ordinal, ptr=hex(ptr), size=size)
+            call(cu.cuMemsetD8, ptr, 0, size, device=self.ordinal, ptr=ptr, size=size)
             call(cu.cuCtxSynchronize, device=self.ordinal)
 
     def synchronize(self) -> None:

@@ -13,11 +13,9 @@ Contract:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 try:  # cuda-python is a hard dependency, but keep `import vmmkv` working where it is broken.
@@ -47,7 +45,10 @@ class CudaError(RuntimeError):
         self.call_name = call_name
         self.code = code
         self.context = dict(context)
-        where = ", ".join(f"{k}={v}" for k, v in context.items())
+        where = ", ".join(
+            f"{k}={v:#x}" if k == "ptr" and isinstance(v, int) else f"{k}={v}"
+            for k, v in context.items()
+        )
         super().__init__(f"{call_name} failed: {detail}" + (f" [{where}]" if where else ""))
 
 
@@ -134,29 +135,46 @@ _primary_lock = threading.Lock()
 def _primary_ctx(ordinal: int) -> Any:
     # Retained once per process and never released: torch holds the same primary context, and
     # releasing it while tensors live would destroy it under them.
+    ctx = _primary.get(ordinal)
+    if ctx is not None:
+        return ctx
     with _primary_lock:
         ctx = _primary.get(ordinal)
         if ctx is None:
             ensure_init()
             dev = call(cu.cuDeviceGet, ordinal, device=ordinal)
             ctx = call(cu.cuDevicePrimaryCtxRetain, dev, device=ordinal)
-            _primary[ordinal] = ctx
+            _primary[ordinal] = (ctx, int(ctx))
+        return _primary[ordinal]
+
+
+class primary_context:  # noqa: N801 - used like a function: ``with primary_context(i):``
+    """Make ``ordinal``'s primary context current on this thread inside the block.
+
+    A plain class rather than a generator: it wraps every driver call of the hot paths
+    (commit, map), where the generator machinery was measurable per chunk."""
+
+    __slots__ = ("ordinal", "ctx", "prev")
+
+    def __init__(self, ordinal: int) -> None:
+        self.ordinal = ordinal
+        self.ctx, self.prev = None, None
+
+    def __enter__(self) -> Any:
+        ctx, ctx_int = _primary_ctx(self.ordinal)
+        err, prev = cu.cuCtxGetCurrent()
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise CudaError("cuCtxGetCurrent", err, _describe(err), {"device": self.ordinal})
+        if int(prev) != ctx_int:
+            call(cu.cuCtxSetCurrent, ctx, device=self.ordinal)
+            self.prev = prev
+        self.ctx = ctx
         return ctx
 
-
-@contextlib.contextmanager
-def primary_context(ordinal: int) -> Iterator[Any]:
-    """Make ``ordinal``'s primary context current on this thread inside the block."""
-    ctx = _primary_ctx(ordinal)
-    prev = call(cu.cuCtxGetCurrent, device=ordinal)
-    switch = int(prev) != int(ctx)
-    if switch:
-        call(cu.cuCtxSetCurrent, ctx, device=ordinal)
-    try:
-        yield ctx
-    finally:
-        if switch:
-            call(cu.cuCtxSetCurrent, prev, device=ordinal)
+    def __exit__(self, *exc: Any) -> None:
+        if self.prev is not None:
+            prev, self.prev = self.prev, None
+            call(cu.cuCtxSetCurrent, prev, device=self.ordinal)
 
 
 def finalizing() -> bool:
