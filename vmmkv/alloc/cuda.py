@@ -142,6 +142,10 @@ class CudaBackend:
     def describe(self) -> str:
         return f"cuda:{self.ordinal} ({self.handle_type})"
 
+    def context(self) -> primary_context:
+        """One guard around a batch of calls (the nested per-call guards then cost nothing)."""
+        return primary_context(self.ordinal)
+
     def device_uuid(self) -> str:
         return self._uuid
 

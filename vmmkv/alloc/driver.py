@@ -148,20 +148,28 @@ def _primary_ctx(ordinal: int) -> Any:
         return _primary[ordinal]
 
 
+_current = threading.local()  # the ordinal whose guard is innermost on this thread
+
+
 class primary_context:  # noqa: N801 - used like a function: ``with primary_context(i):``
     """Make ``ordinal``'s primary context current on this thread inside the block.
 
     A plain class rather than a generator: it wraps every driver call of the hot paths
     (commit, map), where the generator machinery was measurable per chunk."""
 
-    __slots__ = ("ordinal", "ctx", "prev")
+    __slots__ = ("ordinal", "ctx", "prev", "outer")
 
     def __init__(self, ordinal: int) -> None:
         self.ordinal = ordinal
-        self.ctx, self.prev = None, None
+        self.ctx, self.prev, self.outer = None, None, None
 
     def __enter__(self) -> Any:
         ctx, ctx_int = _primary_ctx(self.ordinal)
+        self.outer = getattr(_current, "ordinal", None)
+        _current.ordinal = self.ordinal
+        if self.outer == self.ordinal:  # nested in a guard of the same device: already current
+            self.ctx = ctx
+            return ctx
         err, prev = cu.cuCtxGetCurrent()
         if err != cu.CUresult.CUDA_SUCCESS:
             raise CudaError("cuCtxGetCurrent", err, _describe(err), {"device": self.ordinal})
@@ -172,6 +180,7 @@ class primary_context:  # noqa: N801 - used like a function: ``with primary_cont
         return ctx
 
     def __exit__(self, *exc: Any) -> None:
+        _current.ordinal = self.outer
         if self.prev is not None:
             prev, self.prev = self.prev, None
             call(cu.cuCtxSetCurrent, prev, device=self.ordinal)

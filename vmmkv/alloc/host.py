@@ -14,6 +14,7 @@ Local, never collective; nothing here touches torch's streams.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -71,6 +72,9 @@ class HostBackend:
 
     def describe(self) -> str:
         return "host memory (memfd)"
+
+    def context(self) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
 
     def device_uuid(self) -> str:
         return "host"

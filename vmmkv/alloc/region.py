@@ -271,16 +271,8 @@ class VirtualRegion(_Closeable):
             target = self._target("commit", nbytes)
             added: list[Chunk] = []
             try:
-                offset = self.committed_bytes
-                while offset < target:
-                    size = min(self._chunk, self._capacity - offset)
-                    handle = self._backend.create(size)
-                    self._backend.map(self._base + offset, size, handle, exportable=True)
-                    added.append(Chunk(offset, size))
-                    offset += size
-                if added:
-                    start = added[0].offset
-                    self._backend.zero(self._base + start, offset - start)
+                with self._backend.context():
+                    self._commit_chunks(target, added)
             except BaseException:
                 _run_all(
                     [
@@ -291,6 +283,20 @@ class VirtualRegion(_Closeable):
                 raise
             self._chunks.extend(added)
             return added
+
+    def _commit_chunks(self, target: int, added: list[Chunk]) -> None:
+        """Create, map and zero chunks up to ``target``, recording each in ``added`` as soon
+        as it is mapped (so the caller can roll back exactly what exists)."""
+        offset = self.committed_bytes
+        while offset < target:
+            size = min(self._chunk, self._capacity - offset)
+            handle = self._backend.create(size)
+            self._backend.map(self._base + offset, size, handle, exportable=True)
+            added.append(Chunk(offset, size))
+            offset += size
+        if added:
+            start = added[0].offset
+            self._backend.zero(self._base + start, offset - start)
 
     def decommit(self, nbytes: int) -> list[Chunk]:
         """Shrink the committed prefix to ``nbytes`` rounded up to chunks; returns the dropped
