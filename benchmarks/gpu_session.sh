@@ -2,6 +2,9 @@
 # One device-machine call: `tests` (the GPU suite + CLI on the GPU) and/or `bench` (every
 # benchmark). Logs and JSON go to $OUT (the folder whose files come back). Usage:
 #   bash benchmarks/gpu_session.sh tests|bench|all
+# The device machine runs its own packages. If it lacks the test extras (hypothesis,
+# pytest-timeout), unpack their wheels into .gpu-site/ here (ignored by git) and name .gpu-site
+# in the call's carry list; the path below puts it on PYTHONPATH.
 set -u
 export PYTHONPATH=$PWD:$PWD/.gpu-site NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1

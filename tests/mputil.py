@@ -23,7 +23,7 @@ from multiprocessing import get_context
 from multiprocessing.connection import wait
 from typing import Any
 
-__all__ = ["RankResult", "free_port", "run_world", "run_world_raw"]
+__all__ = ["RankResult", "capture_logs", "free_port", "run_world", "run_world_raw"]
 
 _TERMINATE_GRACE_S = 2.0
 _PR_SET_PDEATHSIG = 1
@@ -250,3 +250,19 @@ def run_world(fn: Callable[..., Any], world_size: int, **kw: Any) -> list[Any]:
         )
         raise AssertionError(f"{len(failed)} of {world_size} ranks failed:\n{report}")
     return [r.value for r in results]
+
+
+def capture_logs(name: str = "vmmkv") -> list[str]:
+    """Collect the messages logged under ``name`` (INFO and above) into the returned list."""
+    import logging
+
+    records: list[str] = []
+
+    class _Grab(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger = logging.getLogger(name)
+    logger.addHandler(_Grab())
+    logger.setLevel(logging.INFO)
+    return records

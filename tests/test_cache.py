@@ -9,11 +9,9 @@ processes sharing the GPU.
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
-from tests.mputil import run_world
+from tests.mputil import capture_logs, run_world
 
 BS = 64  # block size
 NB = 6  # blocks per layer view
@@ -220,14 +218,7 @@ def _forced_gather(rank, world):
 
     from vmmkv import ReplicatedKVCache
 
-    records = []
-
-    class Grab(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    logging.getLogger("vmmkv").addHandler(Grab())
-    logging.getLogger("vmmkv").setLevel(logging.INFO)
+    records = capture_logs()
     import os
 
     os.environ["VMMKV_DIRECT"] = "0"

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.mputil import run_world, run_world_raw
+from tests.mputil import capture_logs, run_world, run_world_raw
 
 CASES = [
     pytest.param("host", 2, id="host-2"),
@@ -485,18 +485,10 @@ def test_a_graph_writing_through_ptr_table_replays_into_chunks_grown_after_captu
 
 
 def _fabric_probe(rank, world):
-    import logging
 
     from vmmkv.ipc.peers import select_handle_type
 
-    records = []
-
-    class Grab(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    logging.getLogger("vmmkv").addHandler(Grab())
-    logging.getLogger("vmmkv").setLevel(logging.INFO)
+    records = capture_logs()
     import torch.distributed as dist
 
     return select_handle_type("cuda:0", dist.group.WORLD), records

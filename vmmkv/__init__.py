@@ -2,7 +2,7 @@
 
 Layers: ``vmmkv.alloc`` (driver calls, regions), ``vmmkv.ipc`` (fd passing, rendezvous,
 collective resize), ``vmmkv.ops`` (NVRTC-built kernels, reference quantizers), and the
-engine-facing :class:`ReplicatedKVCache`. Environment variables: see ``vmmkv.env``.
+engine-facing :class:`ReplicatedKVCache`. Environment variables: see README.md.
 
 The names below load on first use, so that torch-free pieces (``vmmkv.ipc.fdpass``) import
 without torch.

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
+from .alloc.region import run_all
 from .ipc import DirectUnsupported, SymmetricRegion
 from .ipc.comm import check_cpu_group
 from .ops import host as host_ops
@@ -133,9 +134,10 @@ class ReplicatedKVCache:
         self.direct = sr.mapped
         if not self.direct:
             msg = f"vmmkv: gather-then-insert fallback: {self.why_not_direct}"
-            if self.mode_requested == "1":
+            asked = self.mode_requested == "1"
+            if asked:
                 warnings.warn(msg, RuntimeWarning, stacklevel=2)
-            log.warning(msg) if self.mode_requested == "1" else log.info(msg)
+            log.log(logging.WARNING if asked else logging.INFO, msg)
         else:
             log.info("vmmkv: direct publication to %d ranks", sr.world_size)
         self.error_counter = torch.zeros(1, dtype=torch.int32, device=sr.device)
@@ -457,16 +459,7 @@ class ReplicatedKVCache:
             if self._closed:
                 return
             self._closed = True
-        errors = []
-        for step in (self._barrier.close if self._barrier else None, self._sr.close):
-            if step is None:
-                continue
-            try:
-                step()
-            except Exception as exc:
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        run_all(([self._barrier.close] if self._barrier else []) + [self._sr.close])
 
     def __enter__(self) -> ReplicatedKVCache:
         return self

@@ -38,7 +38,7 @@ from . import driver
 from .dlpack import tensor_at
 from .host import HostBackend
 
-__all__ = ["Chunk", "PeerRegion", "RegionClosedError", "VirtualRegion", "make_backend"]
+__all__ = ["Chunk", "PeerRegion", "RegionClosedError", "VirtualRegion", "make_backend", "run_all"]
 
 log = logging.getLogger("vmmkv.alloc")
 
@@ -138,7 +138,7 @@ class _Closeable:
         raise NotImplementedError
 
 
-def _run_all(steps: list[Callable[[], None]]) -> None:
+def run_all(steps: list[Callable[[], None]]) -> None:
     """Run every step; raise the first error afterwards."""
     first: BaseException | None = None
     for step in steps:
@@ -274,7 +274,7 @@ class VirtualRegion(_Closeable):
                 with self._backend.context():
                     self._commit_chunks(target, added)
             except BaseException:
-                _run_all(
+                run_all(
                     [
                         (lambda c=c: self._backend.unmap(self._base + c.offset, c.size))
                         for c in reversed(added)
@@ -309,7 +309,7 @@ class VirtualRegion(_Closeable):
                 return []
             self._backend.synchronize()
             self._chunks = [c for c in self._chunks if c.offset < target]
-            _run_all(
+            run_all(
                 [
                     (lambda c=c: self._backend.unmap(self._base + c.offset, c.size))
                     for c in reversed(dropped)
@@ -356,7 +356,7 @@ class VirtualRegion(_Closeable):
                 for c in reversed(chunks)
             ]
             steps.append(lambda: self._backend.free_reservation(self._base, self._capacity))
-            _run_all(steps)
+            run_all(steps)
 
 
 class PeerRegion(_Closeable):
@@ -413,7 +413,7 @@ class PeerRegion(_Closeable):
             self._check_open()
             dropped = [c for c in self._chunks if c.offset >= offset]
             self._chunks = [c for c in self._chunks if c.offset < offset]
-            _run_all(
+            run_all(
                 [
                     (lambda c=c: self._backend.unmap(self._base + c.offset, c.size))
                     for c in reversed(dropped)
@@ -438,4 +438,4 @@ class PeerRegion(_Closeable):
                 for c in reversed(chunks)
             ]
             steps.append(lambda: self._backend.free_reservation(self._base, self._capacity))
-            _run_all(steps)
+            run_all(steps)

@@ -38,7 +38,7 @@ import torch
 
 from ..alloc import Chunk, PeerRegion, VirtualRegion
 from ..alloc import driver as drv
-from ..alloc.region import _run_all
+from ..alloc.region import run_all
 from . import fdpass
 from .comm import GroupError, StoreComm
 
@@ -246,7 +246,7 @@ class PeerMap:
 
     # -- used by SymmetricRegion -------------------------------------------------------------
     def _unmap_from(self, offset: int) -> None:
-        _run_all([(lambda p=p: p.unmap_from(offset)) for p in self._peers.values()])
+        run_all([(lambda p=p: p.unmap_from(offset)) for p in self._peers.values()])
 
     def close(self) -> None:
         """Local and idempotent: unmap every peer mapping, then release the signal region."""
@@ -260,7 +260,7 @@ class PeerMap:
         steps += [p.close for p in self._signal_peers.values()]
         steps += [p.close for p in self._peers.values()]
         steps.append(self._signal.close)
-        _run_all(steps)
+        run_all(steps)
 
     def __enter__(self) -> PeerMap:
         return self
@@ -684,7 +684,7 @@ class SymmetricRegion:
             if self._closed:
                 return
             self._closed = True
-        _run_all([self.peers.close if self.peers else lambda: None, self.region.close])
+        run_all([self.peers.close if self.peers else lambda: None, self.region.close])
 
     def __enter__(self) -> SymmetricRegion:
         return self
