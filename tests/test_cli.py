@@ -43,7 +43,11 @@ def test_bench_quick_on_the_host_backend_writes_json_and_a_png(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     data = json.loads((tmp_path / "bench.json").read_text())
     assert [r["tokens_per_rank"] for r in data["rows"]] == [1, 32, 512, 2048]
-    assert all(r["direct_us"] > 0 and r["gather_us"] > 0 for r in data["rows"])
+    for r in data["rows"]:
+        assert 0 < r["direct_p50_us"] <= r["direct_p99_us"], r
+        assert 0 < r["gather_p50_us"] <= r["gather_p99_us"], r
+        assert r["publish_GBps"] > 0
+    assert data["peer_copy_GBps"] > 0 and data["publish/peer_copy at the largest T"] > 0
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

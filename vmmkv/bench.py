@@ -2,8 +2,11 @@
 
 Spawns the same group as the demo (one process per GPU; two sharing one GPU; host backend
 without a GPU). Per step: ``store_layer`` of one Main-KV + Indexer-K layer, then ``barrier``;
-direct (peer writes) and gather (all-gather + local insert) measured side by side in one run,
-medians after warm-up, the slowest rank's median reported. Prints a table, writes JSON and a
+direct (peer writes) and gather (all-gather + local insert, NCCL when each rank has its own
+GPU) measured side by side in one run: ``--warmup`` untimed steps (20), ``--iters`` timed ones
+(100), every step started together on all ranks, p50 and p99 of the slowest rank. With direct
+mode and several ranks it also measures a peer copy (each rank copies into the next rank's
+region through the mapping) and reports publish bandwidth at the largest T against it. Prints a table, writes JSON and a
 PNG plot (latency against tokens, one line per path; matplotlib when installed, otherwise a
 small built-in renderer without text). ``--quick`` finishes within a minute. The detailed
 kernel, region and rendezvous benchmarks live in the repository's ``benchmarks/``.
@@ -79,30 +82,54 @@ def _rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
 
             row = {"tokens_per_rank": t}
             for mode in ("direct", "gather") if cache.direct else ("gather",):
-                row[f"{mode}_us"] = _median_us(lambda m=mode: step(m), device, opts["iters"])
+                times = _times_us(lambda m=mode: step(m), device, opts["warmup"], opts["iters"])
+                row[f"{mode}_p50_us"] = _pct(times, 50)
+                row[f"{mode}_p99_us"] = _pct(times, 99)
             out["rows"].append(row)
             if rank == 0:
                 _progress(i + 1, len(sweep), f"{t} tokens/rank")
+        if cache.direct and world > 1:
+            out["peer_copy_GBps"] = _peer_copy_GBps(cache, rank, world, device)
     return out
 
 
-def _median_us(fn, device, iters: int) -> float:
+def _times_us(fn, device, warmup: int, iters: int) -> list[float]:
+    """Per-iteration host time of ``fn`` (synchronized), every rank starting together."""
     import torch
     import torch.distributed as dist
 
-    for _ in range(3):
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync()
         dist.barrier()
         t0 = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync()
         times.append((time.perf_counter() - t0) * 1e6)
-    return sorted(times)[len(times) // 2]
+    return times
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
+
+
+def _peer_copy_GBps(cache, rank: int, world: int, device) -> float:
+    """Unidirectional copy bandwidth into the next rank's region through the peer mapping
+    (every rank copies at once, a ring), median of 10 copies of up to 256 MiB."""
+    import torch
+
+    n = min(cache.committed_bytes, 256 << 20)
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8).to(device)
+    dst = cache.region.view((rank + 1) % world)[:n]
+    times = _times_us(lambda: dst.copy_(src), device, 2, 10)
+    return n / _pct(times, 50) / 1e3
 
 
 def _png(path: str, series: dict[str, list[tuple[float, float]]]) -> str:
@@ -179,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a short sweep (under a minute)")
     ap.add_argument("--world", type=int, default=None)
     ap.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 20; 3 quick)")
+    ap.add_argument("--iters", type=int, default=None, help="timed steps (default 100; 10 quick)")
     ap.add_argument("--out", default="vmmkv-bench", help="directory for bench.json and bench.png")
     a = ap.parse_args(argv)
     backend = a.backend
@@ -188,7 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     tokens = QUICK if a.quick else FULL
     if backend == "host":
         tokens = tuple(t for t in tokens if t <= 2048)
-    opts = {"backend": backend, "tokens": list(tokens), "iters": 10 if a.quick else 50}
+    opts = {
+        "backend": backend,
+        "tokens": list(tokens),
+        "warmup": a.warmup if a.warmup is not None else (3 if a.quick else 20),
+        "iters": a.iters if a.iters is not None else (10 if a.quick else 100),
+    }
     print(f"bench: {world} ranks, {backend} backend, tokens/rank {list(tokens)}", flush=True)
     reports = spawn_group(_rank, world, opts, timeout=900)
     bad = [r for r in reports if "error" in r]
@@ -197,24 +231,36 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rank {r.get('rank')} failed: {r['error']}", file=sys.stderr)
         return 1
     rows = []
+    peer_bytes = (656 + 132) * (world - 1)  # written to peers per token of one rank
     for i, t in enumerate(tokens):
         row: dict[str, Any] = {"tokens_per_rank": t}
         for key in reports[0]["rows"][i]:
-            if key.endswith("_us"):
+            if key.endswith("_us"):  # the slowest rank's percentile
                 row[key] = max(r["rows"][i][key] for r in reports)
-        if "direct_us" in row:
-            row["direct/gather"] = row["direct_us"] / row["gather_us"]
+        if "direct_p50_us" in row:
+            row["direct/gather"] = row["direct_p50_us"] / row["gather_p50_us"]
+            row["publish_GBps"] = t * peer_bytes / row["direct_p50_us"] / 1e3
         rows.append(row)
+    summary: dict[str, Any] = {}
+    copies = [r["peer_copy_GBps"] for r in reports if "peer_copy_GBps" in r]
+    if copies and "publish_GBps" in rows[-1]:
+        summary["peer_copy_GBps"] = min(copies)
+        summary["publish/peer_copy at the largest T"] = rows[-1]["publish_GBps"] / min(copies)
     cols = list(rows[0])
     print(" | ".join(f"{c:>16}" for c in cols))
     for row in rows:
         print(" | ".join(f"{row[c]:>16.3g}" if isinstance(row[c], float) else f"{row[c]:>16}"
                          for c in cols))  # fmt: skip
     os.makedirs(a.out, exist_ok=True)
+    for k, v in summary.items():
+        print(f"{k}: {v:.3g}")
     with open(os.path.join(a.out, "bench.json"), "w") as f:
-        json.dump({"world": world, "backend": backend, "rows": rows}, f, indent=1)
+        json.dump({"world": world, "backend": backend, "opts": opts, "rows": rows, **summary},
+                  f, indent=1)  # fmt: skip
     series = {
-        k[:-3]: [(r["tokens_per_rank"], r[k]) for r in rows] for k in cols if k.endswith("_us")
+        k[: -len("_p50_us")]: [(r["tokens_per_rank"], r[k]) for r in rows]
+        for k in cols
+        if k.endswith("_p50_us")
     }
     how = _png(os.path.join(a.out, "bench.png"), series)
     print(f"wrote {a.out}/bench.json and {a.out}/bench.png ({how})")
