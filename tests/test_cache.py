@@ -286,3 +286,44 @@ def test_vmmkv_direct_values_are_validated(monkeypatch):
     assert resolve_direct(None) == "1" and resolve_direct(False) == "0"
     monkeypatch.delenv("VMMKV_DIRECT")
     assert resolve_direct(None) == "auto"
+
+
+def _gather_edge_cases(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from vmmkv import ReplicatedKVCache
+    from vmmkv.ops import reference as ref
+
+    out = {}
+    with ReplicatedKVCache(
+        dist.group.WORLD, 1 << 20, "cpu", backend="host", direct=False, initial_bytes=1 << 20
+    ) as c:
+        buf = c.allocate(4 * BS * IDX).view(torch.uint8)
+        idx = c.bind("idx", buf.view(4, BS, IDX), "indexer_k")
+        buf.fill_(0xA5)
+        # rank 1 has nothing to store at all: an empty slot mapping and empty inputs
+        n = 5 if rank == 0 else 0
+        k = _gen(3, (5, 128), torch.bfloat16)[:n]
+        slots = torch.arange(n, dtype=torch.int64) + 7
+        c.store_indexer_k(idx, k, slots)
+        want = torch.full_like(buf, 0xA5)
+        ref.insert_indexer_k(
+            want.view(4, BS, IDX), _gen(3, (5, 128), torch.bfloat16), torch.arange(5) + 7
+        )
+        out["empty_ok"] = torch.equal(buf, want)
+        # rank 1 passes fp16: it raises TypeError, rank 0 a ValueError naming it; no one waits
+        bad = torch.zeros(2, 128, dtype=torch.float16 if rank == 1 else torch.bfloat16)
+        try:
+            c.store_indexer_k(idx, bad, torch.arange(2))
+        except (TypeError, ValueError) as exc:
+            out["bad"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_gather_fallback_handles_a_rank_without_tokens_and_rejects_bad_inputs_on_every_rank():
+    out = run_world(_gather_edge_cases, 2, timeout=45)
+    assert out[0]["empty_ok"] and out[1]["empty_ok"]
+    assert out[1]["bad"].startswith("TypeError") and "float16" in out[1]["bad"]
+    assert out[0]["bad"].startswith("ValueError") and "ranks [1]" in out[0]["bad"]

@@ -503,3 +503,96 @@ def test_the_fabric_probe_falls_back_to_posix_fds_and_logs_why():
         assert any("posix_fd" in r and why in r for r in records), (why, records)
         # the lent H200s have no IMEX channel: the trial create is refused, and the reason says so
         assert "fabric unavailable anyway" in why and "rank 0" in why and "rank 1" in why, why
+
+
+def _mapping_fails_on_one_rank(rank, world):
+    import torch
+
+    from vmmkv.alloc import CudaError, PeerRegion
+    from vmmkv.ipc import GroupError, SymmetricRegion
+
+    g = _gran("host")
+    sr = SymmetricRegion(16 * g, "cpu", backend="host", chunk_bytes=g, initial_bytes=2 * g)
+    sr.view(rank)[: 2 * g].fill_(rank + 1)
+    real = PeerRegion.map_fd
+    if rank == 1:
+
+        def fail(self, fd, chunk):
+            raise CudaError("cuMemMap", None, "injected mapping failure", {"rank": rank})
+
+        PeerRegion.map_fd = fail
+    try:
+        sr.resize(6 * g)
+    except GroupError as exc:
+        msg = str(exc)
+    else:
+        raise AssertionError("grow succeeded despite the injected mapping failure")
+    finally:
+        PeerRegion.map_fd = real
+    assert sr.committed_bytes == 2 * g
+    assert all(sr.peers.mapped_bytes(r) == 2 * g for r in range(world))
+    assert sr.resize(6 * g) == 6 * g  # the group is still in step and usable
+    for r in range(world):
+        assert torch.equal(sr.view(r)[: 2 * g], torch.full((2 * g,), r + 1, dtype=torch.uint8))
+    sr.close()
+    return msg
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_mapping_failure_on_one_rank_rolls_back_every_rank_and_keeps_them_in_step():
+    msgs = run_world(_mapping_fails_on_one_rank, 3, timeout=45)
+    assert all("injected mapping failure" in m and "ranks [1]" in m for m in msgs), msgs
+
+
+def _bad_request_on_one_rank(rank, world):
+    from vmmkv.ipc import RendezvousError, SymmetricRegion
+
+    g = _gran("host")
+    out = []
+    with SymmetricRegion(8 * g, "cpu", backend="host", chunk_bytes=g, timeout=10) as sr:
+        for bad in (16 * g, "4096"):
+            try:
+                sr.resize(bad if rank == 1 else 2 * g)
+            except (RendezvousError, TypeError, ValueError) as exc:
+                out.append(f"{type(exc).__name__}: {exc}")
+        try:
+            sr.resize(2 * g, direction="shrink" if rank == 0 else None)
+        except (RendezvousError, ValueError) as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+        assert sr.resize(2 * g) == 2 * g  # nobody was left waiting: still in step
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_an_invalid_resize_on_one_rank_raises_on_every_rank_without_waiting():
+    t0 = time.monotonic()
+    out = run_world(_bad_request_on_one_rank, 2, timeout=45)
+    assert time.monotonic() - t0 < 40
+    assert out[1][0].startswith("ValueError") and "outside" in out[1][0]
+    assert out[0][0].startswith("RendezvousError") and "rank 1" in out[0][0]
+    assert out[1][1].startswith("TypeError") and out[0][1].startswith("RendezvousError")
+    assert out[0][2].startswith("ValueError") and "use grow" in out[0][2]
+    assert out[1][2].startswith("RendezvousError") and "rank 0" in out[1][2]
+
+
+def _out_of_step(rank, world):
+    import torch.distributed as dist
+
+    from vmmkv.ipc.comm import GroupError, StoreComm
+
+    comm = StoreComm(dist.group.WORLD, 10)
+    msgs = []
+    for what in (f"step {rank}", "next"):
+        try:
+            comm.barrier(what)
+        except GroupError as exc:
+            msgs.append(str(exc))
+    return msgs
+
+
+@pytest.mark.timeout(60)
+def test_ranks_at_different_collective_steps_are_detected_and_the_object_refuses_more():
+    out = run_world(_out_of_step, 2, timeout=45)
+    for msgs in out:
+        assert "out of step" in msgs[0] and "'step 0'" in msgs[0] and "'step 1'" in msgs[0]
+        assert "refused" in msgs[1]

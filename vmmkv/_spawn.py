@@ -80,8 +80,9 @@ def spawn_group(fn: RankFn, world: int, opts: dict[str, Any], timeout: float) ->
                     if now - gone_since.setdefault(i, now) > 2.0:
                         reports[i] = {"rank": i, "error": f"rank {i} died (exit {p.exitcode})"}
     finally:
-        for p in procs:
-            p.join(30)
+        grace_end = time.monotonic() + (30.0 if len(reports) == world else 0.0)
+        for p in procs:  # ranks that reported get a shared grace to exit; the rest are killed
+            p.join(max(0.0, grace_end - time.monotonic()))
             if p.exitcode is None:
                 p.kill()
                 p.join()

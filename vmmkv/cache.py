@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
+from .alloc.driver import finalizing
 from .alloc.region import run_all
 from .ipc import DirectUnsupported, SymmetricRegion
 from .ipc.comm import check_cpu_group
@@ -44,6 +45,12 @@ log = logging.getLogger("vmmkv")
 _ALLOC_ALIGN = 256
 _KINDS = {"fp8_ds_mla": MLA_ENTRY_BYTES, "indexer_k": INDEXER_ENTRY_BYTES, "rows": None}
 _STORE_KINDS = (("fp8_ds_mla",), ("indexer_k",), ("rows",), ("fp8_ds_mla", "indexer_k"))
+# (dtype, width) of each input a store of that kind takes; "rows" takes uint8 [T, entry]
+_INPUTS = {
+    "fp8_ds_mla": ((torch.bfloat16, 512), (torch.bfloat16, 64)),
+    "indexer_k": ((torch.bfloat16, 128),),
+    "rows": ((torch.uint8, None),),
+}
 
 
 def resolve_direct(direct: bool | None) -> str:
@@ -300,21 +307,13 @@ class ReplicatedKVCache:
         """Collective: grow every replica's committed prefix to ``committed_bytes`` (rounded up
         to chunks). Allowed after graph capture; refused during capture. Returns the size."""
         self._check_open()
-        if isinstance(committed_bytes, int) and committed_bytes < self.committed_bytes:
-            raise ValueError(
-                f"grow: {committed_bytes} is below the committed {self.committed_bytes}; use shrink"
-            )
-        return self._sr.resize(committed_bytes)
+        return self._sr.resize(committed_bytes, direction="grow")
 
     def shrink(self, committed_bytes: int) -> int:
         """Collective: shrink every replica's committed prefix (e.g. to sleep). Blocks beyond it
         are never written afterwards (kernels read the bound from device memory)."""
         self._check_open()
-        if isinstance(committed_bytes, int) and committed_bytes > self.committed_bytes:
-            raise ValueError(
-                f"shrink: {committed_bytes} is above the committed {self.committed_bytes}; use grow"
-            )
-        return self._sr.resize(committed_bytes)
+        return self._sr.resize(committed_bytes, direction="shrink")
 
     # -- stores ----------------------------------------------------------------------------
     def _use_direct(self, mode: str | None) -> bool:
@@ -330,11 +329,6 @@ class ReplicatedKVCache:
                 )
             return True
         raise ValueError(f"mode must be None, 'direct' or 'gather', got {mode!r}")
-
-    def _account(self, bindings: tuple[Binding, ...], tokens: int, nlo: int) -> None:
-        entry = sum(b.local.entry_bytes for b in bindings)
-        self._tokens += tokens
-        self._bytes_issued += (tokens - nlo) * (self.world_size - 1) * entry
 
     def store_ds_mla(self, b: Binding, kv_c, k_pe, slot_mapping, *, num_local_only=0, mode=None):
         """fp8_ds_mla rows of ``kv_c [T,512]`` + ``k_pe [T,64]`` (bf16) into every replica."""
@@ -370,59 +364,101 @@ class ReplicatedKVCache:
         kinds = tuple(b.kind for b in bindings)
         if kinds not in _STORE_KINDS:
             raise ValueError(f"this store takes bindings of kinds {_STORE_KINDS}, got {kinds}")
-        if not isinstance(slot_mapping, torch.Tensor):
-            raise TypeError(f"slot_mapping must be a tensor, got {type(slot_mapping).__name__}")
-        if self._use_direct(mode):
+        direct = self._use_direct(mode)
+        if direct:
             targets = tuple(b.direct for b in bindings)
         else:
-            inputs, slot_mapping, nlo = self._gather(inputs, slot_mapping, nlo)
+            inputs, slot_mapping, nlo = self._gather(bindings, inputs, slot_mapping, nlo)
             targets = tuple(b.local for b in bindings)
-        _dispatch(kinds, targets, inputs, slot_mapping, nlo)
-        self._account(bindings, slot_mapping.numel(), nlo)
+        _dispatch(kinds, targets, inputs, slot_mapping, nlo)  # validates in direct mode
+        self._tokens += slot_mapping.numel()
+        if direct:  # the gather path writes no peer memory
+            entry = sum(b.local.entry_bytes for b in bindings)
+            self._bytes_issued += (slot_mapping.numel() - nlo) * (self.world_size - 1) * entry
 
-    def _gather(self, inputs, slot_mapping, nlo):
-        """All-gather the non-replicated tokens of every rank (padded with slot -1) and return
-        inputs holding: own replicated tokens first (local only), then every rank's tokens."""
-        if (
-            isinstance(nlo, bool)
-            or not isinstance(nlo, int)
-            or not 0 <= nlo <= slot_mapping.numel()
-        ):
-            raise ValueError(
-                f"num_local_only must be an int in [0, {slot_mapping.numel()}], got {nlo!r}"
-            )
+    def _check_inputs(self, bindings, inputs, slot_mapping, nlo) -> int:
+        """The checks the kernels make, done before the gather's collectives (a rank that
+        raised inside them would leave its peers waiting). Returns the token count."""
+        if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
+            raise TypeError(f"slot_mapping must be a 1-D tensor, got {slot_mapping!r:.60}")
+        if slot_mapping.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
         tokens = slot_mapping.numel()
+        if isinstance(nlo, bool) or not isinstance(nlo, int) or not 0 <= nlo <= tokens:
+            raise ValueError(f"num_local_only must be an int in [0, {tokens}], got {nlo!r}")
+        specs = [s for b in bindings for s in _INPUTS[b.kind]]
+        if bindings[0].kind == "rows":
+            specs = [(torch.uint8, bindings[0].local.entry_bytes)]
+        if len(inputs) != len(specs):
+            raise ValueError(f"expected {len(specs)} input tensors, got {len(inputs)}")
+        for i, (t, (dtype, width)) in enumerate(zip(inputs, specs, strict=True)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"input {i} must be a tensor, got {type(t).__name__}")
+            if t.dtype != dtype:
+                raise TypeError(f"input {i} must be {dtype}, got {t.dtype}")
+            if t.dim() != 2 or t.shape[1] != width or t.shape[0] < tokens:
+                raise ValueError(f"input {i} must be [>= {tokens}, {width}], got {list(t.shape)}")
+        for t in (*inputs, slot_mapping):
+            if t.device != self.device:
+                raise ValueError(f"inputs must be on {self.device}, got one on {t.device}")
+        return tokens
+
+    def _gather(self, bindings, inputs, slot_mapping, nlo):
+        """All-gather the non-replicated tokens of every rank (padded with slot -1) and return
+        inputs holding: own replicated tokens first (local only), then every rank's tokens.
+        A rank whose inputs are invalid still joins the token-count exchange (announcing -1),
+        so every rank raises instead of waiting."""
+        problem = None
+        try:
+            tokens = self._check_inputs(bindings, inputs, slot_mapping, nlo)
+        except (TypeError, ValueError) as exc:
+            problem, tokens = exc, 0
         if self.world_size == 1:
+            if problem is not None:
+                raise problem
             return inputs, slot_mapping, nlo
-        for t in inputs:
-            if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] < tokens:
-                raise ValueError(f"inputs must be 2-D tensors with >= {tokens} rows, got {t!r:.60}")
+        count = torch.tensor([-1 if problem else tokens - nlo], dtype=torch.int64)
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(counts, count, group=self._cpu_group)
+        if problem is not None:
+            raise problem
+        bad = [r for r, c in enumerate(counts) if int(c) < 0]
+        if bad:
+            raise ValueError(
+                f"rank {self.rank}: gather fallback: ranks {bad} passed invalid inputs (their "
+                "error says why); nothing was stored"
+            )
         rows = [t[:tokens] for t in inputs]
+        widths = [r.shape[1] * r.element_size() for r in rows]
         slots = slot_mapping.reshape(-1).to(torch.int64)
         # one byte matrix per token: every input's bytes then the slot (gloo lacks bf16)
         packed = torch.cat(
-            [r.contiguous().view(torch.uint8).reshape(tokens, -1) for r in rows]
+            [
+                r.contiguous().view(torch.uint8).reshape(tokens, w)
+                for r, w in zip(rows, widths, strict=True)
+            ]
             + [slots.view(torch.uint8).reshape(tokens, 8)],
             dim=1,
         )
         width = packed.shape[1]
-        mine = packed[nlo:]
-        count = torch.tensor([mine.shape[0]], dtype=torch.int64)
-        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(counts, count, group=self._cpu_group)
         tmax = max(int(c) for c in counts)
-        pad = torch.zeros(tmax, width, dtype=torch.uint8, device=packed.device)
-        pad[:, width - 8 :] = torch.tensor([-1], dtype=torch.int64).view(torch.uint8)
-        pad[: mine.shape[0]] = mine
-        if self._device_group is not None:
-            out = torch.empty(self.world_size * tmax, width, dtype=torch.uint8, device=pad.device)
-            dist.all_gather_into_tensor(out, pad, group=self._device_group)
-        else:
-            parts = [torch.empty(tmax, width, dtype=torch.uint8) for _ in range(self.world_size)]
-            dist.all_gather(parts, pad.cpu(), group=self._cpu_group)
-            out = torch.cat(parts).to(packed.device)
+        out = packed[:0]
+        if tmax:
+            pad = torch.zeros(tmax, width, dtype=torch.uint8, device=packed.device)
+            pad[:, width - 8 :] = torch.tensor([-1], dtype=torch.int64).view(torch.uint8)
+            pad[: tokens - nlo] = packed[nlo:]
+            if self._device_group is not None:
+                out = torch.empty(
+                    self.world_size * tmax, width, dtype=torch.uint8, device=pad.device
+                )
+                dist.all_gather_into_tensor(out, pad, group=self._device_group)
+            else:
+                parts = [
+                    torch.empty(tmax, width, dtype=torch.uint8) for _ in range(self.world_size)
+                ]
+                dist.all_gather(parts, pad.cpu(), group=self._cpu_group)
+                out = torch.cat(parts).to(packed.device)
         allrows = torch.cat([packed[:nlo], out])
-        widths = [r[:1].contiguous().view(torch.uint8).numel() for r in rows]
         cols, start = [], 0
         for r, w in zip(rows, widths, strict=True):
             cols.append(allrows[:, start : start + w].contiguous().view(r.dtype))
@@ -443,7 +479,12 @@ class ReplicatedKVCache:
         self._barriers += 1
 
     def stats(self) -> dict[str, int]:
-        """Host-side counters, plus the device out-of-range counter (synchronizes)."""
+        """Host-side counters, plus the device out-of-range counter (synchronizes).
+
+        ``peer_bytes_issued``: entry bytes sent to peers by direct stores, counted on the host
+        from the token counts (padding slots included, out-of-range ones too); 0 in gather
+        mode. ``out_of_range_slots``: tokens the kernels skipped, once per cache a token
+        targeted (``store_layer`` counts a bad slot twice: MLA and Indexer)."""
         self._check_open()
         return {
             "tokens_stored": self._tokens,
@@ -459,7 +500,11 @@ class ReplicatedKVCache:
             if self._closed:
                 return
             self._closed = True
-        run_all(([self._barrier.close] if self._barrier else []) + [self._sr.close])
+        # Synchronize before freeing the barrier's host-mapped diagnostic page: a barrier still
+        # in flight (e.g. spinning on a dead peer until its timeout) writes into it.
+        steps = [] if finalizing() else [self._sr.region.synchronize]
+        steps += [self._barrier.close] if self._barrier else []
+        run_all([*steps, self._sr.close])
 
     def __enter__(self) -> ReplicatedKVCache:
         return self

@@ -166,9 +166,8 @@ class primary_context:  # noqa: N801 - used like a function: ``with primary_cont
     def __enter__(self) -> Any:
         ctx, ctx_int = _primary_ctx(self.ordinal)
         self.outer = getattr(_current, "ordinal", None)
-        _current.ordinal = self.ordinal
+        self.ctx = ctx
         if self.outer == self.ordinal:  # nested in a guard of the same device: already current
-            self.ctx = ctx
             return ctx
         err, prev = cu.cuCtxGetCurrent()
         if err != cu.CUresult.CUDA_SUCCESS:
@@ -176,7 +175,7 @@ class primary_context:  # noqa: N801 - used like a function: ``with primary_cont
         if int(prev) != ctx_int:
             call(cu.cuCtxSetCurrent, ctx, device=self.ordinal)
             self.prev = prev
-        self.ctx = ctx
+        _current.ordinal = self.ordinal  # only once the context really is current
         return ctx
 
     def __exit__(self, *exc: Any) -> None:

@@ -119,10 +119,35 @@ def _check_size(name: str, value: Any, granularity: int, *, allow_zero: bool) ->
 
 
 class _Closeable:
-    """Shared closed-state handling for the owners below."""
+    """Shared closed-state handling and chunk unmapping for the two owners below (each has
+    ``_backend``, ``_base`` and ``_chunks``)."""
 
     _closed = False
     _what = "object"
+    _backend: Any
+    _base: int
+    _chunks: list[Chunk]
+
+    def _unmap(self, chunks: list[Chunk]) -> None:
+        """Unmap ``chunks`` last first. A chunk leaves ``_chunks`` only once its own unmap
+        succeeded, so a failure leaves it owned (and retried by ``close``). Every chunk is
+        attempted; the first error is raised afterwards."""
+
+        def one(c: Chunk) -> None:
+            self._backend.unmap(self._base + c.offset, c.size)
+            if c in self._chunks:
+                self._chunks.remove(c)
+
+        run_all([(lambda c=c: one(c)) for c in reversed(chunks)])
+
+    def _teardown(self, first: list[Callable[[], None]]) -> None:
+        """close(): ``first`` steps, unmap everything, free the reservation; every step runs."""
+        self._closed = True
+        if driver.finalizing():
+            return
+        steps = [*first, lambda: self._unmap(list(self._chunks))]
+        steps.append(lambda: self._backend.free_reservation(self._base, self._capacity))
+        run_all(steps)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -274,12 +299,10 @@ class VirtualRegion(_Closeable):
                 with self._backend.context():
                     self._commit_chunks(target, added)
             except BaseException:
-                run_all(
-                    [
-                        (lambda c=c: self._backend.unmap(self._base + c.offset, c.size))
-                        for c in reversed(added)
-                    ]
-                )
+                try:  # the commit's own error is the one to raise
+                    self._unmap(added)
+                except Exception as exc:
+                    log.error("%r: rolling back a failed commit: %s", self, exc)
                 raise
             self._chunks.extend(added)
             return added
@@ -308,13 +331,7 @@ class VirtualRegion(_Closeable):
             if not dropped:
                 return []
             self._backend.synchronize()
-            self._chunks = [c for c in self._chunks if c.offset < target]
-            run_all(
-                [
-                    (lambda c=c: self._backend.unmap(self._base + c.offset, c.size))
-                    for c in reversed(dropped)
-                ]
-            )
+            self._unmap(dropped)
             return dropped
 
     # -- sharing ---------------------------------------------------------------------------
@@ -344,19 +361,8 @@ class VirtualRegion(_Closeable):
     # -- teardown --------------------------------------------------------------------------
     def close(self) -> None:
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            chunks, self._chunks = self._chunks, []
-            if driver.finalizing():
-                return
-            steps: list[Callable[[], None]] = [self._backend.synchronize]
-            steps += [
-                (lambda c=c: self._backend.unmap(self._base + c.offset, c.size))
-                for c in reversed(chunks)
-            ]
-            steps.append(lambda: self._backend.free_reservation(self._base, self._capacity))
-            run_all(steps)
+            if not self._closed:
+                self._teardown([self._backend.synchronize])
 
 
 class PeerRegion(_Closeable):
@@ -412,13 +418,7 @@ class PeerRegion(_Closeable):
         with self._lock:
             self._check_open()
             dropped = [c for c in self._chunks if c.offset >= offset]
-            self._chunks = [c for c in self._chunks if c.offset < offset]
-            run_all(
-                [
-                    (lambda c=c: self._backend.unmap(self._base + c.offset, c.size))
-                    for c in reversed(dropped)
-                ]
-            )
+            self._unmap(dropped)
             return dropped
 
     def tensor(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -427,15 +427,5 @@ class PeerRegion(_Closeable):
 
     def close(self) -> None:
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            chunks, self._chunks = self._chunks, []
-            if driver.finalizing():
-                return
-            steps: list[Callable[[], None]] = [
-                (lambda c=c: self._backend.unmap(self._base + c.offset, c.size))
-                for c in reversed(chunks)
-            ]
-            steps.append(lambda: self._backend.free_reservation(self._base, self._capacity))
-            run_all(steps)
+            if not self._closed:
+                self._teardown([])

@@ -74,7 +74,7 @@ class StoreComm:
         self.world_size = dist.get_world_size(self.group)
         self.global_ranks = list(dist.get_process_group_ranks(self.group))
         self.timeout = float(timeout)
-        key = _group_key(self.group)
+        key = f"{_group_key(self.group)}/{tag}"
         with _gen_lock:
             gen = _generations.get(key, 0)
             _generations[key] = gen + 1
@@ -82,6 +82,7 @@ class StoreComm:
         self._store = dist.distributed_c10d._get_process_group_store(self.group)
         self._prefix = f"vmmkv/{tag}/{gen}"
         self._step = 0
+        self._broken = ""  # why collectives on this object can no longer line up
 
     @property
     def step(self) -> int:
@@ -90,13 +91,25 @@ class StoreComm:
     def _key(self, step: int, rank: int) -> str:
         return f"{self._prefix}/{step}/{rank}"
 
+    @property
+    def broken(self) -> str:
+        """'' while usable; otherwise why the ranks can no longer be trusted to be in step."""
+        return self._broken
+
     def all_gather(self, obj: Any, what: str) -> list[Any]:
-        """Every rank's ``obj`` in rank order; ``what`` names the step in errors."""
+        """Every rank's ``obj`` in rank order; ``what`` names the step in errors and must be
+        the same on every rank: ranks found at different steps raise, and so does every later
+        call on this object (after a timeout too), since their keys would no longer match."""
+        if self._broken:
+            raise GroupError(
+                f"rank {self.rank}: {what}: refused, an earlier collective of this object "
+                f"failed ({self._broken}); close it and create a new one"
+            )
         step = self._step
         self._step += 1
         keys = [self._key(step, r) for r in range(self.world_size)]
         try:
-            self._store.set(keys[self.rank], pickle.dumps(obj))
+            self._store.set(keys[self.rank], pickle.dumps((what, obj)))
         except Exception as exc:
             raise GroupError(
                 f"rank {self.rank}: {what}: the group's store is unreachable: {exc}"
@@ -111,13 +124,22 @@ class StoreComm:
                     f"rank {self.rank}: {what}: waiting on the group's store failed: {exc}"
                 ) from exc
             waited = self.timeout - max(0.0, deadline - time.monotonic())
+            self._broken = f"{what}: ranks {missing} missing"
             raise PeerTimeoutError(
                 f"rank {self.rank}: {what}: group ranks {missing} (global ranks "
                 f"{[self.global_ranks[m] for m in missing]}) did not arrive within "
                 f"{waited:.1f} s",
                 missing,
             ) from exc
-        values = [pickle.loads(self._store.get(k)) for k in keys]
+        entries = [pickle.loads(self._store.get(k)) for k in keys]
+        whats = [w for w, _ in entries]
+        if any(w != what for w in whats):
+            self._broken = f"ranks out of step at step {step}"
+            raise GroupError(
+                f"rank {self.rank}: ranks are out of step at collective step {step}: "
+                + ", ".join(f"rank {r} at {w!r}" for r, w in enumerate(whats))
+            )
+        values = [v for _, v in entries]
         if step > 0:  # every rank is past step-1 now, so nobody reads our old key again
             try:
                 self._store.delete_key(self._key(step - 1, self.rank))

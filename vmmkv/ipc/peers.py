@@ -458,6 +458,8 @@ def _rendezvous(comm: StoreComm, region: VirtualRegion, map_peers: bool = True) 
             signal_peers=signal_peers,
         )
         pm = PeerMap(comm, region, signal, peers, signal_peers, pids, nonce)
+    except RendezvousError as exc:  # a local failure (e.g. mapping): the others must learn it
+        error = exc
     except (GroupError, fdpass.FdExchangeError) as exc:  # a peer is gone: no agreement possible
         _rollback(created)
         raise RendezvousError(f"rendezvous failed: {exc}") from exc
@@ -510,6 +512,7 @@ class SymmetricRegion:
             capacity_bytes, device, chunk_bytes=chunk_bytes, backend=backend
         )
         self._closed = False
+        self._broken = ""  # set when a failed shrink left the mappings inconsistent
         self._lock = threading.Lock()
         try:
             error = None
@@ -526,7 +529,8 @@ class SymmetricRegion:
                 (1,), self.region.committed_bytes, dtype=torch.int64, device=self.region.device
             )
         except BaseException:
-            self.region.close()
+            peers = getattr(self, "peers", None)
+            run_all(([peers.close] if peers is not None else []) + [self.region.close])
             raise
 
     # -- properties ------------------------------------------------------------------------
@@ -578,29 +582,30 @@ class SymmetricRegion:
         return self.peers.view(rank, dtype)
 
     # -- collective resize -----------------------------------------------------------------
-    def resize(self, committed_bytes: int) -> int:
+    def resize(self, committed_bytes: int, *, direction: str | None = None) -> int:
         """Collective: grow or shrink every rank's committed prefix to ``committed_bytes``
-        (rounded up to chunks). Returns the new committed size. On failure every rank raises
-        the same error and the group stays usable at the old size."""
+        (rounded up to chunks). Returns the new committed size.
+
+        Every rank's request (and whatever is wrong with it: type, range, a stream capture in
+        progress, a ``direction`` of ``"grow"``/``"shrink"`` that the size contradicts) is
+        gathered first, so a bad request raises on every rank: the offending rank raises
+        TypeError/ValueError/RuntimeError, the others RendezvousError naming it. A failed grow
+        leaves every rank at the old size and the group usable."""
         if self._closed:
             raise RuntimeError(f"rank {self.rank}: SymmetricRegion is closed")
-        if isinstance(committed_bytes, bool) or not isinstance(committed_bytes, int):
-            raise TypeError(f"resize: committed_bytes must be an int, got {committed_bytes!r}")
-        if not 0 <= committed_bytes <= self.capacity_bytes:
-            raise ValueError(
-                f"resize: committed_bytes={committed_bytes} outside [0, {self.capacity_bytes}]"
-            )
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"rank {self.rank}: resize refused during CUDA stream capture "
-                "(grow or shrink before or after capture)"
-            )
+        problem, kind = self._resize_problem(committed_bytes, direction)
         with self._lock:
-            sizes = self._comm.all_gather(committed_bytes, "resize size")
-            if any(s != sizes[0] for s in sizes):
+            request = (None if problem else committed_bytes, problem)
+            reqs = self._comm.all_gather(request, "resize request")
+            problems = {r: p for r, (_, p) in enumerate(reqs) if p}
+            if problems:
+                msg = "resize rejected: " + "; ".join(f"rank {r}: {p}" for r, p in problems.items())
+                raise (kind if problem else RendezvousError)(msg)
+            sizes = [size for size, _ in reqs]
+            if any(size != sizes[0] for size in sizes):
                 raise RendezvousError(
                     "resize: the target size must be identical on all ranks, got "
-                    + ", ".join(f"rank {r}: {s}" for r, s in enumerate(sizes))
+                    + ", ".join(f"rank {r}: {size}" for r, size in enumerate(sizes))
                 )
             target = self.region.round_up(committed_bytes)
             current = self.region.committed_bytes
@@ -609,6 +614,25 @@ class SymmetricRegion:
             elif target < current:
                 self._shrink(target)
             return self.region.committed_bytes
+
+    def _resize_problem(self, nbytes: Any, direction: str | None) -> tuple[str, type]:
+        """('', None) when this rank's resize request is valid, else (reason, exception type)."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            return f"committed_bytes must be an int, got {type(nbytes).__name__}", TypeError
+        if not 0 <= nbytes <= self.capacity_bytes:
+            return f"committed_bytes={nbytes} outside [0, {self.capacity_bytes}]", ValueError
+        if direction not in (None, "grow", "shrink"):
+            return f"direction must be None, 'grow' or 'shrink', got {direction!r}", ValueError
+        current = self.region.committed_bytes
+        if direction == "grow" and nbytes < current:
+            return f"grow to {nbytes} is below the committed {current}; use shrink", ValueError
+        if direction == "shrink" and nbytes > current:
+            return f"shrink to {nbytes} is above the committed {current}; use grow", ValueError
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return "refused during CUDA stream capture (resize before or after)", RuntimeError
+        if self._broken:
+            return f"unusable after {self._broken}; close it", RuntimeError
+        return "", type(None)
 
     def _grow(self, current: int, nbytes: int) -> None:
         added: list[Chunk] = []
@@ -637,6 +661,8 @@ class SymmetricRegion:
                 signal=None,
                 signal_peers=None,
             )
+        except RendezvousError as exc:  # a local failure (e.g. mapping): tell the others
+            error = exc
         except (GroupError, fdpass.FdExchangeError) as exc:  # a peer vanished: no agreement
             self.peers._unmap_from(current)
             self._release_local(current)
@@ -660,17 +686,24 @@ class SymmetricRegion:
             log.error("rank %d: rollback of a failed grow could not decommit: %s", self.rank, exc)
 
     def _shrink(self, target: int) -> None:
-        self._set_committed(target)  # kernels stop writing past target from here on
-        self.region.synchronize()
-        self._comm.barrier("shrink: all ranks idle")
-        error = None
+        # Kernels stop writing past target from here on. If anything below fails, the bound
+        # stays lowered (writes beyond it are skipped and counted, never faulting) and the
+        # object refuses further resizes: some ranks may have unmapped their peers' chunks.
+        self._set_committed(target)
         try:
-            if self.peers is not None:
-                self.peers._unmap_from(target)
+            self.region.synchronize()
+            self._comm.barrier("shrink: all ranks idle")
+            error = None
+            try:
+                if self.peers is not None:
+                    self.peers._unmap_from(target)
+            except BaseException as exc:
+                error = exc
+            self._comm.agree(error, "shrink: peers unmapped")
+            self.region.decommit(target)
         except BaseException as exc:
-            error = exc
-        self._comm.agree(error, "shrink: peers unmapped")
-        self.region.decommit(target)
+            self._broken = f"a failed shrink to {target} bytes ({exc})"
+            raise
 
     def _set_committed(self, nbytes: int) -> None:
         self.committed_table.fill_(nbytes)
