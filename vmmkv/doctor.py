@@ -90,7 +90,9 @@ def _nvml_p2p(n: int) -> dict[str, str]:
     except Exception as exc:
         return {"error": f"NVML unavailable: {exc}"}
     try:
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
+        from .alloc.cuda import nvml_uuid
+
+        handles = [pynvml.nvmlDeviceGetHandleByUUID(nvml_uuid(i)) for i in range(n)]
         for i in range(n):
             links = 0
             for link in range(18):

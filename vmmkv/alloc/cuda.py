@@ -19,7 +19,7 @@ import torch
 
 from .driver import call, cu, primary_context
 
-__all__ = ["CudaBackend", "fabric_probe"]
+__all__ = ["CudaBackend", "fabric_probe", "nvml_uuid"]
 
 _POSIX_FD = "posix_fd"
 _FABRIC = "fabric"
@@ -82,6 +82,15 @@ def fabric_probe(ordinal: int) -> tuple[bool, str]:
     return True, ""
 
 
+def nvml_uuid(ordinal: int) -> str:
+    """The device's UUID as NVML spells it ("GPU-8-4-4-4-12" hex). NVML indices follow PCI
+    order and ignore CUDA_VISIBLE_DEVICES, so NVML lookups go by UUID, never by CUDA ordinal."""
+    with primary_context(ordinal):
+        raw = bytes(call(cu.cuDeviceGetUuid, call(cu.cuDeviceGet, ordinal), device=ordinal).bytes)
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
 def _nvml_fabric_state(ordinal: int) -> str:
     """'' when NVML reports the GPU fabric as completed and healthy, else the reason."""
     try:
@@ -89,7 +98,7 @@ def _nvml_fabric_state(ordinal: int) -> str:
 
         pynvml.nvmlInit()
         try:
-            h = pynvml.nvmlDeviceGetHandleByIndex(ordinal)
+            h = pynvml.nvmlDeviceGetHandleByUUID(nvml_uuid(ordinal))
             info = pynvml.c_nvmlGpuFabricInfo_t()
             pynvml.nvmlDeviceGetGpuFabricInfo(h, ctypes.byref(info))
             if info.state != pynvml.NVML_GPU_FABRIC_STATE_COMPLETED:

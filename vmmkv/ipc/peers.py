@@ -222,29 +222,41 @@ class PeerMap:
         if self._closed:
             raise RuntimeError(f"rank {self.rank}: PeerMap is closed")
 
+    def _check_rank(self, what: str, rank: Any) -> None:
+        self._check_open()
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"{what}: rank must be in [0, {self.world_size}), got {rank!r}")
+
     def view(self, rank: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """1-D tensor over rank ``rank``'s region through the local mapping (full capacity;
         only the committed prefix may be touched)."""
-        self._check_open()
-        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ValueError(f"view: rank must be in [0, {self.world_size}), got {rank!r}")
+        self._check_rank("view", rank)
         if rank == self.rank:
             return self._region.tensor(dtype)
         return self._peers[rank].tensor(dtype)
 
     def signal_view(self, rank: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        self._check_open()
+        """Rank ``rank``'s barrier signal region through the local mapping."""
+        self._check_rank("signal_view", rank)
         if rank == self.rank:
             return self._signal.tensor(dtype)
         return self._signal_peers[rank].tensor(dtype)
 
     def mapped_bytes(self, rank: int) -> int:
-        self._check_open()
+        self._check_rank("mapped_bytes", rank)
         if rank == self.rank:
             return self._region.committed_bytes
         return self._peers[rank].mapped_bytes
 
     # -- used by SymmetricRegion -------------------------------------------------------------
+    def _map_new(self, chunks: list[Chunk]) -> None:
+        """Between two collective points: pass the own new ``chunks`` to every peer and map
+        theirs (see ``_exchange_and_map``)."""
+        _exchange_and_map(
+            self._comm, self._region, chunks, self._peers, self._pids, self._nonce,
+            signal=None, signal_peers=None,
+        )  # fmt: skip
+
     def _unmap_from(self, offset: int) -> None:
         run_all([(lambda p=p: p.unmap_from(offset)) for p in self._peers.values()])
 
@@ -651,16 +663,7 @@ class SymmetricRegion:
             return
         error = None
         try:
-            _exchange_and_map(
-                self._comm,
-                self.region,
-                added,
-                self.peers._peers,
-                self.peers._pids,
-                self.peers._nonce,
-                signal=None,
-                signal_peers=None,
-            )
+            self.peers._map_new(added)
         except RendezvousError as exc:  # a local failure (e.g. mapping): tell the others
             error = exc
         except (GroupError, fdpass.FdExchangeError) as exc:  # a peer vanished: no agreement
