@@ -22,7 +22,7 @@ import threading
 
 import torch
 
-__all__ = ["HostBackend"]
+__all__ = ["HostBackend", "reservations"]
 
 _PROT_NONE = 0x0
 _PROT_RW = 0x1 | 0x2
@@ -47,6 +47,16 @@ _mmap.argtypes = [
 _munmap = _libc.munmap
 _munmap.restype = ctypes.c_int
 _munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+_reserved: dict[int, int] = {}  # address -> size of every live reservation in this process
+_reserved_lock = threading.Lock()
+
+
+def reservations() -> dict[int, int]:
+    """The host reservations this process holds now (address -> size): a leak check."""
+    with _reserved_lock:
+        return dict(_reserved)
 
 
 class HostError(OSError):
@@ -81,12 +91,17 @@ class HostBackend:
 
     def reserve(self, size: int) -> int:
         res = _mmap(None, size, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
-        return _check_mmap(res, f"mmap(reserve, size={size})")
+        ptr = _check_mmap(res, f"mmap(reserve, size={size})")
+        with _reserved_lock:
+            _reserved[ptr] = size
+        return ptr
 
     def free_reservation(self, ptr: int, size: int) -> None:
         if _munmap(ptr, size) != 0:
             err = ctypes.get_errno()
             raise HostError(err, f"munmap(ptr={ptr:#x}, size={size}) failed: {os.strerror(err)}")
+        with _reserved_lock:
+            _reserved.pop(ptr, None)
 
     def create(self, size: int) -> int:
         fd = os.memfd_create("vmmkv-chunk", os.MFD_CLOEXEC)
