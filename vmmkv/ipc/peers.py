@@ -667,7 +667,6 @@ class SymmetricRegion:
         except RendezvousError as exc:  # a local failure (e.g. mapping): tell the others
             error = exc
         except (GroupError, fdpass.FdExchangeError) as exc:  # a peer vanished: no agreement
-            self.peers._unmap_from(current)
             self._release_local(current)
             raise RendezvousError(
                 f"rank {self.rank}: grow to {nbytes} bytes failed exchanging chunks: {exc}"
@@ -677,16 +676,20 @@ class SymmetricRegion:
         try:
             self._comm.agree(error, f"grow to {nbytes} bytes (peer mapping)")
         except GroupError:
-            self.peers._unmap_from(current)
             self._release_local(current)
             raise
         self._set_committed(self.region.committed_bytes)
 
     def _release_local(self, current: int) -> None:
+        """Roll a failed grow back to ``current``: peers' new chunks first, then our own. Errors
+        are logged, not raised: the grow's own error is the one the caller raises."""
+        steps = [lambda: self.region.decommit(current)]
+        if self.peers is not None:
+            steps.insert(0, lambda: self.peers._unmap_from(current))
         try:
-            self.region.decommit(current)
+            run_all(steps)
         except Exception as exc:
-            log.error("rank %d: rollback of a failed grow could not decommit: %s", self.rank, exc)
+            log.error("rank %d: rolling back a failed grow: %s", self.rank, exc)
 
     def _shrink(self, target: int) -> None:
         # Kernels stop writing past target from here on. If anything below fails, the bound
