@@ -270,8 +270,20 @@ def test_mismatched_requests_raise_the_same_error_on_every_rank(field, name):
     assert name in msgs[0] and "ranks [" in msgs[0]
 
 
-def _injected_oom(rank, world):
+def _check_rolled_back_and_regrows(sr, world, kept, regrow):
+    """After a failed grow: every rank is back at ``kept`` bytes (own and peers' mappings), a
+    later grow succeeds (the group is still in step), and the kept bytes (rank r wrote r + 1
+    into its first ``kept`` bytes) are intact in every replica."""
     import torch
+
+    assert sr.committed_bytes == kept
+    assert all(sr.peers.mapped_bytes(r) == kept for r in range(world))
+    assert sr.resize(regrow) == regrow
+    for r in range(world):
+        assert torch.equal(sr.view(r)[:kept], torch.full((kept,), r + 1, dtype=torch.uint8))
+
+
+def _injected_oom(rank, world):
 
     from vmmkv.ipc import GroupError, SymmetricRegion
 
@@ -296,11 +308,7 @@ def _injected_oom(rank, world):
     else:
         raise AssertionError("grow succeeded despite the injected failure")
     backend.create = real
-    assert sr.committed_bytes == 2 * g
-    assert all(sr.peers.mapped_bytes(r) == 2 * g for r in range(world))
-    assert sr.resize(8 * g) == 8 * g  # a later grow succeeds
-    for r in range(world):
-        assert torch.equal(sr.view(r)[: 2 * g], torch.full((2 * g,), r + 1, dtype=torch.uint8))
+    _check_rolled_back_and_regrows(sr, world, 2 * g, 8 * g)
     sr.close()
     sr.close()
     return msg
@@ -506,7 +514,6 @@ def test_the_fabric_probe_falls_back_to_posix_fds_and_logs_why():
 
 
 def _mapping_fails_on_one_rank(rank, world):
-    import torch
 
     from vmmkv.alloc import CudaError, PeerRegion
     from vmmkv.ipc import GroupError, SymmetricRegion
@@ -529,11 +536,7 @@ def _mapping_fails_on_one_rank(rank, world):
         raise AssertionError("grow succeeded despite the injected mapping failure")
     finally:
         PeerRegion.map_fd = real
-    assert sr.committed_bytes == 2 * g
-    assert all(sr.peers.mapped_bytes(r) == 2 * g for r in range(world))
-    assert sr.resize(6 * g) == 6 * g  # the group is still in step and usable
-    for r in range(world):
-        assert torch.equal(sr.view(r)[: 2 * g], torch.full((2 * g,), r + 1, dtype=torch.uint8))
+    _check_rolled_back_and_regrows(sr, world, 2 * g, 6 * g)
     sr.close()
     return msg
 
