@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from .._util import run_all
 from . import driver
 from .dlpack import tensor_at
 from .host import HostBackend
@@ -161,21 +162,6 @@ class _Closeable:
 
     def close(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
-
-
-def run_all(steps: list[Callable[[], None]]) -> None:
-    """Run every step; raise the first error afterwards."""
-    first: BaseException | None = None
-    for step in steps:
-        try:
-            step()
-        except BaseException as exc:  # noqa: B902 - teardown must finish every step
-            if first is None:
-                first = exc
-            else:
-                log.error("vmmkv teardown: further error suppressed: %s", exc)
-    if first is not None:
-        raise first
 
 
 class VirtualRegion(_Closeable):

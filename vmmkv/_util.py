@@ -1,0 +1,63 @@
+"""Small internal helpers shared by every layer (no torch, no CUDA): argument checks and
+teardown. Internal: not part of the public API.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable
+
+__all__ = ["ceil_div", "require_int", "require_timeout", "round_up", "run_all"]
+
+log = logging.getLogger(__name__)
+
+
+def require_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> int:
+    """``value`` if it is an int (not a bool) in ``[lo, hi]``; else TypeError/ValueError naming
+    ``name``, the value got and the range expected."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        if hi is None:
+            want = f">= {lo}"
+        elif lo is None:
+            want = f"<= {hi}"
+        else:
+            want = f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {want}, got {value}")
+    return value
+
+
+def require_timeout(name: str, value: object) -> float:
+    """A finite, positive number of seconds (bools, NaN and inf are refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints, ``b > 0``."""
+    return -(-a // b)
+
+
+def round_up(a: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is >= ``a``."""
+    return ceil_div(a, multiple) * multiple
+
+
+def run_all(steps: Iterable[Callable[[], None]]) -> None:
+    """Run every step even if some fail; raise the first error afterwards (teardown)."""
+    first: BaseException | None = None
+    for step in steps:
+        try:
+            step()
+        except BaseException as exc:  # noqa: B902 - teardown must finish every step
+            if first is None:
+                first = exc
+            else:
+                log.error("vmmkv teardown: further error suppressed: %s", exc)
+    if first is not None:
+        raise first
