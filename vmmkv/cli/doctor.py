@@ -14,7 +14,8 @@ import struct
 import sys
 from typing import Any
 
-from .alloc import driver as drv
+from ..alloc import driver as drv
+from . import banner
 
 
 def _versions() -> dict[str, str]:
@@ -90,7 +91,7 @@ def _nvml_p2p(n: int) -> dict[str, str]:
     except Exception as exc:
         return {"error": f"NVML unavailable: {exc}"}
     try:
-        from .alloc.cuda import nvml_uuid
+        from ..alloc.cuda import nvml_uuid
 
         handles = [pynvml.nvmlDeviceGetHandleByUUID(nvml_uuid(i)) for i in range(n)]
         for i in range(n):
@@ -116,7 +117,7 @@ def _nvml_p2p(n: int) -> dict[str, str]:
 
 
 def _gpus() -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
-    from .alloc.cuda import CudaBackend, fabric_probe
+    from ..alloc.cuda import CudaBackend, fabric_probe
 
     n = drv.device_count()
     gpus, problems = [], []
@@ -185,6 +186,8 @@ def report() -> dict[str, Any]:
 
 
 def _print(rep: dict[str, Any]) -> None:
+    banner("doctor", f"what {platform.node() or 'this machine'} offers vmmkv")
+
     def section(title: str, d: dict[str, Any]) -> None:
         print(f"{title}:")
         for k, v in d.items():

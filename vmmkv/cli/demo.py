@@ -18,7 +18,8 @@ import sys
 import time
 from typing import Any
 
-from ._spawn import spawn_group
+from .._spawn import spawn_group
+from . import banner
 
 BS = 64
 MLA, IDX = 656, 132
@@ -27,7 +28,7 @@ DECODE = 2
 
 def _log(rank: int, t0: float, msg: str) -> None:
     if rank == 0:
-        print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
+        banner("demo", f"[{time.monotonic() - t0:6.1f}s] {msg}")
 
 
 def _batch(rank: int, world: int, step: int, blocks: range, tokens: list[int]):
@@ -72,7 +73,7 @@ def _layer_views(buf, layers: int, num_blocks: int):
 
 
 def _oracle(poison, layers, num_blocks, world, step, blocks, tokens):
-    from .ops import reference as ref
+    from ..ops import reference as ref
 
     want = poison.clone()
     views = _layer_views(want, layers, num_blocks)
@@ -88,7 +89,7 @@ def _run_rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from . import ReplicatedKVCache
+    from .. import ReplicatedKVCache
 
     t0 = opts["t0"]
     backend = opts["backend"]
@@ -128,7 +129,7 @@ def _drive(cache, rank, world, t0, layers, num_blocks, half, block_total, tokens
     import torch
     import torch.distributed as dist
 
-    from . import ops
+    from .. import ops
 
     report: dict[str, Any] = {
         "rank": rank,
@@ -274,7 +275,7 @@ def run(
 ) -> list[dict]:
     """Spawn the group, run the demo on every rank, return the per-rank reports."""  # fmt: skip
 
-    from .alloc import driver
+    from ..alloc import driver
 
     if backend == "auto":
         backend = "cuda" if driver.cuda_usable() else "host"
@@ -294,14 +295,15 @@ def run(
         "chunk": (2 << 20) if backend == "cuda" else (1 << 16),
         "t0": time.monotonic(),
     }
-    print(f"[   0.0s] spawning {world} ranks ({backend} backend)", flush=True)
+    banner("demo", f"spawning {world} ranks ({backend} backend)")
     return spawn_group(_run_rank, world, opts, timeout)
 
 
 def _print_report(reports: list[dict]) -> bool:
     ok = all("error" not in r and r.get("verified") for r in reports)
     first = next((r for r in reports if "error" not in r), None)
-    print("\nvmmkv demo report")
+    print()
+    banner("demo", "report")
     print(f"  ranks              {len(reports)}")
     if first:
         print(f"  devices            {', '.join(r.get('device', '?') for r in reports)}")

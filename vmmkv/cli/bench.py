@@ -6,9 +6,10 @@ direct (peer writes) and gather (all-gather + local insert, NCCL when each rank 
 GPU) measured side by side in one run: ``--warmup`` untimed steps (20), ``--iters`` timed ones
 (100), every step started together on all ranks, p50 and p99 of the slowest rank. With direct
 mode and several ranks it also measures a peer copy (each rank copies into the next rank's
-region through the mapping) and reports publish bandwidth at the largest T against it. Prints a table, writes JSON and a
-PNG plot (latency against tokens, one line per path; matplotlib when installed, otherwise a
-small built-in renderer without text). ``--quick`` finishes within a minute. The detailed
+region through the mapping) and reports publish bandwidth at the largest T against it. Prints a
+table, writes ``bench.json`` always and ``bench.png`` (latency against tokens, one line per path)
+where matplotlib is installed; without it one log line says the plot was skipped. ``--quick``
+finishes within a minute. The detailed
 kernel, region and rendezvous benchmarks live in the repository's ``benchmarks/``.
 """
 
@@ -16,14 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
-import struct
 import sys
 import time
-import zlib
 from typing import Any
 
-from ._spawn import spawn_group
+from .._spawn import spawn_group
+from . import banner
+
+log = logging.getLogger(__name__)
 
 BS = 64
 FULL = (1, 8, 32, 128, 512, 2048, 8192)
@@ -43,7 +46,7 @@ def _rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from . import ReplicatedKVCache, ops
+    from .. import ReplicatedKVCache, ops
 
     backend = opts["backend"]
     if backend == "cuda":
@@ -132,75 +135,33 @@ def _peer_copy_GBps(cache, rank: int, world: int, device) -> float:
     return n / _pct(times, 50) / 1e3
 
 
-def _png(path: str, series: dict[str, list[tuple[float, float]]]) -> str:
+def _plot(path: str, series: dict[str, list[tuple[float, float]]]) -> bool:
+    """Latency against tokens, one line per path, through matplotlib; False (one log line, no
+    file) where matplotlib is not installed."""
     try:
         import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for name, pts in series.items():
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens per rank")
-        ax.set_ylabel("step latency (us, median, slowest rank)")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        return "matplotlib"
     except ImportError:
-        _png_plain(path, series)
-        return "built-in (no text: blue = direct, orange = gather)"
+        log.warning("matplotlib is not installed: no %s (the JSON holds every number)", path)
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-
-def _png_plain(path: str, series: dict[str, list[tuple[float, float]]], w=480, h=320) -> None:
-    """Log-log polyline plot without text, for machines without matplotlib."""
-    import math
-
-    px = [[(255, 255, 255)] * w for _ in range(h)]
-    pts = [p for s in series.values() for p in s if p[0] > 0 and p[1] > 0]
-    lx = [math.log(p[0]) for p in pts]
-    ly = [math.log(p[1]) for p in pts]
-    x0, x1 = min(lx), max(lx) if max(lx) > min(lx) else min(lx) + 1
-    y0, y1 = min(ly), max(ly) if max(ly) > min(ly) else min(ly) + 1
-
-    def to_px(x, y):
-        fx = 30 + (math.log(x) - x0) / (x1 - x0) * (w - 50)
-        fy = h - 30 - (math.log(y) - y0) / (y1 - y0) * (h - 50)
-        return int(fx), int(fy)
-
-    def line(a, b, color):
-        n = max(abs(b[0] - a[0]), abs(b[1] - a[1]), 1)
-        for i in range(n + 1):
-            x = a[0] + (b[0] - a[0]) * i // n
-            y = a[1] + (b[1] - a[1]) * i // n
-            for dx in (0, 1):
-                if 0 <= x + dx < w and 0 <= y < h:
-                    px[y][x + dx] = color
-
-    line((30, h - 30), (w - 10, h - 30), (0, 0, 0))
-    line((30, 10), (30, h - 30), (0, 0, 0))
-    colors = [(31, 119, 180), (255, 127, 14), (44, 160, 44)]
-    for color, pts_s in zip(colors, series.values(), strict=False):
-        ps = [to_px(*p) for p in pts_s if p[0] > 0 and p[1] > 0]
-        for a, b in zip(ps, ps[1:], strict=False):
-            line(a, b, color)
-    raw = b"".join(b"\0" + bytes(c for p in row for c in p) for row in px)
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
-
-    with open(path, "wb") as f:
-        f.write(b"\x89PNG\r\n\x1a\n")
-        f.write(chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)))
-        f.write(chunk(b"IDAT", zlib.compress(raw, 9)))
-        f.write(chunk(b"IEND", b""))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, pts in series.items():
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("step latency (us, median, slowest rank)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .alloc import driver
+    from ..alloc import driver
 
     ap = argparse.ArgumentParser(prog="python -m vmmkv bench", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a short sweep (under a minute)")
@@ -223,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": a.warmup if a.warmup is not None else (3 if a.quick else 20),
         "iters": a.iters if a.iters is not None else (10 if a.quick else 100),
     }
-    print(f"bench: {world} ranks, {backend} backend, tokens/rank {list(tokens)}", flush=True)
+    banner("bench", f"{world} ranks, {backend} backend, tokens/rank {list(tokens)}")
     reports = spawn_group(_rank, world, opts, timeout=900)
     bad = [r for r in reports if "error" in r]
     if bad:
@@ -262,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         for k in cols
         if k.endswith("_p50_us")
     }
-    how = _png(os.path.join(a.out, "bench.png"), series)
-    print(f"wrote {a.out}/bench.json and {a.out}/bench.png ({how})")
+    png = os.path.join(a.out, "bench.png")
+    wrote = [os.path.join(a.out, "bench.json")] + ([png] if _plot(png, series) else [])
+    print(f"wrote {' and '.join(wrote)}")
     return 0

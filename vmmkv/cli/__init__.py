@@ -1,0 +1,62 @@
+"""The command-line tools, apart from the library: ``python -m vmmkv demo|bench|doctor`` and the
+``vmmkv`` console script both dispatch through :func:`main`.
+
+Each tool is a module of this package with ``main(argv) -> int`` (the exit status). Tools write
+for a person: they print, and every tool opens with one banner line from :func:`banner`
+(``vmmkv <tool>: ...``). Tools that start processes (demo, bench) do so through
+``vmmkv.testing.spawn``, the only place that sets the NVLink-multicast-off variables.
+Importing this package imports neither torch nor CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+__all__ = ["COMMANDS", "banner", "main"]
+
+log = logging.getLogger(__name__)
+
+# command -> (module, one-line summary for the usage text)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": (
+        "vmmkv.cli.demo",
+        "spawn a PCP group, publish KV rows directly into every replica, grow after\n"
+        "           CUDA-graph capture, verify byte for byte, report (host backend without a GPU)",
+    ),
+    "doctor": (
+        "vmmkv.cli.doctor",
+        "versions, VMM / fd / fabric / P2P support, and whether direct mode can work",
+    ),
+    "bench": (
+        "vmmkv.cli.bench",
+        "store / barrier benchmark sweep with JSON output (and a plot with matplotlib)",
+    ),
+}
+
+USAGE = (
+    "usage: python -m vmmkv COMMAND [options]   (or: vmmkv COMMAND [options])\n\ncommands:\n"
+    + ("".join(f"  {name:<8} {summary}\n" for name, (_, summary) in COMMANDS.items()))
+)
+
+
+def banner(tool: str, text: str) -> None:
+    """The one banner style of every tool: ``vmmkv <tool>: <text>`` on stdout, flushed."""
+    print(f"vmmkv {tool}: {text}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch ``argv`` (default ``sys.argv[1:]``) to a tool; 2 with the usage text on an
+    unknown command or none."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    if not logging.getLogger().handlers:  # the tools' own log lines (e.g. a skipped plot)
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return importlib.import_module(COMMANDS[cmd][0]).main(rest)
