@@ -40,7 +40,7 @@ inline constexpr int kIndexerDim = 128;
 inline constexpr int kIndexerEntryBytes = 132;    // 128 fp8 + one fp32 scale, split in the block
 
 // Where a layer view lives in every replica. Mirrored byte for byte by vmmkv/ops/launch.py
-// (`KVDestStruct`); 8-byte fields first so that host and device layouts agree without padding.
+// (`KVDEST`); 8-byte fields first so that host and device layouts agree without padding.
 struct KVDest {
     const i64* ptr_table;        // [num_dest] region base addresses (own and mapped peers)
     const i64* committed_bytes;  // device int64: committed bytes of each region (grows later)
@@ -131,9 +131,15 @@ VMMKV_FN i64 load_slot(const void* slots, int slots_is_64, i64 i) {
 VMMKV_FN i64 dest_block_offset(const KVDest& d, i64 slot, bool counter_lane, int* offset_in_block) {
     if (slot < 0) return -1;
     const i64 block = slot / d.block_size;
+    // The range check comes before the product: for block < num_blocks, KVTarget guarantees
+    // offset_bytes + (num_blocks - 1) * block_stride + block_extent < 2^62, so neither
+    // block * block_stride nor off + block_extent can overflow; for a larger block it could.
+    if (block >= d.num_blocks) {
+        if (counter_lane) atomicAdd(d.error_counter, 1);
+        return -1;
+    }
     const i64 off = d.offset_bytes + block * d.block_stride;
-    // block is compared first so that the product above is only used when it cannot overflow
-    if (block >= d.num_blocks || off + d.block_extent > *d.committed_bytes) {
+    if (off + d.block_extent > *d.committed_bytes) {
         if (counter_lane) atomicAdd(d.error_counter, 1);
         return -1;
     }

@@ -17,6 +17,8 @@ Contract:
 - ``compile_all(arch)`` needs no GPU. ``load_module(ordinal)`` compiles for the device's arch,
   loads the modules under the device's primary context and keeps them for the life of the
   process (cached per device and key; never unloaded: captured graphs may still use them).
+  When loading one module (or finding one of its functions) fails, the modules this call
+  loaded already are unloaded before the error propagates; nothing is cached then.
 - Nothing here is collective. Not capture-safe the first time (compiles, loads); afterwards
   ``load_module`` is a dictionary lookup.
 """
@@ -449,6 +451,19 @@ class LoadedKernels:
             raise KeyError(f"no kernel {name!r}; loaded: {sorted(self.functions)}") from None
 
 
+def _unload(modules: dict[str, Any], ordinal: int, cause: BaseException) -> None:
+    """Unload what a failed ``load_module`` loaded (nothing launched them yet); ``cause``
+    stays the error the caller sees, a failed unload is only logged."""
+    for name, mod in modules.items():
+        try:
+            driver.call(driver.cu.cuModuleUnload, mod, device=ordinal, source=name)
+        except Exception as exc:
+            _log.warning(
+                "vmmkv: unloading %s on device %d after a failed load (%s) failed: %s",
+                name, ordinal, cause, exc,
+            )  # fmt: skip
+
+
 _load_lock = threading.Lock()
 _loaded: dict[tuple[int, tuple[str, ...]], LoadedKernels] = {}
 _latest: dict[int, LoadedKernels] = {}
@@ -475,15 +490,19 @@ def load_module(ordinal: int) -> LoadedKernels:
             modules: dict[str, Any] = {}
             functions: dict[str, Any] = {}
             with driver.primary_context(ordinal) as ctx:
-                for name, b in builds.items():
-                    mod = driver.call(
-                        driver.cu.cuModuleLoadData, b.cubin, device=ordinal, source=name
-                    )
-                    modules[name] = mod
-                    for fn in KERNELS[name]:
-                        functions[fn] = driver.call(
-                            driver.cu.cuModuleGetFunction, mod, fn.encode(), device=ordinal
+                try:
+                    for name, b in builds.items():
+                        mod = driver.call(
+                            driver.cu.cuModuleLoadData, b.cubin, device=ordinal, source=name
                         )
+                        modules[name] = mod
+                        for fn in KERNELS[name]:
+                            functions[fn] = driver.call(
+                                driver.cu.cuModuleGetFunction, mod, fn.encode(), device=ordinal
+                            )
+                except BaseException as exc:
+                    _unload(modules, ordinal, exc)
+                    raise
             loaded = LoadedKernels(
                 ordinal, arch, {n: b.key for n, b in builds.items()}, int(ctx), modules, functions
             )

@@ -45,6 +45,7 @@ KINDS = ("fp8_ds_mla", "indexer_k", "rows")
 _WARPS_PER_CTA = 8
 _THREADS = 32 * _WARPS_PER_CTA
 _MAX_GRID = 65535
+_MAX_SPAN = 2**62  # bound of a view's last byte, so that the kernels' int64 offsets never overflow
 
 
 def _require_tensor(name: str, t: object) -> torch.Tensor:
@@ -120,6 +121,17 @@ class KVTarget:
             raise ValueError(
                 f"block_stride ({self.block_stride}) is smaller than the bytes one block spans "
                 f"({self.block_extent}): blocks would overlap"
+            )
+        # the kernels form offset_bytes + block * block_stride + block_extent in int64 for
+        # every in-range block (csrc/vmmkv_common.cuh dest_block_offset)
+        span_end = self.offset_bytes + max(self.num_blocks - 1, 0) * self.block_stride
+        span_end += self.block_extent
+        if span_end >= _MAX_SPAN:
+            raise ValueError(
+                f"the view ends at byte {span_end} of its region (offset_bytes "
+                f"{self.offset_bytes} + (num_blocks - 1) * block_stride "
+                f"({self.num_blocks} - 1) * {self.block_stride} + block extent "
+                f"{self.block_extent}); it must end below 2**62"
             )
         align = {"fp8_ds_mla": 16, "indexer_k": 4, "rows": 1}[self.kind]
         for name in ("offset_bytes", "block_stride") + (
