@@ -20,74 +20,45 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from common import median, table, timed, write_json  # noqa: E402
 
+from vmmkv.testing.spawn import run_world, run_world_raw  # noqa: E402
+
 GiB = 1 << 30
 MiB = 1 << 20
 
 
-def _rank_main(rank, world, port, configs, grow, q):
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+def _rank_main(rank, world, configs, grow):
+    """One rank of the PCP group (spawned, in a gloo group): per config, the seconds of
+    rendezvous (construction), grow, shrink and close, each started after a barrier."""
     import torch
     import torch.distributed as dist
 
     from vmmkv.ipc import SymmetricRegion
 
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}"
-    )
     dev = f"cuda:{rank % torch.cuda.device_count()}"
     torch.cuda.set_device(dev)
     out = []
-    try:
-        for cap, chunk in configs:
-            if grow > cap:
-                raise ValueError(f"--grow-gib ({grow}) exceeds a capacity of {cap} bytes")
-            t = {}
+    for cap, chunk in configs:
+        if grow > cap:
+            raise ValueError(f"--grow-gib ({grow}) exceeds a capacity of {cap} bytes")
+        t = {}
+        dist.barrier()
+        t0 = time.perf_counter()
+        sr = SymmetricRegion(cap, dev, chunk_bytes=chunk, backend="cuda")
+        t["rendezvous"] = time.perf_counter() - t0
+        for name, fn in (
+            ("grow", lambda sr=sr: sr.resize(grow)),
+            ("shrink", lambda sr=sr: sr.resize(0)),
+            ("close", sr.close),
+        ):
             dist.barrier()
-            t0 = time.perf_counter()
-            sr = SymmetricRegion(cap, dev, chunk_bytes=chunk, backend="cuda")
-            t["rendezvous"] = time.perf_counter() - t0
-            for name, fn in (
-                ("grow", lambda sr=sr: sr.resize(grow)),
-                ("shrink", lambda sr=sr: sr.resize(0)),
-                ("close", sr.close),
-            ):
-                dist.barrier()
-                t[name] = timed(fn)
-            out.append(t)
-    except BaseException as exc:
-        q.put((rank, f"{type(exc).__name__}: {exc}"))
-        raise
-    finally:
-        dist.destroy_process_group()
-    q.put((rank, out))
+            t[name] = timed(fn)
+        out.append(t)
+    return out
 
 
 def _spawn(world, configs, grow):
-    import multiprocessing as mp
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, configs, grow, q))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    results = {}
-    for _ in range(world):
-        rank, out = q.get(timeout=900)
-        if isinstance(out, str):
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"rank {rank} failed: {out}")
-        results[rank] = out
-    for p in procs:
-        p.join(60)
-    # slowest rank per op
+    """The slowest rank's seconds per operation and config (raises if any rank failed)."""
+    results = run_world(_rank_main, world, args=(configs, grow), timeout=900)
     return [
         {k: max(results[r][i][k] for r in range(world)) for k in results[0][i]}
         for i in range(len(configs))
@@ -130,10 +101,8 @@ def bare_cost(size, chunk, reps=3):
     return median(times)
 
 
-def symm_mem_anchor(size):
+def _symm_mem_rank(rank, world, size):
     """torch symmetric memory empty + rendezvous in a 1-rank group (first call, then again)."""
-    import socket
-
     import torch
     import torch.distributed as dist
 
@@ -141,11 +110,6 @@ def symm_mem_anchor(size):
         import torch.distributed._symmetric_memory as symm_mem
     except Exception as exc:  # pragma: no cover
         return {"error": f"unavailable: {exc}"}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
     out = {}
     try:
         for label in ("first", "second"):
@@ -158,9 +122,13 @@ def symm_mem_anchor(size):
             del t
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        dist.destroy_process_group()
     return out
+
+
+def symm_mem_anchor(size):
+    """``_symm_mem_rank`` in one spawned process (its own gloo group, multicast off)."""
+    (result,) = run_world_raw(_symm_mem_rank, 1, args=(size,), timeout=300)
+    return result.value if result.ok else {"error": result.error.strip().splitlines()[-1]}
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""Shared helpers for the benchmark scripts: medians, a printed table, a JSON record."""
+"""Shared helpers for the benchmark scripts: a printed table, a JSON record with the machine,
+and the timing helpers of ``vmmkv.testing.timing`` (one percentile, one timing loop)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import datetime
 import json
 import os
 import platform
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
+
+from vmmkv.testing.timing import median, percentile, time_us
+
+__all__ = ["machine", "median", "percentile", "table", "time_us", "timed", "write_json"]
 
 
 def machine() -> dict[str, Any]:
@@ -32,18 +35,7 @@ def machine() -> dict[str, Any]:
 
 def timed(fn: Callable[[], Any]) -> float:
     """Seconds one call of ``fn`` took (host clock; ``fn`` must synchronize what it times)."""
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def median(xs: Sequence[float]) -> float:
-    return statistics.median(xs)
-
-
-def percentile(xs: Sequence[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+    return time_us(fn, iters=1)[0] * 1e-6
 
 
 def table(rows: list[dict[str, Any]], cols: list[str]) -> str:

@@ -14,6 +14,7 @@ Runs on GPUs (one process per GPU, or two sharing one) or, without a GPU, on the
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -23,38 +24,34 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vmmkv import ReplicatedKVCache  # noqa: E402
-from vmmkv._spawn import spawn_group  # noqa: E402
 from vmmkv.alloc import cuda_usable  # noqa: E402
+from vmmkv.testing.kv import (  # noqa: E402
+    BLOCK_SIZE,
+    block_stride,
+    interleaved_views,
+    layer_inputs,
+)
+from vmmkv.testing.spawn import run_world  # noqa: E402
 
-LAYERS, BLOCK_SIZE = 2, 64
-MLA_ENTRY, IDX_ENTRY = 656, 132
-PER_BLOCK = LAYERS * BLOCK_SIZE * (MLA_ENTRY + IDX_ENTRY)  # all layers of one block
+LAYERS = 2
+PER_BLOCK = block_stride(LAYERS)  # bytes of block b of every layer (MLA then indexer, per layer)
 
 
 def allocate_kv_cache(num_blocks: int, buffer_allocator, device):
-    """What an engine's allocator does: one buffer, per-layer (mla, indexer) strided views."""
-    buf = buffer_allocator(num_blocks * PER_BLOCK, device).view(torch.uint8)
-    layers = []
-    for layer in range(LAYERS):
-        off = buf.storage_offset() + layer * BLOCK_SIZE * (MLA_ENTRY + IDX_ENTRY)
-        mla = buf.as_strided((num_blocks, BLOCK_SIZE, MLA_ENTRY), (PER_BLOCK, MLA_ENTRY, 1), off)
-        idx = buf.as_strided(
-            (num_blocks, BLOCK_SIZE, IDX_ENTRY),
-            (PER_BLOCK, IDX_ENTRY, 1),
-            off + BLOCK_SIZE * MLA_ENTRY,
-        )
-        layers.append((mla, idx))
-    return layers
+    """What an engine's allocator does: ONE buffer, per-layer (mla, indexer) strided views.
+    The layout (block b of every layer contiguous) is written once in vmmkv.testing.kv; an
+    engine computes the same strides from its own layer specs."""
+    buf = buffer_allocator(num_blocks * PER_BLOCK, device)
+    return interleaved_views(buf, LAYERS, num_blocks)
 
 
-def engine_rank(rank: int, world: int, opts: dict) -> dict:
-    cuda = opts["cuda"]
+def engine_rank(rank: int, world: int, cuda: bool) -> dict:
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     max_blocks, start_blocks = 64, 16
     chunk = (2 << 20) if cuda else (1 << 16)
-    capacity = -(-(max_blocks * PER_BLOCK) // chunk) * chunk
+    capacity = math.ceil(max_blocks * PER_BLOCK / chunk) * chunk  # whole chunks
     with ReplicatedKVCache(
         dist.group.WORLD,  # the PCP group's CPU (gloo) group
         capacity,
@@ -73,9 +70,7 @@ def engine_rank(rank: int, world: int, opts: dict) -> dict:
         ]
         # static step buffers (what a captured forward pass would own)
         t = 32
-        kv_c = torch.randn(t, 512, device=device).bfloat16()
-        k_pe = torch.randn(t, 64, device=device).bfloat16()
-        k = torch.randn(t, 128, device=device).bfloat16()
+        kv_c, k_pe, k = (x.to(device) for x in layer_inputs(rank, t))  # random, non-zero
         slots = torch.arange(t, device=device) + rank * t  # this rank's prompt share
 
         def prefill_step():
@@ -99,7 +94,8 @@ def engine_rank(rank: int, world: int, opts: dict) -> dict:
             torch.cuda.current_stream().wait_stream(s)
         # more memory became free: grow to all blocks, after capture, without moving anything
         cache.grow(max_blocks * PER_BLOCK)
-        slots.copy_(torch.arange(t, device=device) + (start_blocks + 1) * BLOCK_SIZE + rank * t)
+        new_first = (start_blocks + 1) * BLOCK_SIZE  # a slot in a block committed by the grow
+        slots.copy_(torch.arange(t, device=device) + new_first + rank * t)
         graph.replay() if graph is not None else prefill_step()
         if cuda:
             torch.cuda.synchronize()
@@ -118,8 +114,9 @@ def engine_rank(rank: int, world: int, opts: dict) -> dict:
 def main() -> int:
     cuda = cuda_usable()
     world = max(2, torch.cuda.device_count()) if cuda else 2
-    reports = spawn_group(engine_rank, world, {"cuda": cuda}, timeout=300)
-    ok = all(r.get("landed") for r in reports)
+    # one process per rank, in a gloo group, killed together on timeout (vmmkv's test spawner)
+    reports = run_world(engine_rank, world, args=(cuda,), timeout=300)
+    ok = all(r["landed"] for r in reports)
     for r in reports:
         print(r)
     print("engine example:", "OK" if ok else "FAILED")

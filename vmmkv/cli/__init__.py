@@ -13,8 +13,10 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["COMMANDS", "banner", "main"]
+__all__ = ["COMMANDS", "banner", "main", "rank_reports"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,21 @@ USAGE = (
 def banner(tool: str, text: str) -> None:
     """The one banner style of every tool: ``vmmkv <tool>: <text>`` on stdout, flushed."""
     print(f"vmmkv {tool}: {text}", flush=True)
+
+
+def rank_reports(
+    fn: Callable[[int, int, dict[str, Any]], dict[str, Any]],
+    world: int,
+    opts: dict[str, Any],
+    timeout: float,
+) -> list[dict[str, Any]]:
+    """``fn(rank, world, opts)`` on ``world`` spawned ranks in a gloo group
+    (``vmmkv.testing.spawn``); one report dict per rank in rank order, ``{"rank", "error"}`` for
+    a rank that raised, died or timed out."""
+    from ..testing.spawn import run_world_raw
+
+    results = run_world_raw(fn, world, args=(opts,), timeout=timeout)
+    return [r.value if r.ok else {"rank": r.rank, "error": r.error} for r in results]
 
 
 def main(argv: list[str] | None = None) -> int:

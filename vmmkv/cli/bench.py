@@ -20,15 +20,12 @@ import json
 import logging
 import os
 import sys
-import time
 from typing import Any
 
-from .._spawn import spawn_group
-from . import banner
+from . import banner, rank_reports
 
 log = logging.getLogger(__name__)
 
-BS = 64
 FULL = (1, 8, 32, 128, 512, 2048, 8192)
 QUICK = (1, 32, 512, 2048)
 
@@ -47,6 +44,9 @@ def _rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from .. import ReplicatedKVCache, ops
+    from .._util import ceil_div, round_up
+    from ..testing.kv import BLOCK_SIZE, block_stride, interleaved_views, layer_inputs
+    from ..testing.timing import percentile, time_us
 
     backend = opts["backend"]
     if backend == "cuda":
@@ -57,26 +57,23 @@ def _rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     else:
         device, device_group = torch.device("cpu"), None
     sweep = opts["tokens"]
-    nblk = -(-(max(sweep) * world) // BS) + 1
-    mla_b, idx_b = nblk * BS * 656, nblk * BS * 132
+    nblk = ceil_div(max(sweep) * world, BLOCK_SIZE) + 1
+    nbytes = nblk * block_stride(1)
     chunk = (2 << 20) if backend == "cuda" else (1 << 16)
-    cap = -(-(mla_b + idx_b) // chunk) * chunk
+    cap = round_up(nbytes, chunk)
     out: dict[str, Any] = {"rank": rank, "rows": []}
     with ReplicatedKVCache(
         dist.group.WORLD, cap, device, device_group=device_group, initial_bytes=cap,
         chunk_bytes=chunk, backend=backend,
     ) as cache:  # fmt: skip
-        buf = cache.allocate(mla_b + idx_b).view(torch.uint8)
-        mla = cache.bind("mla", buf[:mla_b].view(nblk, BS, 656), "fp8_ds_mla")
-        idx = cache.bind("idx", buf[mla_b:].view(nblk, BS, 132), "indexer_k")
+        ((mla_view, idx_view),) = interleaved_views(cache.allocate(nbytes), 1, nblk)
+        mla = cache.bind("mla", mla_view, "fp8_ds_mla")
+        idx = cache.bind("idx", idx_view, "indexer_k")
         out["direct"] = cache.direct
         if device.type == "cuda":
             ops.warm_up(device)
-        g = torch.Generator().manual_seed(rank)
         for i, t in enumerate(sweep):
-            kv_c = torch.randn(t, 512, generator=g).bfloat16().to(device)
-            k_pe = torch.randn(t, 64, generator=g).bfloat16().to(device)
-            k = torch.randn(t, 128, generator=g).bfloat16().to(device)
+            kv_c, k_pe, k = (x.to(device) for x in layer_inputs(1000 * rank + i, t))
             slots = (torch.arange(t) + rank * t).to(device)
 
             def step(mode, kv_c=kv_c, k_pe=k_pe, k=k, slots=slots):
@@ -85,9 +82,15 @@ def _rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
 
             row = {"tokens_per_rank": t}
             for mode in ("direct", "gather") if cache.direct else ("gather",):
-                times = _times_us(lambda m=mode: step(m), device, opts["warmup"], opts["iters"])
-                row[f"{mode}_p50_us"] = _pct(times, 50)
-                row[f"{mode}_p99_us"] = _pct(times, 99)
+                times = time_us(
+                    lambda m=mode: step(m),
+                    iters=opts["iters"],
+                    warmup=opts["warmup"],
+                    device=device,
+                    before=dist.barrier,  # every rank starts each step together
+                )
+                row[f"{mode}_p50_us"] = percentile(times, 50)
+                row[f"{mode}_p99_us"] = percentile(times, 99)
             out["rows"].append(row)
             if rank == 0:
                 _progress(i + 1, len(sweep), f"{t} tokens/rank")
@@ -96,43 +99,19 @@ def _rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _times_us(fn, device, warmup: int, iters: int) -> list[float]:
-    """Per-iteration host time of ``fn`` (synchronized), every rank starting together."""
-    import torch
-    import torch.distributed as dist
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        sync()
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return times
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
-
-
 def _peer_copy_GBps(cache, rank: int, world: int, device) -> float:
     """Unidirectional copy bandwidth into the next rank's region through the peer mapping
     (every rank copies at once, a ring), median of 10 copies of up to 256 MiB."""
     import torch
+    import torch.distributed as dist
+
+    from ..testing.timing import percentile, time_us
 
     n = min(cache.committed_bytes, 256 << 20)
     src = torch.randint(0, 256, (n,), dtype=torch.uint8).to(device)
     dst = cache.region.view((rank + 1) % world)[:n]
-    times = _times_us(lambda: dst.copy_(src), device, 2, 10)
-    return n / _pct(times, 50) / 1e3
+    times = time_us(lambda: dst.copy_(src), iters=10, warmup=2, device=device, before=dist.barrier)
+    return n / percentile(times, 50) / 1e3
 
 
 def _plot(path: str, series: dict[str, list[tuple[float, float]]]) -> bool:
@@ -162,6 +141,7 @@ def _plot(path: str, series: dict[str, list[tuple[float, float]]]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     from ..alloc import driver
+    from ..ops.formats import INDEXER_ENTRY_BYTES, MLA_ENTRY_BYTES
 
     ap = argparse.ArgumentParser(prog="python -m vmmkv bench", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a short sweep (under a minute)")
@@ -185,14 +165,15 @@ def main(argv: list[str] | None = None) -> int:
         "iters": a.iters if a.iters is not None else (10 if a.quick else 100),
     }
     banner("bench", f"{world} ranks, {backend} backend, tokens/rank {list(tokens)}")
-    reports = spawn_group(_rank, world, opts, timeout=900)
+    reports = rank_reports(_rank, world, opts, timeout=900)
     bad = [r for r in reports if "error" in r]
     if bad:
         for r in bad:
             print(f"rank {r.get('rank')} failed: {r['error']}", file=sys.stderr)
         return 1
     rows = []
-    peer_bytes = (656 + 132) * (world - 1)  # written to peers per token of one rank
+    # written to peers per token of one rank
+    peer_bytes = (MLA_ENTRY_BYTES + INDEXER_ENTRY_BYTES) * (world - 1)
     for i, t in enumerate(tokens):
         row: dict[str, Any] = {"tokens_per_rank": t}
         for key in reports[0]["rows"][i]:

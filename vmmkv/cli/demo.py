@@ -13,17 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any
 
-from .._spawn import spawn_group
-from . import banner
+from . import banner, rank_reports
 
-BS = 64
-MLA, IDX = 656, 132
-DECODE = 2
+DECODE = 2  # replicated decode tokens at the head of every step (num_local_only)
 
 
 def _log(rank: int, t0: float, msg: str) -> None:
@@ -31,58 +27,22 @@ def _log(rank: int, t0: float, msg: str) -> None:
         banner("demo", f"[{time.monotonic() - t0:6.1f}s] {msg}")
 
 
-def _batch(rank: int, world: int, step: int, blocks: range, tokens: list[int]):
-    """Deterministic inputs of one step: replicated decode tokens first, then this rank's own.
-    Slots are distinct across ranks and drawn from ``blocks``."""
+def _batch(rank: int, step: int, blocks: range, tokens: list[int]):
+    """Deterministic inputs ``(kv_c, k_pe, k, slots)`` of one step on ``rank``: the replicated
+    decode tokens first (the same on every rank), then this rank's own. Slots are distinct
+    across ranks and drawn from ``blocks``."""
     import torch
+
+    from ..testing.kv import BLOCK_SIZE, layer_inputs
 
     g = torch.Generator().manual_seed(1000 * step + 17)
-    perm = torch.randperm(len(blocks) * BS, generator=g) + blocks.start * BS
+    perm = torch.randperm(len(blocks) * BLOCK_SIZE, generator=g) + blocks.start * BLOCK_SIZE
     start = DECODE + sum(tokens[:rank])
     slots = torch.cat([perm[:DECODE], perm[start : start + tokens[rank]]])
-    n = slots.numel()
-
-    def data(seed, rows, d):
-        gg = torch.Generator().manual_seed(seed)
-        x = torch.randn(rows, d, generator=gg) * torch.rand(rows, 1, generator=gg).mul(6)
-        x[x == 0] = 1.0
-        return x
-
-    def both(seed, d):  # decode rows are the same on every rank: seeded without the rank
-        shared = data(step * 7 + seed, DECODE, d)
-        return torch.cat([shared, data(step * 7 + 100 * seed + rank, n - DECODE, d)]).bfloat16()
-
-    return both(1, 512), both(2, 64), both(3, 128), slots
-
-
-def _layer_views(buf, layers: int, num_blocks: int):
-    import torch
-
-    u8 = buf.view(torch.uint8)
-    block_total = layers * BS * (MLA + IDX)
-    views = []
-    for layer in range(layers):
-        off = u8.storage_offset() + layer * BS * (MLA + IDX)
-        views.append(
-            (
-                u8.as_strided((num_blocks, BS, MLA), (block_total, MLA, 1), off),
-                u8.as_strided((num_blocks, BS, IDX), (block_total, IDX, 1), off + BS * MLA),
-            )
-        )
-    return views
-
-
-def _oracle(poison, layers, num_blocks, world, step, blocks, tokens):
-    from ..ops import reference as ref
-
-    want = poison.clone()
-    views = _layer_views(want, layers, num_blocks)
-    for r in range(world):
-        kv_c, k_pe, k, slots = _batch(r, world, step, blocks, tokens)
-        for mla, idx in views:
-            ref.insert_ds_mla(mla, kv_c, k_pe, slots)
-            ref.insert_indexer_k(idx, k, slots)
-    return want
+    shared = layer_inputs(step * 7, DECODE)  # seeded without the rank
+    own = layer_inputs(step * 7 + 100 * (rank + 1), tokens[rank])
+    kv_c, k_pe, k = (torch.cat([a, b]) for a, b in zip(shared, own, strict=True))
+    return kv_c, k_pe, k, slots
 
 
 def _run_rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
@@ -90,10 +50,10 @@ def _run_rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from .. import ReplicatedKVCache
+    from .._util import round_up
+    from ..testing.kv import block_stride
 
-    t0 = opts["t0"]
-    backend = opts["backend"]
-    cpu_group = dist.group.WORLD
+    t0, backend = opts["t0"], opts["backend"]
     if backend == "cuda":
         ngpu = torch.cuda.device_count()
         device = torch.device("cuda", rank % ngpu)
@@ -101,36 +61,35 @@ def _run_rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         device_group = dist.new_group(backend="nccl") if ngpu >= world else None
     else:
         device, device_group = torch.device("cpu"), None
-    layers, num_blocks = opts["layers"], opts["blocks"]
-    block_total = layers * BS * (MLA + IDX)
-    chunk = opts["chunk"]
-    capacity = -(-(num_blocks * block_total) // chunk) * chunk
-    half = num_blocks // 2
-    tokens = [opts["tokens"][r % len(opts["tokens"])] for r in range(world)]
+    per_block = block_stride(opts["layers"])
+    half = opts["blocks"] // 2
     _log(rank, t0, f"ranks up: {world} x {backend}; creating the replicated cache")
     cache = ReplicatedKVCache(
-        cpu_group,
-        capacity,
+        dist.group.WORLD,
+        round_up(opts["blocks"] * per_block, opts["chunk"]),
         device,
         device_group=device_group,
-        initial_bytes=half * block_total,
-        chunk_bytes=chunk,
+        initial_bytes=half * per_block,
+        chunk_bytes=opts["chunk"],
         backend=backend,
     )
     try:
-        return _drive(
-            cache, rank, world, t0, layers, num_blocks, half, block_total, tokens, backend
-        )
+        return _drive(cache, rank, world, opts)
     finally:
         cache.close()
 
 
-def _drive(cache, rank, world, t0, layers, num_blocks, half, block_total, tokens, backend):
+def _drive(cache, rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
     from .. import ops
+    from ..ops.formats import get_format
+    from ..testing.kv import block_stride, expected_replica, interleaved_views
 
+    t0, layers, num_blocks = opts["t0"], opts["layers"], opts["blocks"]
+    half = num_blocks // 2
+    tokens = [opts["tokens"][r % len(opts["tokens"])] for r in range(world)]
     report: dict[str, Any] = {
         "rank": rank,
         "device": str(cache.device),
@@ -140,23 +99,25 @@ def _drive(cache, rank, world, t0, layers, num_blocks, half, block_total, tokens
         "committed_before": cache.committed_bytes,
     }
     dev = cache.device
-    buf = cache.allocate(num_blocks * block_total).view(torch.uint8)
-    views = _layer_views(buf, layers, num_blocks)
+    buf = cache.allocate(num_blocks * block_stride(layers)).view(torch.uint8)
     bound = [
         (cache.bind(f"mla.{i}", m, "fp8_ds_mla"), cache.bind(f"idx.{i}", x, "indexer_k"))
-        for i, (m, x) in enumerate(views)
+        for i, (m, x) in enumerate(interleaved_views(buf, layers, num_blocks))
     ]
+    # static step inputs (what a captured forward pass owns), refilled before each step
     tmax = DECODE + max(tokens)
-    kv_c = torch.zeros(tmax, 512, dtype=torch.bfloat16, device=dev)
-    k_pe = torch.zeros(tmax, 64, dtype=torch.bfloat16, device=dev)
-    k = torch.zeros(tmax, 128, dtype=torch.bfloat16, device=dev)
+    kv_c, k_pe, k = (
+        torch.zeros(tmax, width, dtype=dtype, device=dev)
+        for kind in ("fp8_ds_mla", "indexer_k")
+        for _, dtype, width in get_format(kind).inputs
+    )
     slots = torch.full((tmax,), -1, dtype=torch.int64, device=dev)
 
     def load(step, blocks):
-        a, b, c, s = _batch(rank, world, step, blocks, tokens)
-        n = s.numel()
+        batch = _batch(rank, step, blocks, tokens)
+        n = batch[3].numel()
         slots.fill_(-1)
-        for dst, src in ((kv_c, a), (k_pe, b), (k, c), (slots, s)):
+        for dst, src in zip((kv_c, k_pe, k, slots), batch, strict=True):
             dst[:n].copy_(src.to(dev))
 
     def step_all(mode=None):
@@ -170,15 +131,16 @@ def _drive(cache, rank, world, t0, layers, num_blocks, half, block_total, tokens
         dist.barrier()
 
     def poison_and_oracle(step, blocks, salt):
+        """Poison the committed part of the own replica; the oracle of every rank's step."""
         g = torch.Generator().manual_seed(rank * 31 + salt)
         n = cache.committed_bytes - (buf.data_ptr() - cache.region.region.base_ptr)
         n = min(n, buf.numel())
         poison = torch.randint(1, 256, (buf.numel(),), generator=g, dtype=torch.uint8)
         buf[:n].copy_(poison[:n].to(dev))
-        host = buf[:n].cpu()
-        full = torch.cat([host, poison[n:]])
+        before = torch.cat([buf[:n].cpu(), poison[n:]])
         sync()
-        return n, _oracle(full, layers, num_blocks, world, step, blocks, tokens)
+        batches = [_batch(r, step, blocks, tokens) for r in range(world)]
+        return n, expected_replica(before, batches, layers=layers, num_blocks=num_blocks)
 
     def verify(n, want, what):
         sync()
@@ -227,37 +189,27 @@ def _drive(cache, rank, world, t0, layers, num_blocks, half, block_total, tokens
     step_all(mode="gather")
     verify(n, want, "gather fallback")
     _log(rank, t0, "gather fallback verified: identical bytes")
-    stats = cache.stats()
-    report["stats"] = stats
-    # 6. shrink back and close
-    cache.shrink(half * block_total)
+    report["stats"] = cache.stats()
+    # 6. shrink back (the caller closes)
+    cache.shrink(half * block_stride(layers))
     report["committed_after_shrink"] = cache.committed_bytes
     report["verified"] = True
     return report
 
 
-def _time(cache, step_all, graph, dev, sync, iters: int = 20) -> dict[str, float]:
-    import torch
+def _time(cache, step_all, graph, dev, sync, iters: int = 20) -> dict[str, float | None]:
+    """Median step time (us) of direct publication (the graph where captured) and of the
+    gather fallback: 3 untimed steps, ranks aligned, then ``iters`` timed ones (CUDA events on
+    a GPU, the host clock on the CPU)."""
+    from ..testing.timing import percentile, time_us
 
     def measure(fn):
         for _ in range(3):
             fn()
         sync()
-        times = []
-        for _ in range(iters):
-            if dev.type == "cuda":
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1e3)
-            else:
-                t = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t) * 1e6)
+        times = time_us(fn, iters=iters, device=dev, events=True)
         sync()
-        return sorted(times)[len(times) // 2]
+        return percentile(times, 50)
 
     direct = measure(graph.replay if graph is not None else step_all) if cache.direct else None
     gather = measure(lambda: step_all(mode="gather"))
@@ -273,7 +225,8 @@ def run(
     tokens: tuple[int, ...] = (13, 64, 1, 0),
     timeout: float = 600.0,
 ) -> list[dict]:
-    """Spawn the group, run the demo on every rank, return the per-rank reports."""  # fmt: skip
+    """Spawn the group, run the demo on every rank, return the per-rank reports (a failed
+    rank's report holds ``error``)."""
 
     from ..alloc import driver
 
@@ -281,12 +234,6 @@ def run(
         backend = "cuda" if driver.cuda_usable() else "host"
     if world is None:
         world = max(2, driver.device_count()) if backend == "cuda" else 2
-    for var, val in (
-        ("NCCL_NVLS_ENABLE", "0"),
-        ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-        ("NVSHMEM_DISABLE_NVLS", "1"),
-    ):
-        os.environ.setdefault(var, val)
     opts = {
         "backend": backend,
         "layers": layers,
@@ -296,7 +243,7 @@ def run(
         "t0": time.monotonic(),
     }
     banner("demo", f"spawning {world} ranks ({backend} backend)")
-    return spawn_group(_run_rank, world, opts, timeout)
+    return rank_reports(_run_rank, world, opts, timeout)
 
 
 def _print_report(reports: list[dict]) -> bool:
@@ -328,8 +275,9 @@ def _print_report(reports: list[dict]) -> bool:
                 f"(median, slowest rank; direct/gather = {max(d) / max(g):.2f})"
             )
     for r in reports:
-        if "error" in r:
-            print(f"  rank {r.get('rank', '?')} FAILED: {r['error'].splitlines()[0]}")
+        if "error" in r:  # the exception's last line here, the whole traceback on stderr
+            print(f"  rank {r.get('rank', '?')} FAILED: {r['error'].strip().splitlines()[-1]}")
+            print(f"--- rank {r.get('rank', '?')} ---\n{r['error']}", file=sys.stderr)
     print(
         f"  verification       {'PASS: every replica byte-identical to the oracle' if ok else 'FAIL'}"
     )

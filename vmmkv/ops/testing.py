@@ -1,23 +1,5 @@
-"""Test helpers for the ops layer (imported by tests only; needs pytest).
+"""Moved to ``vmmkv.testing.markers``; this re-export goes once every test imports it there."""
 
-``requires_gpu`` marks a test ``gpu`` and skips it, with the reason, where no CUDA device is
-usable, so the GPU suites skip cleanly on CPU-only CI even without the repository's conftest.
-"""
-
-from __future__ import annotations
-
-import pytest
-
-from vmmkv.alloc import driver
+from ..testing.markers import requires_gpu
 
 __all__ = ["requires_gpu"]
-
-
-def _skip_gpu() -> pytest.MarkDecorator:
-    usable = driver.cuda_usable()
-    return pytest.mark.skipif(not usable, reason=f"needs a CUDA device: {driver.why_no_cuda()}")
-
-
-def requires_gpu(obj):
-    """Decorator for test functions/classes: ``pytest.mark.gpu`` + skip without CUDA."""
-    return pytest.mark.gpu(_skip_gpu()(obj))
