@@ -15,11 +15,14 @@ from typing import Any
 _LAZY = {
     "GroupError": "comm",
     "PeerTimeoutError": "comm",
+    "StepAborted": "comm",
+    "ConfigMismatch": "peers",
     "DirectUnsupported": "peers",
     "PeerMap": "peers",
     "RendezvousError": "peers",
-    "SymmetricRegion": "peers",
+    "RendezvousTimeout": "peers",
     "rendezvous": "peers",
+    "SymmetricRegion": "symmetric",
 }
 
 
@@ -32,12 +35,4 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = [
-    "DirectUnsupported",
-    "GroupError",
-    "PeerMap",
-    "PeerTimeoutError",
-    "RendezvousError",
-    "SymmetricRegion",
-    "rendezvous",
-]
+__all__ = sorted(_LAZY)

@@ -1,4 +1,5 @@
-"""Bounded-time collectives over a process group's key-value store.
+"""Bounded-time collectives over a process group's key-value store, with one agreed outcome
+per step.
 
 Every step of vmmkv's protocols (request gather, status agreement, barriers) goes through the
 group's ``torch.distributed`` store rather than gloo collectives, because a store wait takes a
@@ -6,23 +7,49 @@ timeout and the keys that did not arrive name the ranks that are missing. A gloo
 a dead or absent peer would block until the group's own (often 30-minute) timeout and could not
 say who is missing.
 
-Contract: ``StoreComm`` is created collectively (all ranks of the group, same order of calls);
-each call is collective and raises :class:`PeerTimeoutError` naming the missing ranks after
-``timeout`` seconds. Not capture-related (host only).
+One outcome per step (no split brain). Every step has an outcome key, settled once by
+``compare_set`` (the first writer wins, every rank adopts what is stored): ``ok`` may only be
+proposed by a rank that saw every rank's key, ``abort`` by a rank whose wait timed out or that
+knows the step cannot succeed (:meth:`StoreComm.all_gather` with ``abort=``). A rank that arrives
+after its peers gave up therefore reads ``abort`` and raises like them, instead of passing the
+step on their leftover keys. Waiting ranks also watch the outcome key, so one rank's abort
+releases every rank at once. Since every rank runs the same sequence of steps whatever their
+outcomes, an aborted step leaves the object usable: the next step lines up on every rank.
+
+Namespaces that cannot skew. A new ``StoreComm`` first joins: every rank posts a fresh random
+token; every rank acknowledges the exact set of tokens it read, under a key derived from that
+set; the step keys then live under a prefix derived from the agreed set. A rank that failed
+before creating its ``StoreComm``, or a stale key of an earlier failed object, can make one join
+time out, never line two objects up on each other's keys.
+
+Contract: ``StoreComm`` is created collectively (all ranks of the group, same order of calls,
+one creation at a time per ``(group, tag)``); each call is collective and raises
+:class:`PeerTimeoutError` naming the missing ranks within ``timeout`` seconds (per call unless a
+shorter ``timeout=`` is given). Values must be JSON-serializable (the store is unauthenticated:
+nothing read from it is unpickled). Host only, not capture-related. The keys of the last step of
+an object stay in the store (a few bytes; their prefix is never reused).
 """
 
 from __future__ import annotations
 
-import pickle
-import threading
+import hashlib
+import json
+import secrets
 import time
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["GroupError", "PeerTimeoutError", "StoreComm", "check_cpu_group"]
+from .._util import require_timeout
+
+__all__ = ["GroupError", "PeerTimeoutError", "StepAborted", "StoreComm", "check_cpu_group"]
+
+_OK = b"ok"
+_GONE = b"-"  # a join key's tombstone: that rank gave up this join
+_ABORT = b"abort:"
+_POLL_MIN_S = 50e-6
+_POLL_MAX_S = 2e-3
 
 
 class GroupError(RuntimeError):
@@ -37,8 +64,8 @@ class PeerTimeoutError(GroupError):
         self.missing = list(missing)
 
 
-_generations: dict[str, int] = {}
-_gen_lock = threading.Lock()
+class StepAborted(GroupError):
+    """A rank aborted the step (``all_gather(..., abort=reason)``); every rank raises it."""
 
 
 def check_cpu_group(group: Any) -> None:
@@ -55,83 +82,125 @@ def check_cpu_group(group: Any) -> None:
         )
 
 
-def _group_key(group: Any) -> str:
-    name = getattr(group, "group_name", None)
-    if not name:
-        name = "ranks-" + "-".join(str(r) for r in dist.get_process_group_ranks(group))
-    return name
-
-
 class StoreComm:
-    """Collectives with timeouts over ``group``'s store (see module docstring)."""
+    """Collectives with timeouts and agreed outcomes over ``group``'s store (module docstring)."""
 
     def __init__(self, group: Any, timeout: float, *, tag: str = "rdzv") -> None:
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.timeout = require_timeout("timeout", timeout)
         check_cpu_group(group)
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.global_ranks = list(dist.get_process_group_ranks(self.group))
-        self.timeout = float(timeout)
-        key = f"{_group_key(self.group)}/{tag}"
-        with _gen_lock:
-            gen = _generations.get(key, 0)
-            _generations[key] = gen + 1
-        # The group's own store is already namespaced by the group; add ours on top.
+        # The group's own store is already namespaced by the group; ours goes on top.
         self._store = dist.distributed_c10d._get_process_group_store(self.group)
-        self._prefix = f"vmmkv/{tag}/{gen}"
         self._step = 0
         self._broken = ""  # why collectives on this object can no longer line up
+        self._leftover: list[str] = []  # own join keys, deleted once every rank is past them
+        self._prefix = self._join(f"vmmkv/{tag}")
 
+    # -- properties ------------------------------------------------------------------------
     @property
     def step(self) -> int:
         return self._step
-
-    def _key(self, step: int, rank: int) -> str:
-        return f"{self._prefix}/{step}/{rank}"
 
     @property
     def broken(self) -> str:
         """'' while usable; otherwise why the ranks can no longer be trusted to be in step."""
         return self._broken
 
-    def all_gather(self, obj: Any, what: str) -> list[Any]:
-        """Every rank's ``obj`` in rank order; ``what`` names the step in errors and must be
-        the same on every rank: ranks found at different steps raise, and so does every later
-        call on this object (after a timeout too), since their keys would no longer match."""
+    # -- join: an agreed namespace ---------------------------------------------------------
+    def _join(self, base: str) -> str:
+        what = "join"
+        token = secrets.token_hex(16)
+        keys = [f"{base}/join/{r}" for r in range(self.world_size)]
+        deadline = time.monotonic() + self.timeout
+        self._set(keys[self.rank], token.encode(), what)
+        ok = False
+        try:
+            tokens = self._join_tokens(keys, deadline, what)
+            digest = hashlib.sha256("/".join(tokens).encode()).hexdigest()[:32]
+            acks = [f"{base}/ack/{digest}/{r}" for r in range(self.world_size)]
+            self._set(acks[self.rank], b"1", what)
+            # Every rank that acknowledged under this digest read exactly these tokens: a rank
+            # that read a stale token acknowledges under another digest and never lines up.
+            missing = self._wait(acks, None, deadline, what)
+            if missing:
+                raise self._timeout_error(what, missing, self.timeout)
+            ok = True
+        finally:
+            # Once all acknowledged, every rank read our token: delete it. On failure leave a
+            # tombstone, which peers read as "not joining" (a stale token would make the next
+            # join time out, never line two objects up). Best effort either way.
+            if ok:
+                self._try_delete(keys[self.rank])
+            else:
+                self._try_set(keys[self.rank], _GONE)
+        self._leftover = [acks[self.rank]]
+        return f"{base}/{digest}"
+
+    def _join_tokens(self, keys: list[str], deadline: float, what: str) -> list[str]:
+        """Every rank's live join token; PeerTimeoutError naming the ranks that never posted
+        one (and those that gave up) at the deadline."""
+        pause = _POLL_MIN_S
+        while True:
+            present = self._check(keys, what)
+            if present:
+                values = self._get_all(keys, what)
+                if all(v != _GONE for v in values):
+                    return [v.decode() for v in values]
+            if time.monotonic() >= deadline:
+                gone, missing = [], []
+                for r, k in enumerate(keys):
+                    if not self._check([k], what):
+                        missing.append(r)
+                    elif self._get_all([k], what)[0] == _GONE:
+                        gone.append(r)
+                err = self._timeout_error(what, missing or gone, self.timeout)
+                if missing and gone:
+                    err = PeerTimeoutError(f"{err} (ranks {gone} gave up waiting)", missing)
+                raise err
+            time.sleep(pause)
+            pause = min(_POLL_MAX_S, pause * 2)
+
+    # -- collectives -----------------------------------------------------------------------
+    def all_gather(
+        self,
+        obj: Any,
+        what: str,
+        *,
+        timeout: float | None = None,
+        abort: str | None = None,
+    ) -> list[Any]:
+        """Every rank's ``obj`` (JSON-serializable) in rank order, once the step's outcome is
+        ``ok``. ``what`` names the step in errors and must be the same on every rank.
+
+        ``timeout`` (seconds, at most the object's) bounds this step's wait. ``abort``: this
+        rank knows the step cannot succeed (e.g. a peer vanished during an fd exchange); the
+        step is settled as aborted at once and every rank raises :class:`StepAborted` with the
+        reason. Raises :class:`PeerTimeoutError` when ranks did not arrive in time (on every
+        rank, the late ones included); :class:`GroupError` when ranks are found at different
+        steps, after which this object refuses every call."""
         if self._broken:
             raise GroupError(
                 f"rank {self.rank}: {what}: refused, an earlier collective of this object "
                 f"failed ({self._broken}); close it and create a new one"
             )
+        wait_s = self.timeout if timeout is None else min(self.timeout, float(timeout))
         step = self._step
         self._step += 1
         keys = [self._key(step, r) for r in range(self.world_size)]
-        try:
-            self._store.set(keys[self.rank], pickle.dumps((what, obj)))
-        except Exception as exc:
-            raise GroupError(
-                f"rank {self.rank}: {what}: the group's store is unreachable: {exc}"
-            ) from exc
-        deadline = time.monotonic() + self.timeout
-        try:
-            self._store.wait(keys, timedelta(seconds=self.timeout))
-        except Exception as exc:
-            missing = self._missing(keys)
-            if not missing:  # the store itself failed (e.g. its host died)
-                raise GroupError(
-                    f"rank {self.rank}: {what}: waiting on the group's store failed: {exc}"
-                ) from exc
-            waited = self.timeout - max(0.0, deadline - time.monotonic())
-            self._broken = f"{what}: ranks {missing} missing"
-            raise PeerTimeoutError(
-                f"rank {self.rank}: {what}: group ranks {missing} (global ranks "
-                f"{[self.global_ranks[m] for m in missing]}) did not arrive within "
-                f"{waited:.1f} s",
-                missing,
-            ) from exc
-        entries = [pickle.loads(self._store.get(k)) for k in keys]
+        outcome_key = self._key(step, "outcome")
+        if abort is not None:
+            record = {"by": self.rank, "why": str(abort)}
+            self._raise_outcome(self._settle(outcome_key, record, what), what, step)
+        self._set(keys[self.rank], json.dumps([what, obj]).encode(), what)
+        missing = self._wait(keys, outcome_key, time.monotonic() + wait_s, what)
+        proposal = None if not missing else {"by": self.rank, "missing": missing, "waited": wait_s}
+        outcome = self._settle(outcome_key, proposal, what)
+        if outcome != _OK:
+            self._raise_outcome(outcome, what, step)
+        entries = [json.loads(v) for v in self._get_all(keys, what)]
         whats = [w for w, _ in entries]
         if any(w != what for w in whats):
             self._broken = f"ranks out of step at step {step}"
@@ -139,32 +208,131 @@ class StoreComm:
                 f"rank {self.rank}: ranks are out of step at collective step {step}: "
                 + ", ".join(f"rank {r} at {w!r}" for r, w in enumerate(whats))
             )
-        values = [v for _, v in entries]
-        if step > 0:  # every rank is past step-1 now, so nobody reads our old key again
-            try:
-                self._store.delete_key(self._key(step - 1, self.rank))
-            except Exception:  # a leftover key costs a few bytes; never fail a step for it
-                pass
-        return values
+        # Every rank is past step-1 now (it wrote this step's key), so nobody reads those keys
+        # again; the join keys likewise once the first step succeeded.
+        if step > 0:
+            self._try_delete(self._key(step - 1, self.rank))
+            if self.rank == 0:
+                self._try_delete(self._key(step - 1, "outcome"))
+        for key in self._leftover:
+            self._try_delete(key)
+        self._leftover = []
+        return [v for _, v in entries]
 
-    def _missing(self, keys: list[str]) -> list[int]:
-        missing = []
-        for r, k in enumerate(keys):
-            try:
-                if not self._store.check([k]):
-                    missing.append(r)
-            except Exception:
-                return []
-        return missing
+    def barrier(self, what: str, *, timeout: float | None = None) -> None:
+        self.all_gather(None, what, timeout=timeout)
 
-    def barrier(self, what: str) -> None:
-        self.all_gather(None, what)
-
-    def agree(self, error: BaseException | None, what: str) -> None:
+    def agree(
+        self,
+        error: BaseException | None,
+        what: str,
+        *,
+        timeout: float | None = None,
+        abort: str | None = None,
+    ) -> None:
         """Collective status: raises the same :class:`GroupError` on every rank if any rank
         passes an error (the local error is chained on the rank that had it)."""
-        statuses = self.all_gather(None if error is None else repr(error), what)
+        try:
+            statuses = self.all_gather(
+                None if error is None else repr(error), what, timeout=timeout, abort=abort
+            )
+        except GroupError as exc:
+            if error is not None and exc.__cause__ is None:
+                exc.__cause__ = error
+            raise
         failed = {r: s for r, s in enumerate(statuses) if s is not None}
         if failed:
             detail = "; ".join(f"rank {r}: {s}" for r, s in failed.items())
             raise GroupError(f"{what} failed on group ranks {sorted(failed)}: {detail}") from error
+
+    # -- internals -------------------------------------------------------------------------
+    def _key(self, step: int, who: int | str) -> str:
+        return f"{self._prefix}/{step}/{who}"
+
+    def _set(self, key: str, value: bytes, what: str) -> None:
+        try:
+            self._store.set(key, value)
+        except Exception as exc:
+            raise GroupError(
+                f"rank {self.rank}: {what}: the group's store is unreachable: {exc}"
+            ) from exc
+
+    def _get_all(self, keys: list[str], what: str) -> list[bytes]:
+        try:
+            return list(self._store.multi_get(keys))
+        except Exception as exc:
+            raise GroupError(
+                f"rank {self.rank}: {what}: reading the group's store failed: {exc}"
+            ) from exc
+
+    def _check(self, keys: list[str], what: str) -> bool:
+        try:
+            return bool(self._store.check(keys))
+        except Exception as exc:
+            raise GroupError(
+                f"rank {self.rank}: {what}: the group's store is unreachable: {exc}"
+            ) from exc
+
+    def _try_set(self, key: str, value: bytes) -> None:
+        try:
+            self._store.set(key, value)
+        except Exception:  # best effort (the store may be gone with its host)
+            pass
+
+    def _try_delete(self, key: str) -> None:
+        try:
+            self._store.delete_key(key)
+        except Exception:  # a leftover key costs a few bytes; never fail a step for it
+            pass
+
+    def _wait(self, keys: list[str], outcome_key: str | None, deadline: float, what: str):
+        """[] once every key exists; None if the outcome was settled first (adopt it); else
+        the missing ranks at the deadline. Polls, so that an abort is seen at once (a
+        store ``wait`` cannot also watch the outcome key)."""
+        pause = _POLL_MIN_S
+        while True:
+            if self._check(keys, what):
+                return []
+            if outcome_key is not None and self._check([outcome_key], what):
+                return None
+            if time.monotonic() >= deadline:
+                return [r for r, k in enumerate(keys) if not self._check([k], what)] or None
+            time.sleep(pause)
+            pause = min(_POLL_MAX_S, pause * 2)
+
+    def _wait_or_raise(self, keys: list[str], outcome_key, deadline: float, what: str) -> None:
+        missing = self._wait(keys, outcome_key, deadline, what)
+        if missing:
+            raise self._timeout_error(what, missing, self.timeout)
+
+    def _settle(self, outcome_key: str, proposal: dict | None, what: str) -> bytes:
+        """Store ``ok`` (proposal None) or ``abort:<proposal>`` unless an outcome is already
+        stored; return the stored outcome."""
+        value = _OK if proposal is None else _ABORT + json.dumps(proposal).encode()
+        try:
+            return bytes(self._store.compare_set(outcome_key, "", value.decode()))
+        except Exception as exc:
+            raise GroupError(
+                f"rank {self.rank}: {what}: settling the step's outcome in the group's store "
+                f"failed: {exc}"
+            ) from exc
+
+    def _raise_outcome(self, outcome: bytes, what: str, step: int) -> None:
+        if not outcome.startswith(_ABORT):
+            raise GroupError(f"rank {self.rank}: {what}: unexpected step outcome {outcome!r}")
+        record = json.loads(outcome[len(_ABORT) :])
+        if "missing" in record:
+            raise self._timeout_error(what, record["missing"], record["waited"], record["by"])
+        raise StepAborted(f"rank {self.rank}: {what}: aborted by rank {record['by']}: {record['why']}")
+
+    def _timeout_error(
+        self, what: str, missing: list[int], waited: float, by: int | None = None
+    ) -> PeerTimeoutError:
+        seen = "" if by is None or by == self.rank else f" (seen by rank {by})"
+        return PeerTimeoutError(
+            f"rank {self.rank}: {what}: group ranks {missing} (global ranks "
+            f"{[self.global_ranks[m] for m in missing]}) did not arrive within "
+            f"{waited:.1f} s{seen}",
+            missing,
+        )
+

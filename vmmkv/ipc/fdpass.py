@@ -19,13 +19,17 @@ Contract
   ``FdExchangeError`` names the rank, the nonce, ``missing_from`` (ranks whose message never
   arrived) and ``unreachable`` (peers that did not acknowledge ours), with a reason for each.
 * Security: the receiver reads ``SO_PEERCRED`` of every accepted connection and refuses it
-  (closes it and logs a warning naming the pid) unless the pid is in ``pids``, equals
+  (closes it and logs one warning per pid and exchange) unless the uid is ours, the pid is in
+  ``pids`` (the rendezvous rejects duplicates; tests may run ranks as threads), equals
   ``pids[sender]`` for the rank the header claims, the header's nonce and receiver rank are ours,
   the sender is in ``expect_from`` and has not delivered already. The sender checks the
-  listener's ``SO_PEERCRED`` pid against ``pids[peer]`` before sending anything. Hence all ranks
+  listener's ``SO_PEERCRED`` pid and uid against ``pids[peer]`` and ours before sending anything.
+  Local socket failures (e.g. EMFILE) raise ``FdExchangeError`` too; a name already bound by
+  another process raises at once, naming the holder's pid where /proc shows it. Hence all ranks
   must share one PID namespace (and one network namespace, for the abstract socket names).
 * The socket name depends only on (nonce, rank): a nonce must be used by one exchange at a time
-  per group. Callers that exchange repeatedly should derive a fresh nonce per call.
+  per group. Callers use a fresh random nonce per exchange (abstract names are visible in
+  /proc/net/unix, so a predictable one could be bound first by any local user).
 
 Wire format, protocol version 1; one connection per (sender, receiver) pair; little-endian:
 
@@ -350,6 +354,8 @@ class _Exchange:
         self.claimed: dict[int, _Incoming] = {}
         self.received: dict[int, tuple[bytes, list[int]]] = {}
         self.dropped: dict[int, str] = {}  # why a started message from a rank was dropped
+        self.uid = os.getuid()
+        self.warned: set[int] = set()  # pids already warned about: one warning each
 
     # -- driver
 
@@ -377,6 +383,8 @@ class _Exchange:
                 raise self._error("failed")
             succeeded = True
             return dict(self.received)
+        except OSError as exc:  # a local socket failure (EMFILE, ENOBUFS, ...)
+            raise self._error(f"failed locally ({exc})") from exc
         finally:
             self._close_all(keep_received=succeeded)
 
@@ -432,10 +440,9 @@ class _Exchange:
         try:
             listener.bind(name)
         except OSError as exc:
-            raise self._error(
-                f"could not listen on {name!r} ({exc.strerror}); is another exchange with "
-                f"this nonce and rank running?"
-            ) from exc
+            holders = _socket_holders(name) if exc.errno == errno.EADDRINUSE else []
+            who = f"held by pids {holders}" if holders else "another exchange with this nonce?"
+            raise self._error(f"could not listen on {name!r} ({exc.strerror}; {who})") from exc
         listener.listen(max(64, 2 * len(self.expect)))
         self.sel.register(listener, selectors.EVENT_READ, self._on_accept)
 
@@ -451,20 +458,24 @@ class _Exchange:
                 raise self._error(f"failed to accept a connection ({exc.strerror})") from exc
             sock.setblocking(False)
             pid, uid, _gid = _peer_credentials(sock)
-            if pid not in self.pid_set:
-                _log.warning(
-                    "rank %d: refused a connection from pid %d (uid %d): not a member of the "
-                    "group (pids %s)",
-                    self.rank,
+            if pid not in self.pid_set or uid != self.uid:
+                self._warn_refused(
                     pid,
-                    uid,
-                    list(self.pids),
+                    f"refused a connection from pid {pid} (uid {uid}): not a member of the "
+                    f"group (pids {list(self.pids)}, uid {self.uid})",
                 )
                 sock.close()
                 continue
             conn = _Incoming(sock, pid, uid)
             self.incoming.append(conn)
             self.sel.register(sock, selectors.EVENT_READ, partial(self._on_incoming, conn))
+
+    def _warn_refused(self, pid: int, message: str) -> None:
+        """One WARNING per offending pid and exchange, DEBUG afterwards: a sender retries every
+        few milliseconds, and a refusal loop must not flood the log."""
+        level = logging.DEBUG if pid in self.warned else logging.WARNING
+        self.warned.add(pid)
+        _log.log(level, "rank %d: %s", self.rank, message)
 
     def _on_incoming(self, conn: _Incoming) -> None:
         try:
@@ -619,21 +630,23 @@ class _Exchange:
             sock.close()
             self._fail(out, f"connect failed ({os.strerror(err)})")
             return
-        pid, _uid, _gid = _peer_credentials(sock)
-        if pid != self.pids[out.peer]:
+        pid, uid, _gid = _peer_credentials(sock)
+        if pid != self.pids[out.peer] or uid != self.uid:
             sock.close()
             if not out.warned_squatter:
                 out.warned_squatter = True
                 _log.warning(
-                    "rank %d: the socket of rank %d is held by pid %d, not by its pid %d; "
-                    "not sending, retrying until the deadline",
+                    "rank %d: the socket of rank %d is held by pid %d (uid %d), not by its "
+                    "pid %d (uid %d); not sending, retrying until the deadline",
                     self.rank,
                     out.peer,
                     pid,
+                    uid,
                     self.pids[out.peer],
+                    self.uid,
                 )
             self._retry_later(
-                out, now, f"its socket is held by pid {pid}, not {self.pids[out.peer]}"
+                out, now, f"its socket is held by pid {pid} (uid {uid}), not {self.pids[out.peer]}"
             )
             return
         out.sock = sock
@@ -719,3 +732,31 @@ def _nofile_limits() -> tuple[int, int]:
     import resource
 
     return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def _socket_holders(name: bytes) -> list[int]:
+    """Pids of the processes holding the abstract socket ``name`` (best effort: /proc shows
+    only the processes this user may inspect)."""
+    wanted = "@" + name[1:].decode("ascii", "replace")
+    inodes = set()
+    try:
+        with open("/proc/net/unix") as f:
+            for line in f.readlines()[1:]:
+                parts = line.split()
+                if len(parts) >= 8 and parts[7] == wanted:
+                    inodes.add(parts[6])
+    except OSError:
+        return []
+    holders = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                link = os.readlink(f"/proc/{entry}/fd/{fd}")
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    holders.append(int(entry))
+                    break
+        except OSError:
+            continue
+    return sorted(holders)

@@ -1,25 +1,29 @@
-"""``rendezvous()``: map every peer's region into this process; ``SymmetricRegion``: resize it
-collectively.
+"""``rendezvous()``: map every peer's region into this process (a :class:`PeerMap`).
 
-Protocol (collective over a CPU-capable group; every step bounded by ``timeout``):
+Protocol (collective over a CPU-capable group; every step bounded by ``timeout`` and settled with
+one outcome on every rank, see ``vmmkv.ipc.comm``):
 
-1. gather a request (host, pid, device index + UUID, capacity, chunk size, granularity, backend,
-   handle type, committed chunks, protocol version, nonce) and validate it identically on every
-   rank: a mismatch raises the same :class:`RendezvousError` everywhere, naming field and ranks;
-2. check P2P access and native atomics for every pair of distinct devices (ranks that share a
-   device need neither); every bad pair is listed;
+1. gather a request (host, boot id, PID/network namespaces, uid, pid, device index + UUID,
+   capacity, chunk size, granularity, backend, handle type, committed chunks, protocol version,
+   the caller's ``must_match`` settings, a random nonce) and validate it identically on every
+   rank: a mismatch raises the same :class:`ConfigMismatch` everywhere, naming field and ranks;
+2. decide whether peer mapping is possible at all: one host (same boot id), one PID and one
+   network namespace, one uid (the fd transport checks credentials), P2P access and native
+   atomics for every pair of distinct devices (ranks that share a device need neither); if not,
+   :class:`DirectUnsupported` on every rank, listing every reason;
 3. export every committed chunk plus the barrier's signal chunk as fds and pass them with
-   SCM_RIGHTS (``vmmkv.ipc.fdpass``) over abstract sockets named with the nonce; senders are
-   checked by SO_PEERCRED against the gathered pids;
+   SCM_RIGHTS (``vmmkv.ipc.fdpass``) over abstract sockets named with rank 0's nonce; a rank
+   whose local preparation failed still takes part and sends an abort notice instead of fds, so
+   its peers learn the cause at once;
 4. import and map each peer chunk at its offset inside a ``PeerRegion`` (a reservation of the
    peer's full capacity, so growth never moves anything), then close the fd;
-5. publish ``ptr_table`` (device int64 ``[world]``, own base in own slot), which never changes;
-6. agree on success; any failure anywhere rolls back what this call created on every rank.
+5. build ``ptr_table`` (device int64 ``[world]``, own base in own slot), which never changes;
+6. agree on success (the last step): any failure anywhere, or a peer that vanished during the
+   exchange, makes every rank roll back what this call created and raise.
 
 Ownership: ``PeerMap`` owns the peer mappings and the signal region, never the caller's region.
 ``PeerMap.close()`` is local and idempotent and unmaps peers' memory before releasing anything
-of its own. ``SymmetricRegion`` owns a ``VirtualRegion`` and its ``PeerMap``; its ``resize`` is
-collective and refused during CUDA stream capture.
+of its own. ``SymmetricRegion`` (``vmmkv.ipc.symmetric``) owns a region and its ``PeerMap``.
 """
 
 from __future__ import annotations
@@ -31,34 +35,54 @@ import resource
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from .._util import run_all
 from ..alloc import Chunk, PeerRegion, VirtualRegion
 from ..alloc import driver as drv
-from ..alloc.region import run_all
 from . import fdpass
-from .comm import GroupError, StoreComm
+from .comm import GroupError, PeerTimeoutError, StoreComm
 
 __all__ = [
     "PROTOCOL_VERSION",
-    "PeerMap",
+    "ConfigMismatch",
     "DirectUnsupported",
+    "PeerMap",
     "RendezvousError",
-    "SymmetricRegion",
+    "RendezvousTimeout",
     "rendezvous",
     "select_handle_type",
 ]
 
-log = logging.getLogger("vmmkv.ipc")
+log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class RendezvousError(GroupError):
     """The rendezvous or a resize failed; raised on every rank of the group."""
+
+
+class RendezvousTimeout(RendezvousError, PeerTimeoutError):
+    """Some ranks did not arrive at a step of the rendezvous or a resize (``missing`` names
+    them); raised on every rank that got there, late ones included."""
+
+    def __init__(self, message: str, missing: list[int]):
+        PeerTimeoutError.__init__(self, message, missing)
+
+
+class PeerAborted(RendezvousError):
+    """Peers announced in the fd exchange that they cannot take part; they report their own
+    cause in the agreement that follows, so receivers of the notice add no error of theirs."""
+
+
+class ConfigMismatch(RendezvousError):
+    """The ranks' requests disagree (capacity, chunk size, mode, ...): the caller's
+    configuration differs between ranks; raised identically on every rank."""
 
 
 class DirectUnsupported(RendezvousError):
@@ -86,30 +110,70 @@ _MUST_MATCH = (
 def _validate_requests(reqs: list[dict[str, Any]]) -> str:
     """'' if the requests agree, else one message naming every differing field and the ranks."""
     problems = []
-    for field in _MUST_MATCH:
-        values = [r[field] for r in reqs]
+    fields = [(f, lambda r, f=f: r[f]) for f in _MUST_MATCH]
+    keys = sorted({k for r in reqs for k in r["must_match"]})
+    fields += [(k, lambda r, k=k: r["must_match"].get(k, "<unset>")) for k in keys]
+    for field, get in fields:
+        values = [get(r) for r in reqs]
         if any(v != values[0] for v in values):
-            groups: dict[str, list[int]] = {}
-            for rank, v in enumerate(values):
-                groups.setdefault(repr(v), []).append(rank)
-            problems.append(
-                f"{field} differs: " + ", ".join(f"ranks {rk} have {v}" for v, rk in groups.items())
-            )
+            problems.append(f"{field} differs: " + _by_value(values, "have"))
+    pids = [r["pid"] for r in reqs]
+    hosts = [(r["boot_id"], r["pidns"]) for r in reqs]
+    if len(set(zip(pids, hosts, strict=True))) != len(pids):
+        problems.append("two ranks are the same process: " + _by_value(pids, "have pid"))
     return "; ".join(problems)
 
 
+def _by_value(values: list[Any], verb: str) -> str:
+    groups: dict[str, list[int]] = {}
+    for rank, v in enumerate(values):
+        groups.setdefault(repr(v), []).append(rank)
+    return ", ".join(f"ranks {rk} {verb} {v}" for v, rk in groups.items())
+
+
 def _host_problem(reqs: list[dict[str, Any]]) -> str:
-    """'' when all ranks share a host (POSIX fds reach every peer), else the layout."""
-    if len({r["host"] for r in reqs}) == 1:
-        return ""
-    by_host: dict[str, list[int]] = {}
-    for rank, r in enumerate(reqs):
-        by_host.setdefault(r["host"], []).append(rank)
-    return (
-        "ranks span several hosts and POSIX fds only reach one host ("
-        + ", ".join(f"{h}: ranks {rk}" for h, rk in by_host.items())
-        + "); cross-host mapping needs fabric handles, which this version does not exchange"
-    )
+    """'' when POSIX fds can travel between every pair of ranks (one host, one PID and one
+    network namespace, one uid), else every reason, with the ranks on each side."""
+    problems = []
+    hosts = [f"{r['host']} (boot {r['boot_id'][:8]})" for r in reqs]
+    if len(set(hosts)) > 1:
+        problems.append(
+            "ranks span several hosts and POSIX fds only reach one host ("
+            + _by_value(hosts, "on")
+            + "); cross-host mapping needs fabric handles, which this version does not exchange"
+        )
+    elif len({r["pidns"] for r in reqs}) > 1:
+        problems.append(
+            "ranks run in different PID namespaces (" + _by_value([r["pidns"] for r in reqs], "in")
+            + "): the fd transport identifies senders by pid"
+        )
+    if len({r["netns"] for r in reqs}) > 1:
+        problems.append(
+            "ranks run in different network namespaces ("
+            + _by_value([r["netns"] for r in reqs], "in")
+            + "): abstract Unix sockets do not cross them"
+        )
+    if len({r["uid"] for r in reqs}) > 1:
+        problems.append(
+            "ranks run as different users (" + _by_value([r["uid"] for r in reqs], "have uid")
+            + "): the fd transport only accepts its own uid"
+        )
+    return "; ".join(problems)
+
+
+def _namespace_id(kind: str) -> str:
+    try:
+        return str(os.stat(f"/proc/self/ns/{kind}").st_ino)
+    except OSError:
+        return "unknown"
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
 
 
 def _local_ordinals_by_uuid() -> dict[str, int]:
@@ -182,7 +246,6 @@ class PeerMap:
         peers: dict[int, PeerRegion],
         signal_peers: dict[int, PeerRegion],
         pids: list[int],
-        nonce: str,
     ) -> None:
         self._comm = comm
         self._region = region
@@ -190,7 +253,6 @@ class PeerMap:
         self._peers = peers
         self._signal_peers = signal_peers
         self._pids = pids
-        self._nonce = nonce
         self._closed = False
         self._lock = threading.Lock()
         self.rank = comm.rank
@@ -248,16 +310,23 @@ class PeerMap:
             return self._region.committed_bytes
         return self._peers[rank].mapped_bytes
 
-    # -- used by SymmetricRegion -------------------------------------------------------------
-    def _map_new(self, chunks: list[Chunk]) -> None:
+    # -- ipc-internal: used by vmmkv.ipc.symmetric ----------------------------------------
+    @property
+    def comm(self) -> StoreComm:
+        return self._comm
+
+    def exchange_new(self, chunks: list[Chunk], nonce: str, local_error: Exception | None) -> None:
         """Between two collective points: pass the own new ``chunks`` to every peer and map
-        theirs (see ``_exchange_and_map``)."""
+        theirs, or, with ``local_error``, tell every peer this rank cannot take part (see
+        ``_exchange_and_map``). ``nonce``: fresh per exchange, the same on every rank."""
+        self._check_open()
         _exchange_and_map(
-            self._comm, self._region, chunks, self._peers, self._pids, self._nonce,
-            signal=None, signal_peers=None,
+            self._comm, self._region, chunks, self._peers, self._pids, nonce,
+            signal=None, signal_peers=None, local_error=local_error,
         )  # fmt: skip
 
-    def _unmap_from(self, offset: int) -> None:
+    def unmap_peers_from(self, offset: int) -> None:
+        """Unmap every peer's chunks at or above ``offset`` (rollback of a grow, shrink)."""
         run_all([(lambda p=p: p.unmap_from(offset)) for p in self._peers.values()])
 
     def close(self) -> None:
@@ -291,40 +360,69 @@ def _exchange_and_map(
     *,
     signal: VirtualRegion | None,
     signal_peers: dict[int, PeerRegion] | None,
+    local_error: Exception | None = None,
 ) -> None:
     """Send our ``chunks`` (and the signal chunk) to every peer and map theirs.
 
-    Local work only between two collective points of the caller; on error, whatever this call
-    mapped stays recorded in the PeerRegions (the caller rolls back with ``unmap_from``)."""
+    Local work only, between two collective points of the caller; the caller always goes on to
+    the agreement that follows. A rank that cannot take part (``local_error``, or an export
+    that fails here) still runs the exchange with an abort notice and no fds, so its peers fail
+    fast with its cause; it then raises :class:`RendezvousError`, and so does every peer that
+    received a notice. Transport failures (a peer vanished) raise ``FdExchangeError``. On
+    error, whatever this call mapped stays recorded in the PeerRegions (the caller rolls back
+    with ``unmap_from``). The RLIMIT_NOFILE soft limit is raised for the exchange if needed
+    and restored afterwards."""
     others = [r for r in range(comm.world_size) if r != comm.rank]
     if not others:
+        if local_error is not None:
+            raise RendezvousError(f"rank {comm.rank}: {local_error}") from local_error
         return
-    _ensure_fd_headroom((len(chunks) + 1) * (len(others) + 1))
-    fds: list[int] = []
+    restore = _raise_fd_limit((len(chunks) + 1) * (len(others) + 1))
+    received: dict[int, tuple[bytes, list[int]]] = {}
     try:
-        desc: dict[str, Any] = {"chunks": [[c.offset, c.size] for c in chunks]}
-        for c in chunks:
-            fds.append(region.export_chunk(c))
-        if signal is not None:
-            sig = signal.chunks()[0]
-            desc["signal"] = [sig.offset, sig.size]
-            fds.append(signal.export_chunk(sig))
-        payload = json.dumps(desc).encode()
-        received = fdpass.exchange_fds(
-            rank=comm.rank,
-            nonce=f"{nonce}-{comm.step}",
-            outgoing={p: (payload, fds) for p in others},
-            expect_from=others,
-            pids=pids,
-            timeout=comm.timeout,
-        )
-    finally:
-        for fd in fds:
-            os.close(fd)
-    try:
+        fds: list[int] = []
+        try:
+            desc: dict[str, Any] = {}
+            if local_error is None:
+                try:
+                    desc["chunks"] = [[c.offset, c.size] for c in chunks]
+                    for c in chunks:
+                        fds.append(region.export_chunk(c))
+                    if signal is not None:
+                        sig = signal.chunks()[0]
+                        desc["signal"] = [sig.offset, sig.size]
+                        fds.append(signal.export_chunk(sig))
+                except Exception as exc:
+                    local_error = exc
+            if local_error is not None:
+                for fd in fds:
+                    os.close(fd)
+                fds = []
+                desc = {"abort": repr(local_error)}
+            received = fdpass.exchange_fds(
+                rank=comm.rank,
+                nonce=nonce,
+                outgoing={p: (json.dumps(desc).encode(), fds) for p in others},
+                expect_from=others,
+                pids=pids,
+                timeout=comm.timeout,
+            )
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if local_error is not None:
+            raise RendezvousError(
+                f"rank {comm.rank}: could not take part in the fd exchange: {local_error!r}"
+            ) from local_error
+        descs = {peer: json.loads(body.decode()) for peer, (body, _) in received.items()}
+        aborted = {peer: d["abort"] for peer, d in descs.items() if "abort" in d}
+        if aborted:
+            raise PeerAborted(
+                f"rank {comm.rank}: peers could not take part in the fd exchange: "
+                + "; ".join(f"rank {p}: {why}" for p, why in sorted(aborted.items()))
+            )
         for peer in others:
-            body, peer_fds = received[peer]
-            pdesc = json.loads(body.decode())
+            pdesc, peer_fds = descs[peer], received[peer][1]
             want = len(pdesc["chunks"]) + (1 if "signal" in pdesc else 0)
             if len(peer_fds) != want:
                 raise RendezvousError(
@@ -341,6 +439,46 @@ def _exchange_and_map(
         for _, peer_fds in received.values():
             for fd in peer_fds:
                 os.close(fd)
+        restore()
+
+
+def exchange_then_agree(
+    comm: StoreComm,
+    what: str,
+    exchange: Callable[[Exception | None], None],
+    local_error: Exception | None,
+    deadline: float,
+) -> None:
+    """Run ``exchange(local_error)`` then the step's agreement, on every rank whatever
+    happened: local failures become the agreed error (every rank raises naming the cause); a
+    transport failure (a peer vanished) aborts the agreement at once, so no rank waits a
+    second timeout. The agreement waits at most until ``deadline`` (at least one second).
+    Raises :class:`RendezvousError` (:class:`RendezvousTimeout` for missing ranks)."""
+    error: BaseException | None = local_error
+    abort = None
+    try:
+        exchange(local_error)
+    except fdpass.FdExchangeError as exc:
+        abort = str(exc)
+    except PeerAborted:
+        pass  # the aborting ranks name their cause in the agreement, which then fails
+    except Exception as exc:
+        error = exc
+    try:
+        comm.agree(
+            error, what, abort=abort, timeout=max(1.0, deadline - time.monotonic())
+        )
+    except GroupError as exc:
+        raise as_rendezvous_error(exc) from error
+
+
+def as_rendezvous_error(exc: GroupError) -> RendezvousError:
+    """The rendezvous/resize flavour of a collective failure (timeouts keep ``missing``)."""
+    if isinstance(exc, RendezvousError):
+        return exc
+    if isinstance(exc, PeerTimeoutError):
+        return RendezvousTimeout(str(exc), exc.missing)
+    return RendezvousError(str(exc))
 
 
 def select_handle_type(device: Any, group: Any = None, *, timeout: float = 60.0) -> tuple[str, str]:
@@ -379,78 +517,128 @@ def select_handle_type(device: Any, group: Any = None, *, timeout: float = 60.0)
     return choice, reason
 
 
-def _ensure_fd_headroom(needed: int) -> None:
-    """Raise the RLIMIT_NOFILE soft limit (up to the hard one) so that ``needed`` more fds fit:
-    a receiver holds every fd of an exchange until it has mapped them."""
+def _raise_fd_limit(needed: int) -> Callable[[], None]:
+    """Raise the RLIMIT_NOFILE soft limit (up to the hard one) so that ``needed`` more fds fit
+    (a receiver holds every fd of an exchange until it has mapped them); returns the undo,
+    which restores the caller's limit once those fds are closed (select() users of the
+    process keep their FD_SETSIZE world)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = len(os.listdir("/proc/self/fd")) + needed + 64
-    if soft != resource.RLIM_INFINITY and want > soft:
-        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-        log.info("vmmkv: raised RLIMIT_NOFILE soft limit %d -> %d for an fd exchange", soft, new)
+    if soft == resource.RLIM_INFINITY or want <= soft:
+        return lambda: None
+    new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    log.info("vmmkv: RLIMIT_NOFILE soft limit %d -> %d for an fd exchange", soft, new)
+
+    def restore() -> None:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        except (OSError, ValueError) as exc:
+            log.warning("vmmkv: could not restore RLIMIT_NOFILE to %d: %s", soft, exc)
+
+    return restore
 
 
-def rendezvous(region: VirtualRegion, group: Any = None, *, timeout: float = 60.0) -> PeerMap:
-    """Collective: map every group member's region into this process. See module docstring."""
+def rendezvous(
+    region: VirtualRegion,
+    group: Any = None,
+    *,
+    timeout: float = 60.0,
+    must_match: dict[str, Any] | None = None,
+) -> PeerMap:
+    """Collective: map every group member's region into this process. See module docstring.
+    ``must_match``: extra JSON-serializable settings that must be equal on every rank."""
     if not isinstance(region, VirtualRegion):
         raise TypeError(f"rendezvous: region must be a VirtualRegion, got {type(region)}")
     if region.closed:
         raise ValueError("rendezvous: region is closed")
     comm = StoreComm(group, timeout)
-    return _rendezvous(comm, region)
+    reqs = gather_requests(comm, region, must_match, local_error=None)
+    return map_peers(comm, region, reqs)
 
 
-def _rendezvous(comm: StoreComm, region: VirtualRegion, map_peers: bool = True) -> PeerMap | None:
-    rank, world = comm.rank, comm.world_size
-    req = {
+def gather_requests(
+    comm: StoreComm,
+    region: VirtualRegion | None,
+    must_match: dict[str, Any] | None,
+    local_error: BaseException | None,
+) -> list[dict[str, Any]]:
+    """Collective: every rank's request, validated identically on every rank. A rank with a
+    ``local_error`` (e.g. a failed initial commit) still joins the step; every rank then
+    raises, the others naming it. Raises :class:`ConfigMismatch` when the requests disagree."""
+    if must_match is not None and not isinstance(must_match, dict):
+        raise TypeError(f"must_match must be a dict or None, got {type(must_match).__name__}")
+    req: dict[str, Any] = {
         "protocol": PROTOCOL_VERSION,
         "host": socket.gethostname(),
+        "boot_id": _boot_id(),
+        "pidns": _namespace_id("pid"),
+        "netns": _namespace_id("net"),
+        "uid": os.getuid(),
         "pid": os.getpid(),
-        "backend": region.backend,
-        "device": str(region.device),
-        "uuid": region.device_uuid(),
-        "capacity_bytes": region.capacity_bytes,
-        "chunk_bytes": region.chunk_bytes,
-        "granularity": region.granularity,
-        "handle_type": region.handle_type,
-        "chunks": [[c.offset, c.size] for c in region.chunks()],
-        "signal_bytes": region.granularity,
-        "nonce": secrets.token_hex(8),
+        "must_match": dict(must_match or {}),
+        "nonce": secrets.token_hex(16),
+        "error": None if local_error is None else repr(local_error),
     }
-    reqs = comm.all_gather(req, "rendezvous request")
+    if region is not None:  # None when creating it failed: the request carries the error
+        req.update(
+            backend=region.backend,
+            device=str(region.device),
+            uuid=region.device_uuid(),
+            capacity_bytes=region.capacity_bytes,
+            chunk_bytes=region.chunk_bytes,
+            granularity=region.granularity,
+            handle_type=region.handle_type,
+            chunks=[[c.offset, c.size] for c in region.chunks()],
+            signal_bytes=region.granularity,
+        )
+    try:
+        reqs = comm.all_gather(req, "rendezvous request")
+    except GroupError as exc:
+        raise as_rendezvous_error(exc) from local_error
+    failed = {r: q["error"] for r, q in enumerate(reqs) if q["error"] is not None}
+    if failed:
+        raise RendezvousError(
+            f"rank {comm.rank}: setting up failed on group ranks {sorted(failed)}: "
+            + "; ".join(f"rank {r}: {e}" for r, e in failed.items())
+        ) from local_error
     problem = _validate_requests(reqs)
     if problem:
-        raise RendezvousError(f"rendezvous rejected (rank {rank} of {world}): {problem}")
-    if not map_peers:
-        return None
-    problem = _host_problem(reqs)
-    if problem:
-        raise DirectUnsupported(f"peer mapping impossible: {problem}")
-    problems: list[str] = []
+        raise ConfigMismatch(f"rendezvous rejected (rank {comm.rank} of {comm.world_size}): {problem}")
+    return reqs
+
+
+def map_peers(comm: StoreComm, region: VirtualRegion, reqs: list[dict[str, Any]]) -> PeerMap:
+    """Collective, after :func:`gather_requests`: steps 2-6 of the module docstring. Raises
+    :class:`DirectUnsupported` when mapping is impossible, :class:`RendezvousError` (every
+    rank) when it failed; nothing created here survives a failure."""
+    rank, world = comm.rank, comm.world_size
+    deadline = time.monotonic() + comm.timeout
+    problems = [_host_problem(reqs)] if _host_problem(reqs) else []
+    if not problems:
+        try:
+            problems = _p2p_problems(rank, reqs)
+        except drv.CudaError as exc:
+            problems = [f"rank {rank}: P2P query failed: {exc}"]
     try:
-        problems = _p2p_problems(rank, reqs)
-    except drv.CudaError as exc:
-        problems = [f"rank {rank}: P2P query failed: {exc}"]
-    all_problems = [p for ps in comm.all_gather(problems, "P2P check") for p in ps]
+        gathered = comm.all_gather(problems, "P2P check")
+    except GroupError as exc:
+        raise as_rendezvous_error(exc) from None
+    all_problems = list(dict.fromkeys(p for ps in gathered for p in ps))
     if all_problems:
-        raise DirectUnsupported(
-            "peer mapping impossible: P2P not usable: " + "; ".join(all_problems)
-        )
+        raise DirectUnsupported("peer mapping impossible: " + "; ".join(all_problems))
 
     pids = [r["pid"] for r in reqs]
-    nonce = reqs[0]["nonce"]
     created: list[Any] = []  # rolled back (closed) on failure, in reverse order
-    error: BaseException | None = None
     peers: dict[int, PeerRegion] = {}
     signal_peers: dict[int, PeerRegion] = {}
-    signal = None
+    signal: VirtualRegion | None = None
+    local_error: Exception | None = None
     try:
         signal = VirtualRegion(
-            region.granularity,
-            region.device,
-            backend=region.backend,
+            region.granularity, region.device, backend=region.backend,
             handle_type=region.handle_type,
-        )
+        )  # fmt: skip
         created.append(signal)
         signal.commit(signal.capacity_bytes)  # zeroed before anyone sees it
         for r in range(world):
@@ -459,30 +647,25 @@ def _rendezvous(comm: StoreComm, region: VirtualRegion, map_peers: bool = True) 
                 created.append(peers[r])
                 signal_peers[r] = signal.open_peer()
                 created.append(signal_peers[r])
+    except Exception as exc:
+        local_error = exc
+    pm: list[PeerMap] = []
+
+    def exchange(error: Exception | None) -> None:
         _exchange_and_map(
-            comm,
-            region,
-            region.chunks(),
-            peers,
-            pids,
-            nonce,
-            signal=signal,
-            signal_peers=signal_peers,
-        )
-        pm = PeerMap(comm, region, signal, peers, signal_peers, pids, nonce)
-    except RendezvousError as exc:  # a local failure (e.g. mapping): the others must learn it
-        error = exc
-    except (GroupError, fdpass.FdExchangeError) as exc:  # a peer is gone: no agreement possible
-        _rollback(created)
-        raise RendezvousError(f"rendezvous failed: {exc}") from exc
-    except BaseException as exc:
-        error = exc
+            comm, region, region.chunks(), peers, pids, reqs[0]["nonce"],
+            signal=signal, signal_peers=signal_peers, local_error=error,
+        )  # fmt: skip
+        # Device tables are local setup: built before the last agreement, so that a failure
+        # here fails every rank (nothing local happens after the agreement).
+        pm.append(PeerMap(comm, region, signal, peers, signal_peers, pids))
+
     try:
-        comm.agree(error, "rendezvous")
-    except GroupError as exc:
+        exchange_then_agree(comm, "rendezvous", exchange, local_error, deadline)
+    except BaseException:
         _rollback(created)
-        raise RendezvousError(str(exc)) from error
-    return pm
+        raise
+    return pm[0]
 
 
 def _rollback(created: list[Any]) -> None:
@@ -493,240 +676,3 @@ def _rollback(created: list[Any]) -> None:
             log.error("vmmkv rollback: close of %r failed: %s", obj, exc)
 
 
-# --------------------------------------------------------------------------------------------
-# SymmetricRegion: the region + its peer map, resized collectively
-# --------------------------------------------------------------------------------------------
-
-
-class SymmetricRegion:
-    """Every rank owns a ``VirtualRegion`` of the same capacity, mapped by every other rank.
-
-    Collective: the constructor, ``resize``. Local: ``close``, views, properties.
-    ``committed_table`` is a device int64 ``[1]`` tensor holding the committed size that every
-    rank's region has; kernels read it as their bound, so growth after CUDA-graph capture needs
-    no new kernel arguments.
-    """
-
-    def __init__(
-        self,
-        capacity_bytes: int,
-        device: Any = None,
-        group: Any = None,
-        *,
-        chunk_bytes: int | None = None,
-        initial_bytes: int = 0,
-        backend: str = "auto",
-        timeout: float = 60.0,
-        map_peers: bool = True,
-    ) -> None:
-        self._comm = StoreComm(group, timeout)
-        self.region = VirtualRegion(
-            capacity_bytes, device, chunk_bytes=chunk_bytes, backend=backend
-        )
-        self._closed = False
-        self._broken = ""  # set when a failed shrink left the mappings inconsistent
-        self._lock = threading.Lock()
-        try:
-            error = None
-            try:
-                self.region.commit(initial_bytes)
-            except BaseException as exc:
-                error = exc
-            self._comm.agree(error, "initial commit")
-            self.peers = _rendezvous(self._comm, self.region, map_peers)
-            self.local_table = torch.tensor(
-                [self.region.base_ptr], dtype=torch.int64, device=self.region.device
-            )
-            self.committed_table = torch.full(
-                (1,), self.region.committed_bytes, dtype=torch.int64, device=self.region.device
-            )
-        except BaseException:
-            peers = getattr(self, "peers", None)
-            run_all(([peers.close] if peers is not None else []) + [self.region.close])
-            raise
-
-    # -- properties ------------------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        return self._comm.rank
-
-    @property
-    def world_size(self) -> int:
-        return self._comm.world_size
-
-    @property
-    def group(self) -> Any:
-        return self._comm.group
-
-    @property
-    def device(self) -> torch.device:
-        return self.region.device
-
-    @property
-    def committed_bytes(self) -> int:
-        return self.region.committed_bytes
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.region.capacity_bytes
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def mapped(self) -> bool:
-        """True when every peer's region is mapped here (``peers`` is a PeerMap)."""
-        return self.peers is not None
-
-    @property
-    def ptr_table(self) -> torch.Tensor:
-        """Device int64 ``[world]`` of every rank's base here (needs ``mapped``)."""
-        if self.peers is None:
-            raise RuntimeError(f"rank {self.rank}: peers are not mapped (map_peers=False)")
-        return self.peers.ptr_table
-
-    def view(self, rank: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        if rank == self.rank:
-            return self.region.tensor(dtype)
-        if self.peers is None:
-            raise RuntimeError(f"rank {self.rank}: peers are not mapped (map_peers=False)")
-        return self.peers.view(rank, dtype)
-
-    # -- collective resize -----------------------------------------------------------------
-    def resize(self, committed_bytes: int, *, direction: str | None = None) -> int:
-        """Collective: grow or shrink every rank's committed prefix to ``committed_bytes``
-        (rounded up to chunks). Returns the new committed size.
-
-        Every rank's request (and whatever is wrong with it: type, range, a stream capture in
-        progress, a ``direction`` of ``"grow"``/``"shrink"`` that the size contradicts) is
-        gathered first, so a bad request raises on every rank: the offending rank raises
-        TypeError/ValueError/RuntimeError, the others RendezvousError naming it. A failed grow
-        leaves every rank at the old size and the group usable."""
-        if self._closed:
-            raise RuntimeError(f"rank {self.rank}: SymmetricRegion is closed")
-        problem, kind = self._resize_problem(committed_bytes, direction)
-        with self._lock:
-            request = (None if problem else committed_bytes, problem)
-            reqs = self._comm.all_gather(request, "resize request")
-            problems = {r: p for r, (_, p) in enumerate(reqs) if p}
-            if problems:
-                msg = "resize rejected: " + "; ".join(f"rank {r}: {p}" for r, p in problems.items())
-                raise (kind if problem else RendezvousError)(msg)
-            sizes = [size for size, _ in reqs]
-            if any(size != sizes[0] for size in sizes):
-                raise RendezvousError(
-                    "resize: the target size must be identical on all ranks, got "
-                    + ", ".join(f"rank {r}: {size}" for r, size in enumerate(sizes))
-                )
-            target = self.region.round_up(committed_bytes)
-            current = self.region.committed_bytes
-            if target > current:
-                self._grow(current, committed_bytes)
-            elif target < current:
-                self._shrink(target)
-            return self.region.committed_bytes
-
-    def _resize_problem(self, nbytes: Any, direction: str | None) -> tuple[str, type]:
-        """('', None) when this rank's resize request is valid, else (reason, exception type)."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-            return f"committed_bytes must be an int, got {type(nbytes).__name__}", TypeError
-        if not 0 <= nbytes <= self.capacity_bytes:
-            return f"committed_bytes={nbytes} outside [0, {self.capacity_bytes}]", ValueError
-        if direction not in (None, "grow", "shrink"):
-            return f"direction must be None, 'grow' or 'shrink', got {direction!r}", ValueError
-        current = self.region.committed_bytes
-        if direction == "grow" and nbytes < current:
-            return f"grow to {nbytes} is below the committed {current}; use shrink", ValueError
-        if direction == "shrink" and nbytes > current:
-            return f"shrink to {nbytes} is above the committed {current}; use grow", ValueError
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return "refused during CUDA stream capture (resize before or after)", RuntimeError
-        if self._broken:
-            return f"unusable after {self._broken}; close it", RuntimeError
-        return "", type(None)
-
-    def _grow(self, current: int, nbytes: int) -> None:
-        added: list[Chunk] = []
-        error = None
-        try:
-            added = self.region.commit(nbytes)
-        except BaseException as exc:
-            error = exc
-        try:
-            self._comm.agree(error, f"grow to {nbytes} bytes (local commit)")
-        except GroupError:
-            self._release_local(current)
-            raise
-        if self.peers is None:
-            self._set_committed(self.region.committed_bytes)
-            return
-        error = None
-        try:
-            self.peers._map_new(added)
-        except RendezvousError as exc:  # a local failure (e.g. mapping): tell the others
-            error = exc
-        except (GroupError, fdpass.FdExchangeError) as exc:  # a peer vanished: no agreement
-            self._release_local(current)
-            raise RendezvousError(
-                f"rank {self.rank}: grow to {nbytes} bytes failed exchanging chunks: {exc}"
-            ) from exc
-        except BaseException as exc:
-            error = exc
-        try:
-            self._comm.agree(error, f"grow to {nbytes} bytes (peer mapping)")
-        except GroupError:
-            self._release_local(current)
-            raise
-        self._set_committed(self.region.committed_bytes)
-
-    def _release_local(self, current: int) -> None:
-        """Roll a failed grow back to ``current``: peers' new chunks first, then our own. Errors
-        are logged, not raised: the grow's own error is the one the caller raises."""
-        steps = [lambda: self.region.decommit(current)]
-        if self.peers is not None:
-            steps.insert(0, lambda: self.peers._unmap_from(current))
-        try:
-            run_all(steps)
-        except Exception as exc:
-            log.error("rank %d: rolling back a failed grow: %s", self.rank, exc)
-
-    def _shrink(self, target: int) -> None:
-        # Kernels stop writing past target from here on. If anything below fails, the bound
-        # stays lowered (writes beyond it are skipped and counted, never faulting) and the
-        # object refuses further resizes: some ranks may have unmapped their peers' chunks.
-        self._set_committed(target)
-        try:
-            self.region.synchronize()
-            self._comm.barrier("shrink: all ranks idle")
-            error = None
-            try:
-                if self.peers is not None:
-                    self.peers._unmap_from(target)
-            except BaseException as exc:
-                error = exc
-            self._comm.agree(error, "shrink: peers unmapped")
-            self.region.decommit(target)
-        except BaseException as exc:
-            self._broken = f"a failed shrink to {target} bytes ({exc})"
-            raise
-
-    def _set_committed(self, nbytes: int) -> None:
-        self.committed_table.fill_(nbytes)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    # -- teardown --------------------------------------------------------------------------
-    def close(self) -> None:
-        """Local and idempotent: peers' mappings go first, then the own region."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        run_all([self.peers.close if self.peers else lambda: None, self.region.close])
-
-    def __enter__(self) -> SymmetricRegion:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
