@@ -110,6 +110,8 @@ def _oracle(poisoned, world, committed_blocks):
         _inputs(r, world, committed_blocks) for r in range(world)
     ]
     for kv_c, k_pe, k, rows, slots in batches:
+        if not slots.numel():
+            continue  # a rank without tokens writes nothing
         ok = slots.clone()
         ok[(ok >= committed_blocks * BS)] = -1  # uncommitted or outside: never written
         for mla, idx in views:
@@ -118,6 +120,11 @@ def _oracle(poisoned, world, committed_blocks):
         ref.insert_rows(rows_view, rows, slots)  # the rows view is committed in full
     del torch
     return want
+
+
+def _padded_tokens(world):
+    """The group's largest own token count: what every rank pads to."""
+    return max(TOKENS[r % len(TOKENS)] for r in range(world)) if world > 1 else 13
 
 
 def _expected_errors(rank, world, committed_blocks, mode):
@@ -136,6 +143,7 @@ def _run(rank, world, backend, modes, committed_blocks=NB - 1):
     import torch.distributed as dist
 
     from vmmkv import ReplicatedKVCache
+    from vmmkv.gather import pad_tokens
 
     device = "cpu" if backend == "host" else "cuda:0"
     total = TOTAL
@@ -148,7 +156,7 @@ def _run(rank, world, backend, modes, committed_blocks=NB - 1):
         views = _views(buf)
         # The kernels' bound ends after `committed_blocks` blocks of the interleaved layers
         # (everything is mapped, so a wrong write would land in poison and be seen).
-        start = buf.data_ptr() - cache.region.region.base_ptr
+        start = buf.data_ptr() - cache.region.base_ptr
         need = start + LAYERS_AT + committed_blocks * BLOCK_TOTAL
         cache.grow(cap)
         layer_b = [
@@ -166,9 +174,14 @@ def _run(rank, world, backend, modes, committed_blocks=NB - 1):
             dist.barrier()
             dec = [t.to(device) for t in _decode(committed_blocks)]
             own = [t.to(device) for t in _inputs(rank, world, committed_blocks)]
+            # every rank passes the same padded count (the gather convention; slot -1 rows)
+            own_in, own_slots = pad_tokens(own[:4], own[4], _padded_tokens(world))
+            extra = [t[-2:] for t in own[:4]]  # inputs longer than slot_mapping
             # decode tokens first (replicated, local only), then this rank's own tokens
-            kv_c, k_pe, k, rows = (torch.cat([d, o]) for d, o in zip(dec[:4], own[:4], strict=True))
-            slots = torch.cat([dec[4], own[4]]).to(torch.int32)
+            kv_c, k_pe, k, rows = (
+                torch.cat([d, o, x]) for d, o, x in zip(dec[:4], own_in, extra, strict=True)
+            )
+            slots = torch.cat([dec[4], own_slots]).to(torch.int32)
             m = None if mode == "auto" else mode
             (mla0, idx0), (mla1, idx1) = layer_b
             cache.store_layer(mla0, idx0, kv_c, k_pe, k, slots, num_local_only=DECODE, mode=m)
@@ -289,12 +302,16 @@ def test_vmmkv_direct_values_are_validated(monkeypatch):
 
 
 def _gather_edge_cases(rank, world):
+    import os
+
     import torch
     import torch.distributed as dist
 
     from vmmkv import ReplicatedKVCache
+    from vmmkv.gather import pad_tokens
     from vmmkv.ops import reference as ref
 
+    os.environ["VMMKV_CHECK_PADDING"] = "1"  # the debug check: bad inputs raise on every rank
     out = {}
     with ReplicatedKVCache(
         dist.group.WORLD, 1 << 20, "cpu", backend="host", direct=False, initial_bytes=1 << 20
@@ -302,10 +319,11 @@ def _gather_edge_cases(rank, world):
         buf = c.allocate(4 * BS * IDX).view(torch.uint8)
         idx = c.bind("idx", buf.view(4, BS, IDX), "indexer_k")
         buf.fill_(0xA5)
-        # rank 1 has nothing to store at all: an empty slot mapping and empty inputs
+        # rank 1 has nothing to store at all: it pads to rank 0's count (every row slot -1)
         n = 5 if rank == 0 else 0
         k = _gen(3, (5, 128), torch.bfloat16)[:n]
         slots = torch.arange(n, dtype=torch.int64) + 7
+        (k,), slots = pad_tokens((k,), slots, 5)
         c.store_indexer_k(idx, k, slots)
         want = torch.full_like(buf, 0xA5)
         ref.insert_indexer_k(
@@ -322,7 +340,7 @@ def _gather_edge_cases(rank, world):
 
 
 @pytest.mark.timeout(60)
-def test_gather_fallback_handles_a_rank_without_tokens_and_rejects_bad_inputs_on_every_rank():
+def test_gather_fallback_handles_a_padded_rank_without_tokens_and_rejects_bad_inputs_on_every_rank():
     out = run_world(_gather_edge_cases, 2, timeout=45)
     assert out[0]["empty_ok"] and out[1]["empty_ok"]
     assert out[1]["bad"].startswith("TypeError") and "float16" in out[1]["bad"]
