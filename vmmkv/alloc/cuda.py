@@ -8,7 +8,10 @@ always consumes: it maps, grants access, then releases the handle (the mapping k
 alive); on failure it undoes the map and still releases. ``export`` retains the handle from the
 mapped address, exports an fd (the caller owns and closes it) and releases the retained handle.
 Local, never collective. ``zero`` and ``synchronize`` must not run during stream capture (the
-region refuses growth during capture before reaching them).
+region refuses growth during capture before reaching them; ``is_capturing`` says what it sees).
+Implements ``backend.Backend``. An unmapped range stays reserved: an access to it is an illegal
+address fault, never someone else's memory. ``free_reservation`` is a driver call, so frees
+triggered by a dying view are deferred by the region layer (``frees_from_any_thread`` False).
 """
 
 from __future__ import annotations
@@ -113,7 +116,12 @@ def _nvml_fabric_state(ordinal: int) -> str:
 
 
 class CudaBackend:
+    """``backend.Backend`` on CUDA VMM (see module doc)."""
+
     name = "cuda"
+    # a view can die on any thread, e.g. one in the middle of a global-mode stream capture,
+    # where a driver call may be refused and invalidate the capture: defer those frees
+    frees_from_any_thread = False
 
     def __init__(self, ordinal: int, handle_type: str = _POSIX_FD) -> None:
         self.ordinal = ordinal
@@ -241,6 +249,14 @@ class CudaBackend:
             call(cu.cuCtxSynchronize, device=self.ordinal)
 
     def is_capturing(self) -> bool:
+        """Whether the calling thread's current stream on this device is being captured.
+
+        Limitation: a capture on another thread is not seen. CUDA has no query for "any capture
+        in progress" (the legacy-stream query only sees blocking streams, and torch captures on
+        non-blocking ones), so a resize (``cuMemsetD8`` + ``cuCtxSynchronize``) made while
+        another thread captures in global mode fails and invalidates that capture. Callers
+        serialize resizes with captures (vmmkv's engine hooks resize between steps, on the
+        thread that captures)."""
         with torch.cuda.device(self.ordinal):
             return torch.cuda.is_current_stream_capturing()
 

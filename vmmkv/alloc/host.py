@@ -9,7 +9,11 @@ lifecycle (rendezvous, growth, shrink) run in CI without a GPU.
 
 Ownership: ``create`` and ``import_fd`` return a handle (an fd this backend owns); ``map`` always
 consumes it (closes it, or keeps it for later export when ``exportable`` is set, until ``unmap``).
-Local, never collective; nothing here touches torch's streams.
+Local, never collective; nothing here touches torch's streams. Implements ``backend.Backend``.
+
+An unmapped range (and a whole region after ``close()``) is a ``PROT_NONE`` anonymous mapping:
+a stale access through a view faults (SIGSEGV) instead of reaching other memory; the range is
+``munmap``-ed only by ``free_reservation``, which is safe on any thread at any time.
 """
 
 from __future__ import annotations
@@ -71,8 +75,11 @@ def _check_mmap(res: int | None, what: str) -> int:
 
 
 class HostBackend:
+    """``backend.Backend`` on host memory (see module doc)."""
+
     name = "host"
     handle_type = "posix_fd"
+    frees_from_any_thread = True  # munmap: no device, no stream capture to disturb
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")

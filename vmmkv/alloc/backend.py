@@ -1,0 +1,78 @@
+"""``Backend``: the interface every memory backend of ``vmmkv.alloc`` implements.
+
+Two implementations: ``CudaBackend`` (``cuda.py``: CUDA VMM) and ``HostBackend`` (``host.py``:
+memfd + mmap, so the whole lifecycle runs in CI without a GPU). The region code above talks to
+this interface only; a new backend is a new file, never a branch in the region.
+
+Contract for implementations:
+- Every method is local (never collective) and may be called from any thread.
+- ``create`` and ``import_fd`` return a handle that ``map`` always consumes, on success and on
+  failure. ``export`` returns a new fd that the caller closes exactly once; ``import_fd`` never
+  closes the fd it is given.
+- ``unmap`` leaves the range reserved and inaccessible (an access faults); on failure the
+  mapping is left as it was, so the caller can keep it on its books and retry.
+- ``free_reservation`` gives a reserved range back; it is called only once every mapping in the
+  range is gone. ``frees_from_any_thread`` says whether that call is safe at any moment on any
+  thread (a DLPack deleter may make it); when False the region layer defers such frees to its
+  next safe point (see ``reservation.py``).
+- ``zero`` and ``synchronize`` are device work: they must not run during a stream capture, which
+  ``is_capturing`` reports (for the calling thread; see each backend for the limits).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Backend", "Handle"]
+
+Handle = Any  # an fd (host) or a CUmemGenericAllocationHandle (CUDA); opaque to the region
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+    handle_type: str
+    device: torch.device
+    granularity: int
+    frees_from_any_thread: bool
+
+    def describe(self) -> str:
+        """A short human description for reprs and errors (device, handle type)."""
+        ...
+
+    def context(self) -> AbstractContextManager[Any]:
+        """A guard around a batch of calls (CUDA: the primary context made current once)."""
+        ...
+
+    def device_uuid(self) -> str: ...
+
+    def reserve(self, size: int) -> int:
+        """Reserve ``size`` bytes of address space (inaccessible); returns the base address."""
+        ...
+
+    def free_reservation(self, ptr: int, size: int) -> None: ...
+
+    def create(self, size: int) -> Handle:
+        """A new physical chunk of ``size`` bytes, exportable as this backend's handle type."""
+        ...
+
+    def import_fd(self, fd: int, size: int) -> Handle: ...
+
+    def release(self, handle: Handle) -> None: ...
+
+    def map(self, ptr: int, size: int, handle: Handle, *, exportable: bool = False) -> None: ...
+
+    def unmap(self, ptr: int, size: int) -> None: ...
+
+    def export(self, ptr: int, size: int) -> int: ...
+
+    def zero(self, ptr: int, size: int) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def is_capturing(self) -> bool: ...
+
+    def memory_in_use(self) -> int: ...
