@@ -1,20 +1,38 @@
 """Torch tensors over raw addresses through DLPack, with the device stated explicitly.
 
-``tensor_at(ptr, nbytes, dtype, device)`` builds a legacy ``DLManagedTensor`` capsule naming the
-device type and ordinal (no ``__cuda_array_interface__`` guessing) and hands it to
-``torch.from_dlpack``. The tensor does not own the memory: whoever owns the mapping must outlive
-every view (``VirtualRegion.close()`` documents that views are invalid afterwards).
+``tensor_at(ptr, nbytes, dtype, device, owner)`` builds a legacy ``DLManagedTensor`` capsule
+naming the device type and ordinal (no ``__cuda_array_interface__`` guessing) and hands it to
+``torch.from_dlpack``. The tensor does not own the memory. ``owner`` (the region's
+``Reservation``; optional for scratch views whose memory the caller keeps) is told of every view: ``owner.hold()`` before the tensor exists, ``owner.drop()``
+from the DLPack deleter once torch frees the storage (every slice and view of the tensor shares
+it), so the address range stays reserved while any view lives.
+
+The deleter may run on any thread, inside a garbage collection, or while the interpreter
+finalizes: it takes only reentrant locks and never raises (``owner.drop()`` logs its errors).
 Local, capture-safe (no driver call, no allocation on the device).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
+from typing import Protocol
 
 import torch
 
-__all__ = ["tensor_at"]
+__all__ = ["ViewOwner", "tensor_at"]
+
+log = logging.getLogger(__name__)
+
+
+class ViewOwner(Protocol):
+    """What keeps the memory under a view: told when a view is made and when it dies."""
+
+    def hold(self) -> None: ...
+
+    def drop(self) -> None: ...
+
 
 _KDL_CPU = 1
 _KDL_CUDA = 2
@@ -64,15 +82,24 @@ _DLManagedTensor._fields_ = [
     ("deleter", _DELETER),
 ]
 
-# The ctypes structures must stay alive until the consumer calls the deleter.
-_live: dict[int, tuple[_DLManagedTensor, ctypes.Array]] = {}
-_live_lock = threading.Lock()
+# The ctypes structures (and the owner) must stay alive until the consumer calls the deleter.
+_live: dict[int, tuple[_DLManagedTensor, ctypes.Array, ViewOwner | None]] = {}
+# reentrant: a garbage collection inside the locked section may run a deleter on this thread
+_live_lock = threading.RLock()
 
 
 @_DELETER
 def _deleter(managed: ctypes._Pointer) -> None:
-    with _live_lock:
-        _live.pop(ctypes.addressof(managed.contents), None)
+    try:
+        with _live_lock:
+            entry = _live.pop(ctypes.addressof(managed.contents), None)
+        if entry is not None and entry[2] is not None:
+            entry[2].drop()
+    except BaseException:  # noqa: B902 - an exception cannot cross the C deleter
+        try:
+            log.exception("vmmkv: DLPack deleter failed")
+        except BaseException:  # noqa: B902 - logging torn down at interpreter exit
+            pass
 
 
 _capsule_new = ctypes.pythonapi.PyCapsule_New
@@ -80,8 +107,16 @@ _capsule_new.restype = ctypes.py_object
 _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 
 
-def tensor_at(ptr: int, nbytes: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A 1-D tensor of ``nbytes // dtype.itemsize`` elements at address ``ptr`` on ``device``."""
+def tensor_at(
+    ptr: int,
+    nbytes: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    owner: ViewOwner | None = None,
+) -> torch.Tensor:
+    """A 1-D tensor of ``nbytes // dtype.itemsize`` elements at address ``ptr`` on ``device``,
+    registered with ``owner`` for as long as its storage lives. Without an owner nothing keeps
+    the memory: the caller guarantees that it outlives the tensor (a short-lived scratch view)."""
     if dtype not in _DTYPES:
         raise TypeError(f"tensor_at: dtype {dtype} not supported; expected one of {list(_DTYPES)}")
     if not isinstance(ptr, int) or ptr <= 0:
@@ -102,16 +137,22 @@ def tensor_at(ptr: int, nbytes: int, dtype: torch.dtype, device: torch.device) -
     shape = (ctypes.c_int64 * 1)(nbytes // itemsize)
     managed = _DLManagedTensor()
     managed.dl_tensor = _DLTensor(ptr, dev, 1, _DLDataType(code, bits, 1), shape, None, 0)
-    managed.manager_ctx = None
+    managed.manager_ctx = None  # the entry in _live is the context (found by address)
     managed.deleter = _deleter
+    key = ctypes.addressof(managed)
+    entry = (managed, shape, owner)
+    if owner is not None:
+        owner.hold()  # may raise (owner gone): nothing registered yet
     with _live_lock:
-        _live[ctypes.addressof(managed)] = (managed, shape)
+        _live[key] = entry
     # No capsule destructor: torch always consumes the capsule below, and calls the deleter
-    # when the tensor dies; if from_dlpack raises, we drop the entry ourselves.
-    capsule = _capsule_new(ctypes.addressof(managed), b"dltensor", None)
+    # when the tensor dies; if from_dlpack raises, we undo the registration ourselves.
     try:
+        capsule = _capsule_new(key, b"dltensor", None)
         return torch.utils.dlpack.from_dlpack(capsule)
     except BaseException:
         with _live_lock:
-            _live.pop(ctypes.addressof(managed), None)
+            mine = _live.pop(key, None) is not None  # else torch already ran the deleter
+        if mine and owner is not None:
+            owner.drop()
         raise

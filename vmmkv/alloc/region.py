@@ -5,23 +5,41 @@ Contract:
   kernels and CUDA graphs captured over the range stay valid while it grows and shrinks.
 - ``commit(n)`` grows the committed prefix to ``n`` rounded up to ``chunk_bytes``; new bytes are
   zero on return. ``decommit(n)`` shrinks it to ``n`` rounded up to ``chunk_bytes`` after a device
-  synchronize. Both are local (not collective), refuse during CUDA stream capture, and are
-  transactional: a failing ``commit`` leaves the region as it was.
-- ``tensor(dtype)`` is a view over the whole capacity; only the committed prefix may be touched,
-  and every view is invalid after ``close()``. A CUDA graph may be captured over uncommitted
-  addresses with kernels (they touch memory only when they run); a memcpy/memset node is
-  validated against the range at capture time and fails there.
+  synchronize. Both are local (not collective) and refuse during a CUDA stream capture on the
+  calling thread (see ``CudaBackend.is_capturing`` for captures on other threads).
+- The committed chunks are always a contiguous prefix, and ``committed_bytes`` is its end. A
+  failing ``commit`` unmaps what it mapped and leaves the region as it was. If an unmap fails
+  part-way (``decommit``, ``PeerRegion.unmap_from``, the rollback of a failed ``commit``), the
+  unmapping stops at the failing chunk: that chunk and every chunk below it stay mapped and
+  committed (no hole), ``decommit``/``unmap_from`` raise :class:`UnmapError` naming what is still
+  mapped, and a later call retries. Chunks a failed rollback could not unmap stay committed, with
+  unspecified contents (the commit's own error is raised, the rest logged).
+- ``tensor(dtype)`` is a view over the whole capacity; only the committed prefix may be touched.
+  A CUDA graph may be captured over uncommitted addresses with kernels (they touch memory only
+  when they run); a memcpy/memset node is validated against the range at capture time and fails
+  there.
+- Views keep the address range reserved: ``close()`` unmaps and releases every chunk at once
+  (device memory returns immediately), but the range itself is given back only when the last
+  view created by ``tensor()`` is gone, so no later reservation can land under a stale view.
+  Touching a view after ``close()`` faults (host: SIGSEGV on a ``PROT_NONE`` range; CUDA: an
+  illegal address on an unmapped range), it never reaches someone else's memory. CUDA graphs that
+  captured the addresses must not be replayed after ``close()``: they fault the same way, and the
+  range is reused once the views are gone.
 - There is no ``__del__``: a finalizer could run a device synchronize in the middle of someone's
   graph capture. An unclosed region lives until the process exits (the OS reclaims it).
-- ``close()`` is local and idempotent; it finishes every step (synchronize, unmap, release the
-  reservation) even when one fails, then raises the first error. It skips driver calls while the
-  interpreter is finalizing. Afterwards every method raises :class:`RegionClosedError`.
+- ``close()`` is local and idempotent; it finishes every step (synchronize, unmap every chunk,
+  release the reservation) even when one fails, then raises the first error; a chunk whose unmap
+  failed stays on the books and keeps the reservation, and a later ``close()`` retries. It skips
+  driver calls while the interpreter is finalizing. Afterwards every method raises
+  :class:`RegionClosedError`.
 - ``PeerRegion`` is the importing side: a reservation of a peer's full capacity into which the
   peer's exported chunks are mapped at their offsets (the ipc layer builds peer maps from it).
+  Its views, its mapped prefix and its ``close()`` follow the same rules.
 
-Ownership: a region owns its reservation and its mappings; physical handles are released right
-after mapping (the mapping keeps the memory alive). ``export_chunk`` returns an fd the caller
-closes. ``PeerRegion.map_fd`` never closes the fd it is given.
+Ownership: a region owns its reservation (shared with its views, see ``reservation.py``) and its
+mappings; physical handles are released right after mapping (the mapping keeps the memory
+alive). ``export_chunk`` returns an fd the caller closes. ``PeerRegion.map_fd`` never closes the
+fd it is given.
 """
 
 from __future__ import annotations
@@ -34,14 +52,25 @@ from typing import Any
 
 import torch
 
-from .._util import run_all
+from .._util import ceil_div, require_int, run_all
+from .._util import round_up as _round_up
 from . import driver
+from .backend import Backend
 from .dlpack import tensor_at
 from .host import HostBackend
+from .reservation import Reservation
 
-__all__ = ["Chunk", "PeerRegion", "RegionClosedError", "VirtualRegion", "make_backend", "run_all"]
+__all__ = [
+    "Chunk",
+    "PeerRegion",
+    "RegionClosedError",
+    "UnmapError",
+    "VirtualRegion",
+    "make_backend",
+    "run_all",
+]
 
-log = logging.getLogger("vmmkv.alloc")
+log = logging.getLogger(__name__)
 
 _MAX_DEFAULT_CHUNK = 1 << 30
 _DEFAULT_CHUNKS = 64
@@ -57,6 +86,17 @@ class Chunk:
 
     offset: int
     size: int
+
+
+class UnmapError(RuntimeError):
+    """An unmap failed part-way. ``unmapped``: the chunks that did go (address order);
+    ``still_mapped``: the chunks asked for that are still mapped and still on the region's books
+    (address order). The backend's error is the ``__cause__``."""
+
+    def __init__(self, message: str, *, unmapped: list[Chunk], still_mapped: list[Chunk]):
+        super().__init__(message)
+        self.unmapped = unmapped
+        self.still_mapped = still_mapped
 
 
 def _resolve_device(device: Any, backend: str) -> tuple[str, int | None]:
@@ -95,7 +135,9 @@ def _resolve_device(device: Any, backend: str) -> tuple[str, int | None]:
     return "cuda", ordinal
 
 
-def make_backend(device: Any = None, backend: str = "auto", handle_type: str = "posix_fd"):
+def make_backend(
+    device: Any = None, backend: str = "auto", handle_type: str = "posix_fd"
+) -> Backend:
     """The backend object for ``device`` ('auto' picks host when no CUDA device is usable)."""
     name, ordinal = _resolve_device(device, backend)
     if name == "host":
@@ -107,11 +149,14 @@ def make_backend(device: Any = None, backend: str = "auto", handle_type: str = "
     return CudaBackend(ordinal, handle_type)
 
 
-def _check_size(name: str, value: Any, granularity: int, *, allow_zero: bool) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+def _require_positive(name: str, value: Any) -> int:
+    require_int(name, value)
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+def _require_granular(name: str, value: int, granularity: int) -> int:
     if value % granularity:
         raise ValueError(
             f"{name}={value} is not a multiple of the allocation granularity {granularity}"
@@ -119,87 +164,22 @@ def _check_size(name: str, value: Any, granularity: int, *, allow_zero: bool) ->
     return value
 
 
-class _Closeable:
-    """Shared closed-state handling and chunk unmapping for the two owners below (each has
-    ``_backend``, ``_base`` and ``_chunks``)."""
+class _MappedRange:
+    """What ``VirtualRegion`` and ``PeerRegion`` share: a reservation (held by the views), a
+    contiguous prefix of mapped chunks on the books, the read-only properties, views, teardown.
+    """
 
-    _closed = False
     _what = "object"
-    _backend: Any
-    _base: int
-    _chunks: list[Chunk]
 
-    def _unmap(self, chunks: list[Chunk]) -> None:
-        """Unmap ``chunks`` last first. A chunk leaves ``_chunks`` only once its own unmap
-        succeeded, so a failure leaves it owned (and retried by ``close``). Every chunk is
-        attempted; the first error is raised afterwards."""
-
-        def one(c: Chunk) -> None:
-            self._backend.unmap(self._base + c.offset, c.size)
-            if c in self._chunks:
-                self._chunks.remove(c)
-
-        run_all([(lambda c=c: one(c)) for c in reversed(chunks)])
-
-    def _teardown(self, first: list[Callable[[], None]]) -> None:
-        """close(): ``first`` steps, unmap everything, free the reservation; every step runs."""
-        self._closed = True
-        if driver.finalizing():
-            return
-        steps = [*first, lambda: self._unmap(list(self._chunks))]
-        steps.append(lambda: self._backend.free_reservation(self._base, self._capacity))
-        run_all(steps)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RegionClosedError(f"{self._what} is closed")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-
-class VirtualRegion(_Closeable):
-    """Reserved VA of ``capacity_bytes`` on ``device`` with a committed prefix (see module doc)."""
-
-    _what = "VirtualRegion"
-
-    def __init__(
-        self,
-        capacity_bytes: int,
-        device: Any = None,
-        *,
-        chunk_bytes: int | None = None,
-        backend: str = "auto",
-        handle_type: str = "posix_fd",
-    ) -> None:
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
-            raise TypeError(f"capacity_bytes must be an int, got {type(capacity_bytes).__name__}")
-        if capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
-        if chunk_bytes is not None and (
-            isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)
-        ):
-            raise TypeError(f"chunk_bytes must be an int or None, got {type(chunk_bytes)}")
-        self._backend = make_backend(device, backend, handle_type)
-        gran = self._backend.granularity
-        _check_size("capacity_bytes", capacity_bytes, gran, allow_zero=False)
-        if chunk_bytes is None:
-            per = -(-capacity_bytes // _DEFAULT_CHUNKS)
-            chunk_bytes = min(-(-per // gran) * gran, max(gran, _MAX_DEFAULT_CHUNK))
-        _check_size("chunk_bytes", chunk_bytes, gran, allow_zero=False)
-        if chunk_bytes > capacity_bytes:
-            raise ValueError(f"chunk_bytes={chunk_bytes} exceeds capacity_bytes={capacity_bytes}")
+    def __init__(self, backend: Backend, capacity_bytes: int) -> None:
+        self._backend: Backend = backend
         self._capacity = capacity_bytes
-        self._chunk = chunk_bytes
-        self._chunks: list[Chunk] = []
+        self._chunks: list[Chunk] = []  # always a contiguous prefix, in address order
         self._lock = threading.RLock()
-        self._base = self._backend.reserve(capacity_bytes)
+        self._closed = False
+        self._settled = False  # close() has run every step without an error
+        self._reservation = Reservation(backend, capacity_bytes)
+        self._base = self._reservation.base
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -210,10 +190,6 @@ class VirtualRegion(_Closeable):
     @property
     def capacity_bytes(self) -> int:
         return self._capacity
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self._chunk
 
     @property
     def granularity(self) -> int:
@@ -232,20 +208,147 @@ class VirtualRegion(_Closeable):
         return self._backend.handle_type
 
     @property
-    def committed_bytes(self) -> int:
-        return self._chunks[-1].offset + self._chunks[-1].size if self._chunks else 0
-
-    @property
     def closed(self) -> bool:
         return self._closed
 
+    def _prefix_end(self) -> int:
+        return self._chunks[-1].offset + self._chunks[-1].size if self._chunks else 0
+
     def chunks(self) -> list[Chunk]:
-        """The committed chunks in address order (a copy)."""
+        """The mapped chunks in address order (a copy)."""
         self._check_open()
         return list(self._chunks)
 
     def device_uuid(self) -> str:
         return self._backend.device_uuid()
+
+    # -- views -----------------------------------------------------------------------------
+    def tensor(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """1-D view over the full capacity (only the mapped prefix may be touched). The view
+        keeps the address range reserved after ``close()`` (see the module doc)."""
+        with self._lock:  # close() cannot release the reservation in between
+            self._check_open()
+            return tensor_at(
+                self._base, self._capacity, dtype, self._backend.device, self._reservation
+            )
+
+    # -- unmapping -------------------------------------------------------------------------
+    def _unmap_tail(self, books: list[Chunk], offset: int) -> list[Chunk]:
+        """Unmap the chunks of ``books`` at or beyond ``offset``, last first; each leaves
+        ``books`` once its own unmap succeeded. Stops at the first failure, so ``books`` stays a
+        contiguous prefix (the failed chunk and those below it stay, for a retry), and raises
+        :class:`UnmapError`. Returns the unmapped chunks in address order."""
+        done: list[Chunk] = []
+        while books and books[-1].offset >= offset:
+            c = books[-1]
+            try:
+                self._backend.unmap(self._base + c.offset, c.size)
+            except Exception as exc:
+                still = [k for k in books if k.offset >= offset]
+                raise UnmapError(
+                    self._unmap_failed(c, exc, still), unmapped=done[::-1], still_mapped=still
+                ) from exc
+            books.pop()
+            done.append(c)
+        return done[::-1]
+
+    def _unmap_every(self) -> None:
+        """close(): try every chunk, last first, so all the memory that can go goes now; the
+        chunks that fail stay on the books (close retries them) and one UnmapError names them."""
+        failed: list[tuple[Chunk, Exception]] = []
+        done: list[Chunk] = []
+        for c in reversed(self._chunks[:]):
+            try:
+                self._backend.unmap(self._base + c.offset, c.size)
+            except Exception as exc:
+                failed.append((c, exc))
+                continue
+            self._chunks.remove(c)
+            done.append(c)
+        if failed:
+            c, exc = failed[0]
+            still = list(self._chunks)
+            raise UnmapError(
+                self._unmap_failed(c, exc, still), unmapped=done[::-1], still_mapped=still
+            ) from exc
+
+    def _unmap_failed(self, chunk: Chunk, exc: Exception, still: list[Chunk]) -> str:
+        return (
+            f"{self._what} on {self._backend.describe()}: unmapping the chunk at offset "
+            f"{chunk.offset} ({chunk.size} bytes) failed: {exc}; chunks at offsets "
+            f"{[k.offset for k in still]} are still mapped and stay on the books "
+            f"(mapped prefix now {self._prefix_end()} bytes); a later call retries them"
+        )
+
+    # -- teardown --------------------------------------------------------------------------
+    def _close_first(self) -> list[Callable[[], None]]:
+        """Steps that run before the unmapping in ``close()``."""
+        return []
+
+    def _release_reservation(self) -> None:
+        if not self._chunks:  # else a mapping is still in it: _unmap_every raised for it
+            self._reservation.release()
+
+    def close(self) -> None:
+        """Local and idempotent: unmap every chunk, then give the reservation to its views (it
+        is freed when the last one goes, at once when there is none). Every step runs; the first
+        error is raised, and a later ``close()`` retries what failed."""
+        with self._lock:
+            if self._settled:
+                return
+            self._closed = True
+            if not driver.finalizing():
+                run_all([*self._close_first(), self._unmap_every, self._release_reservation])
+            self._settled = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RegionClosedError(f"{self._what} is closed")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class VirtualRegion(_MappedRange):
+    """Reserved VA of ``capacity_bytes`` on ``device`` with a committed prefix (see module doc)."""
+
+    _what = "VirtualRegion"
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        device: Any = None,
+        *,
+        chunk_bytes: int | None = None,
+        backend: str = "auto",
+        handle_type: str = "posix_fd",
+    ) -> None:
+        _require_positive("capacity_bytes", capacity_bytes)
+        if chunk_bytes is not None:
+            _require_positive("chunk_bytes", chunk_bytes)
+        be = make_backend(device, backend, handle_type)
+        gran = be.granularity
+        _require_granular("capacity_bytes", capacity_bytes, gran)
+        if chunk_bytes is None:
+            per = ceil_div(capacity_bytes, _DEFAULT_CHUNKS)
+            chunk_bytes = min(_round_up(per, gran), max(gran, _MAX_DEFAULT_CHUNK))
+        _require_granular("chunk_bytes", chunk_bytes, gran)
+        if chunk_bytes > capacity_bytes:
+            raise ValueError(f"chunk_bytes={chunk_bytes} exceeds capacity_bytes={capacity_bytes}")
+        self._chunk = chunk_bytes
+        super().__init__(be, capacity_bytes)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self._chunk
+
+    @property
+    def committed_bytes(self) -> int:
+        """The end of the committed (contiguous) prefix."""
+        return self._prefix_end()
 
     def memory_in_use(self) -> int:
         """Device memory in use on this region's device (0 on the host backend)."""
@@ -261,11 +364,10 @@ class VirtualRegion(_Closeable):
     # -- sizing ----------------------------------------------------------------------------
     def round_up(self, nbytes: int) -> int:
         """``nbytes`` rounded up to a whole number of chunks, capped at the capacity."""
-        return min(-(-nbytes // self._chunk) * self._chunk, self._capacity)
+        return min(_round_up(nbytes, self._chunk), self._capacity)
 
     def _target(self, op: str, nbytes: Any) -> int:
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-            raise TypeError(f"{op}: nbytes must be an int, got {type(nbytes).__name__}")
+        require_int(f"{op}: nbytes", nbytes)
         if not 0 <= nbytes <= self._capacity:
             raise ValueError(f"{op}: nbytes={nbytes} outside [0, capacity={self._capacity}]")
         if self._backend.is_capturing():
@@ -285,10 +387,7 @@ class VirtualRegion(_Closeable):
                 with self._backend.context():
                     self._commit_chunks(target, added)
             except BaseException:
-                try:  # the commit's own error is the one to raise
-                    self._unmap(added)
-                except Exception as exc:
-                    log.error("%r: rolling back a failed commit: %s", self, exc)
+                self._roll_back(added)
                 raise
             self._chunks.extend(added)
             return added
@@ -307,18 +406,28 @@ class VirtualRegion(_Closeable):
             start = added[0].offset
             self._backend.zero(self._base + start, offset - start)
 
+    def _roll_back(self, added: list[Chunk]) -> None:
+        """Unmap a failed commit's chunks. Those an unmap failure leaves mapped extend the
+        committed prefix (contiguously: ``added`` starts at its end) so a later decommit or
+        close handles them; errors are logged, the commit's own error is the one raised."""
+        try:
+            self._unmap_tail(added, 0)
+        except Exception as exc:
+            log.error("%r: rolling back a failed commit: %s", self, exc)
+        finally:
+            self._chunks.extend(added)
+
     def decommit(self, nbytes: int) -> list[Chunk]:
         """Shrink the committed prefix to ``nbytes`` rounded up to chunks; returns the dropped
-        chunks. Synchronizes the device first so no queued kernel touches what goes away."""
+        chunks in address order. Synchronizes the device first so no queued kernel touches what
+        goes away. Raises :class:`UnmapError` when an unmap fails (see the module doc)."""
         with self._lock:
             self._check_open()
             target = self._target("decommit", nbytes)
-            dropped = [c for c in self._chunks if c.offset >= target]
-            if not dropped:
+            if self.committed_bytes <= target:
                 return []
             self._backend.synchronize()
-            self._unmap(dropped)
-            return dropped
+            return self._unmap_tail(self._chunks, target)
 
     # -- sharing ---------------------------------------------------------------------------
     def export_chunk(self, chunk: Chunk) -> int:
@@ -334,58 +443,36 @@ class VirtualRegion(_Closeable):
         self._check_open()
         return PeerRegion(self._backend, self._capacity)
 
-    # -- views -----------------------------------------------------------------------------
-    def tensor(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        """1-D view over the full capacity (only the committed prefix may be touched)."""
-        self._check_open()
-        return tensor_at(self._base, self._capacity, dtype, self._backend.device)
-
     def synchronize(self) -> None:
         self._check_open()
         self._backend.synchronize()
 
     # -- teardown --------------------------------------------------------------------------
-    def close(self) -> None:
-        with self._lock:
-            if not self._closed:
-                self._teardown([self._backend.synchronize])
+    def _close_first(self) -> list[Callable[[], None]]:
+        return [self._backend.synchronize]
 
 
-class PeerRegion(_Closeable):
+class PeerRegion(_MappedRange):
     """A reservation of a peer region's capacity; the peer's chunks are mapped into it.
 
-    Local object; ``close()`` unmaps every chunk then frees the reservation (idempotent).
+    Local object; ``close()`` unmaps every chunk then gives up the reservation (idempotent).
     """
 
     _what = "PeerRegion"
 
-    def __init__(self, backend: Any, capacity_bytes: int) -> None:
-        self._backend = backend
-        self._capacity = capacity_bytes
-        self._chunks: list[Chunk] = []
-        self._lock = threading.RLock()
-        self._base = backend.reserve(capacity_bytes)
-
-    @property
-    def base_ptr(self) -> int:
-        self._check_open()
-        return self._base
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
+    def __init__(self, backend: Backend, capacity_bytes: int) -> None:
+        super().__init__(backend, capacity_bytes)
 
     @property
     def mapped_bytes(self) -> int:
-        return self._chunks[-1].offset + self._chunks[-1].size if self._chunks else 0
-
-    def chunks(self) -> list[Chunk]:
-        self._check_open()
-        return list(self._chunks)
+        """The end of the mapped (contiguous) prefix."""
+        return self._prefix_end()
 
     def map_fd(self, fd: int, chunk: Chunk) -> None:
         """Import ``fd`` and map it at ``chunk.offset``; chunks must arrive in address order.
         The fd stays the caller's to close."""
+        if not isinstance(chunk, Chunk):
+            raise TypeError(f"map_fd: chunk must be a Chunk, got {type(chunk).__name__}")
         with self._lock:
             self._check_open()
             if chunk.offset != self.mapped_bytes:
@@ -400,18 +487,9 @@ class PeerRegion(_Closeable):
             self._chunks.append(chunk)
 
     def unmap_from(self, offset: int) -> list[Chunk]:
-        """Unmap every chunk at or beyond ``offset`` (whole mappings only)."""
+        """Unmap every chunk at or beyond ``offset`` (whole mappings only); returns them in
+        address order. Raises :class:`UnmapError` when an unmap fails (see the module doc)."""
+        require_int("unmap_from: offset", offset, lo=0)
         with self._lock:
             self._check_open()
-            dropped = [c for c in self._chunks if c.offset >= offset]
-            self._unmap(dropped)
-            return dropped
-
-    def tensor(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        self._check_open()
-        return tensor_at(self._base, self._capacity, dtype, self._backend.device)
-
-    def close(self) -> None:
-        with self._lock:
-            if not self._closed:
-                self._teardown([])
+            return self._unmap_tail(self._chunks, offset)
