@@ -17,11 +17,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vmmkv.ops import reference as R
+from vmmkv.ops.formats import INDEXER_ENTRY_BYTES as IDX
+from vmmkv.ops.formats import MLA_ENTRY_BYTES as MLA
+from vmmkv.testing.kv import (
+    BLOCK_SIZE,
+    block_stride,
+    expected_replica,
+    interleaved_views,
+    layer_inputs,
+    random_bf16,
+)
 
 FLT_MIN = 2.0**-126
-BS = 64
-MLA = 656
-IDX = 132
+BS = BLOCK_SIZE
 
 # ---------------------------------------------------------------------------------------------
 # Independent scalar oracle
@@ -267,6 +275,13 @@ def test_ds_mla_rejects_inputs_that_are_not_bf16(dtype):
         )
 
 
+def test_ds_mla_and_indexer_of_zero_tokens_are_empty_with_the_entry_width():
+    none = torch.zeros(0, 512, dtype=torch.bfloat16)
+    assert R.quantize_ds_mla(none, torch.zeros(0, 64, dtype=torch.bfloat16)).shape == (0, MLA)
+    values, scales = R.quantize_indexer_k(torch.zeros(0, 128, dtype=torch.bfloat16))
+    assert values.shape == (0, 128) and scales.shape == (0,)
+
+
 def test_ds_mla_rejects_wrong_widths():
     with pytest.raises(ValueError, match=r"\[T, 512\]"):
         R.quantize_ds_mla(torch.zeros(2, 576, dtype=torch.bfloat16), torch.zeros(2, 64).bfloat16())
@@ -340,11 +355,13 @@ def test_indexer_rejects_fp16():
 POISON = 0x5C
 
 
-def _layer_interleaved(num_blocks: int, layers: int, per_block: int, extra: int = 32):
-    """A buffer of `layers` views per block, plus `extra` trailing bytes. Returns (buf, stride)."""
-    stride = layers * per_block + 16  # padding between blocks too
+def _layer_interleaved(num_blocks: int, layers: int, pad: int = 16, extra: int = 32):
+    """A poisoned buffer of the layer-interleaved layout (``vmmkv.testing.kv``) with ``pad``
+    bytes between blocks and ``extra`` trailing bytes, and its per-layer (mla, indexer) views.
+    Returns (buf, block stride, views); the stride is spelled out here, not taken from there."""
+    stride = layers * BS * (MLA + IDX) + pad
     buf = torch.full((num_blocks * stride + extra,), POISON, dtype=torch.uint8)
-    return buf, stride
+    return buf, stride, interleaved_views(buf, layers, num_blocks, block_pad=pad)
 
 
 def _slots(rng: random.Random, n: int, num_slots: int, dtype) -> list[int]:
@@ -360,9 +377,10 @@ def _slots(rng: random.Random, n: int, num_slots: int, dtype) -> list[int]:
 def test_insert_ds_mla_into_a_layer_interleaved_view(slot_dtype):
     rng = random.Random(8)
     nb, layers, layer = 4, 3, 1
-    buf, stride = _layer_interleaved(nb, layers, BS * MLA)
-    offset = layer * BS * MLA
-    view = buf.as_strided((nb, BS, MLA), (stride, MLA, 1), offset)
+    buf, stride, views = _layer_interleaved(nb, layers)
+    offset = layer * BS * (MLA + IDX)  # layer 1's MLA block, after layer 0's MLA + indexer
+    view = views[layer][0]
+    assert view.storage_offset() == offset and view.stride() == (stride, MLA, 1)
     n = 40
     kv, pe = rand_tokens(rng, n + 3, 512), rand_tokens(rng, n + 3, 64)  # longer than slots
     slots = _slots(rng, n, nb * BS, slot_dtype)
@@ -381,12 +399,11 @@ def test_insert_ds_mla_into_a_layer_interleaved_view(slot_dtype):
 def test_insert_indexer_k_uses_the_split_block_layout(shape, ue8m0):
     rng = random.Random(9)
     nb, layers, layer = 3, 2, 1
-    buf, stride = _layer_interleaved(nb, layers, BS * IDX)
-    offset = layer * BS * IDX
-    if shape == "2d":
-        view = buf.as_strided((nb, BS * IDX), (stride, 1), offset)
-    else:
-        view = buf.as_strided((nb, BS, IDX), (stride, IDX, 1), offset)
+    buf, stride, views = _layer_interleaved(nb, layers)
+    offset = layer * BS * (MLA + IDX) + BS * MLA  # layer 1's indexer block, after its MLA block
+    view = views[layer][1] if shape == "3d" else views[layer][1].flatten(1)
+    assert view.storage_offset() == offset and view.stride()[0] == stride
+    assert view.shape == ((nb, BS, IDX) if shape == "3d" else (nb, BS * IDX))
     n = 30
     k = rand_tokens(rng, n + 2, 128)
     slots = _slots(rng, n, nb * BS, torch.int64)
@@ -435,3 +452,115 @@ def test_inserters_reject_inputs_shorter_than_the_slot_mapping():
     kv, pe = torch.zeros(2, 512, dtype=torch.bfloat16), torch.zeros(2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="fewer than"):
         R.insert_ds_mla(cache, kv, pe, torch.zeros(3, dtype=torch.int64))
+
+
+# ---------------------------------------------------------------------------------------------
+# The shared input check, and the fixtures of vmmkv.testing.kv (layout, inputs, oracle) that the
+# demo, the cache tests and the example build on
+
+
+def _bits(t: torch.Tensor) -> list[list[int]]:
+    """bf16 bit patterns of a 2-D bf16 tensor, row by row."""
+    return [[v & 0xFFFF for v in row] for row in t.view(torch.int16).tolist()]
+
+
+def test_the_format_table_agrees_with_the_hand_built_entry_sizes():
+    rng = random.Random(11)
+    assert len(hand_mla_entry(rand_bf16_bits(rng, 512), rand_bf16_bits(rng, 64))) == MLA
+    values, _ = hand_indexer(rand_bf16_bits(rng, 128), ue8m0=True)
+    assert len(values) + 4 == IDX  # 128 fp8 values, one fp32 scale
+    assert block_stride(3) == 3 * BS * (MLA + IDX)
+
+
+@pytest.mark.parametrize(
+    ("t", "kw", "exc", "msg"),
+    [
+        ([[0.0] * 512], {}, TypeError, "kv_c must be a torch.Tensor, got list"),
+        (torch.zeros(2, 512, dtype=torch.float16), {}, TypeError, "kv_c is float16; only bfloat16"),
+        (torch.zeros(2, 512), {}, TypeError, "kv_c must be bfloat16, got torch.float32"),
+        (torch.zeros(2, 576).bfloat16(), {}, ValueError, r"shape \[T, 512\], got \[2, 576\]"),
+        (torch.zeros(2, 512).bfloat16(), {"tokens": 3}, ValueError, "2 tokens, fewer than .* 3"),
+        (
+            torch.zeros(512, 2).bfloat16().t(),
+            {"contiguous_rows": True},
+            ValueError,
+            r"kv_c rows must be contiguous \(stride\(1\) == 1\), got \(1, 2\)",
+        ),
+        (
+            torch.zeros(2, 512).bfloat16(),
+            {"device": torch.device("meta")},
+            ValueError,
+            "kv_c is on cpu, expected the target's device meta",
+        ),
+    ],
+)
+def test_check_store_input_names_the_tensor_what_it_got_and_what_was_expected(t, kw, exc, msg):
+    with pytest.raises(exc, match=msg):
+        R.check_store_input("kv_c", t, torch.bfloat16, 512, **kw)
+
+
+def test_check_store_input_returns_a_valid_tensor_and_checks_other_dtypes_too():
+    t = torch.zeros(4, 100, dtype=torch.uint8)
+    assert R.check_store_input("rows", t, torch.uint8, 100, tokens=4, contiguous_rows=True) is t
+    with pytest.raises(TypeError, match="rows must be uint8, got torch.int8"):
+        R.check_store_input("rows", t.view(torch.int8), torch.uint8, 100)
+
+
+def test_interleaved_views_lay_each_block_out_layer_by_layer_mla_then_indexer():
+    nb, layers = 3, 2
+    stride = layers * BS * (MLA + IDX)
+    buf = torch.zeros(nb * stride, dtype=torch.uint8)
+    for layer, (mla, idx) in enumerate(interleaved_views(buf, layers, nb)):
+        assert mla.shape == (nb, BS, MLA) and idx.shape == (nb, BS, IDX)
+        mla.fill_(2 * layer + 1)
+        idx.fill_(2 * layer + 2)
+    want = bytearray()
+    for _ in range(nb):
+        for layer in range(layers):
+            want += bytes([2 * layer + 1]) * (BS * MLA) + bytes([2 * layer + 2]) * (BS * IDX)
+    assert bytes(buf.tolist()) == bytes(want)  # every byte covered once, in this order
+
+
+def test_interleaved_views_refuse_a_buffer_too_small_for_the_blocks():
+    stride = BS * (MLA + IDX)
+    with pytest.raises(ValueError, match=f"need {2 * stride + 8}"):
+        interleaved_views(torch.zeros(2 * stride, dtype=torch.uint8), 1, 2, offset=8)
+
+
+def test_random_inputs_are_deterministic_non_zero_bf16_of_the_format_widths():
+    kv_c, k_pe, k = layer_inputs(5, 7)
+    assert [tuple(x.shape) for x in (kv_c, k_pe, k)] == [(7, 512), (7, 64), (7, 128)]
+    assert all(x.dtype == torch.bfloat16 and bool((x != 0).all()) for x in (kv_c, k_pe, k))
+    assert all(map(torch.equal, layer_inputs(5, 7), (kv_c, k_pe, k)))
+    assert not torch.equal(layer_inputs(6, 7)[0], kv_c)
+    row_amax = random_bf16(1, 16, 128).float().abs().amax(dim=1)
+    assert row_amax.unique().numel() == 16  # every row its own scale
+
+
+def test_the_oracle_writes_every_batch_into_every_layer_and_skips_uncommitted_blocks():
+    nb, layers, committed = 3, 2, 2
+    stride = layers * BS * (MLA + IDX)
+    before = torch.randint(1, 256, (nb * stride,), generator=torch.Generator().manual_seed(3))
+    before = before.to(torch.uint8)
+    kept = before.clone()
+    batch1 = (*layer_inputs(1, 3), torch.tensor([5, 2 * BS + 2, -1]))  # block 2 is uncommitted
+    batch2 = (*layer_inputs(2, 1), torch.tensor([BS + 6], dtype=torch.int32))
+    got = expected_replica(
+        before, [batch1, batch2], layers=layers, num_blocks=nb, committed_blocks=committed
+    )
+    assert torch.equal(before, kept)  # the input is not modified
+    want = bytearray(bytes(before.tolist()))
+    for kv_c, k_pe, k, slots in (batch1, batch2):
+        for i, s in enumerate(slots.tolist()):
+            if not 0 <= s < committed * BS:
+                continue
+            block, o = divmod(s, BS)
+            entry = hand_mla_entry(_bits(kv_c)[i], _bits(k_pe)[i])
+            values, scale = hand_indexer(_bits(k)[i], ue8m0=True)
+            for layer in range(layers):
+                base = block * stride + layer * BS * (MLA + IDX)
+                want[base + o * MLA : base + (o + 1) * MLA] = entry
+                ib = base + BS * MLA
+                want[ib + o * 128 : ib + (o + 1) * 128] = values
+                want[ib + BS * 128 + 4 * o : ib + BS * 128 + 4 * o + 4] = struct.pack("<f", scale)
+    assert bytes(got.tolist()) == bytes(want)

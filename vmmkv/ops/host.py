@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from .._util import require_int
 from ..alloc.dlpack import tensor_at
 from . import reference as ref
+from .formats import INDEXER_ENTRY_BYTES, get_format
 from .kv import KVTarget
 
 __all__ = ["publish_rows", "store_ds_mla", "store_indexer_k", "store_layer"]
@@ -28,11 +30,22 @@ def _check(target: KVTarget, kind: str) -> None:
         raise ValueError(f"host stores take CPU targets, got {target.device}")
 
 
-def _valid_slots(target: KVTarget, slot_mapping: torch.Tensor, nlo: int) -> torch.Tensor:
-    """int64 slots with out-of-range / uncommitted ones set to -1 and counted."""
-    slots = ref._slots(slot_mapping).clone()
-    if isinstance(nlo, bool) or not isinstance(nlo, int) or not 0 <= nlo <= slots.numel():
-        raise ValueError(f"num_local_only must be an int in [0, {slots.numel()}], got {nlo!r}")
+def _validate(target: KVTarget, kind: str, slot_mapping, nlo, *inputs) -> torch.Tensor:
+    """Every argument checked before anything is counted or written: the target's kind and
+    device, the slots, ``num_local_only`` and the inputs as ``vmmkv.ops.formats`` lists them.
+    Returns the slots as a fresh int64 tensor."""
+    _check(target, kind)
+    slots = ref.check_slot_mapping(slot_mapping).long().clone()
+    n = slots.numel()
+    require_int("num_local_only", nlo, 0, n)
+    for t, (name, dtype, width) in zip(inputs, get_format(kind).inputs, strict=True):
+        width = target.entry_bytes if width is None else width
+        ref.check_store_input(name, t, dtype, width, tokens=n)
+    return slots
+
+
+def _skip_invalid(target: KVTarget, slots: torch.Tensor) -> torch.Tensor:
+    """``slots`` with out-of-range / uncommitted ones set to -1 and counted in the target."""
     blocks = torch.div(slots, target.block_size, rounding_mode="floor")
     end = target.offset_bytes + blocks * target.block_stride + target.block_extent
     committed = int(target.committed_bytes.item())
@@ -42,13 +55,17 @@ def _valid_slots(target: KVTarget, slot_mapping: torch.Tensor, nlo: int) -> torc
     return slots
 
 
+def _checked(target: KVTarget, kind: str, slot_mapping, nlo, *inputs) -> torch.Tensor:
+    return _skip_invalid(target, _validate(target, kind, slot_mapping, nlo, *inputs))
+
+
 def _view(target: KVTarget, base: int) -> torch.Tensor:
     """The layer view ``[num_blocks, block_size, entry]`` inside the region at ``base``."""
     nb, bs = target.num_blocks, target.block_size
     span = (nb - 1) * target.block_stride + target.block_extent if nb else 1
     flat = tensor_at(base + target.offset_bytes, span, torch.uint8, torch.device("cpu"))
     if target.kind == "indexer_k":
-        return flat.as_strided((nb, bs * ref.INDEXER_ENTRY_BYTES), (target.block_stride, 1))
+        return flat.as_strided((nb, bs * INDEXER_ENTRY_BYTES), (target.block_stride, 1))
     return flat.as_strided(
         (nb, bs, target.entry_bytes), (target.block_stride, target.entry_stride, 1)
     )
@@ -62,33 +79,28 @@ def _each_destination(target: KVTarget, slots: torch.Tensor, nlo: int):
 
 
 def publish_rows(target, rows, slot_mapping, *, num_local_only=0) -> None:
-    _check(target, "rows")
-    slots = _valid_slots(target, slot_mapping, num_local_only)
+    slots = _checked(target, "rows", slot_mapping, num_local_only, rows)
     n = slots.numel()
     for view, sel in _each_destination(target, slots, num_local_only):
         ref.insert_rows(view, rows[:n][sel], slots[sel])
 
 
 def store_ds_mla(target, kv_c, k_pe, slot_mapping, *, num_local_only=0) -> None:
-    _check(target, "fp8_ds_mla")
-    slots = _valid_slots(target, slot_mapping, num_local_only)
+    slots = _checked(target, "fp8_ds_mla", slot_mapping, num_local_only, kv_c, k_pe)
     n = slots.numel()
-    ref._check_tokens("kv_c", kv_c, n)
-    ref._check_tokens("k_pe", k_pe, n)
     rows = ref.quantize_ds_mla(kv_c[:n], k_pe[:n])
     for view, sel in _each_destination(target, slots, num_local_only):
         ref.insert_rows(view, rows[sel], slots[sel])
 
 
 def store_indexer_k(target, k, slot_mapping, *, num_local_only=0, ue8m0=True) -> None:
-    _check(target, "indexer_k")
-    slots = _valid_slots(target, slot_mapping, num_local_only)
+    slots = _checked(target, "indexer_k", slot_mapping, num_local_only, k)
     n = slots.numel()
-    ref._check_tokens("k", k, n)
     for view, sel in _each_destination(target, slots, num_local_only):
         ref.insert_indexer_k(view, k[:n][sel], slots[sel], ue8m0)
 
 
 def store_layer(mla, idx, kv_c, k_pe, k, slot_mapping, *, num_local_only=0, ue8m0=True) -> None:
+    _validate(idx, "indexer_k", slot_mapping, num_local_only, k)  # nothing written if k is bad
     store_ds_mla(mla, kv_c, k_pe, slot_mapping, num_local_only=num_local_only)
     store_indexer_k(idx, k, slot_mapping, num_local_only=num_local_only, ue8m0=ue8m0)

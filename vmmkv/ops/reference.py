@@ -1,4 +1,4 @@
-"""Pure-torch reference of the KV byte formats (DESIGN.md, "KV byte formats").
+"""Pure-torch reference of the KV byte formats (docs/design.md, "KV byte formats").
 
 This is the oracle of the GPU tests and the store path of the host backend, so it reproduces the
 CUDA kernels bit for bit, on any device (CPU or CUDA tensors):
@@ -12,6 +12,10 @@ CUDA kernels bit for bit, on any device (CPU or CUDA tensors):
 - amax ignores NaN like the kernels' ``fmaxf`` reduction; an inf input gives an inf scale, so
   its tile holds 0x7f (inf/inf) for the inf and signed zeros elsewhere, as on the GPU.
 - fp16 inputs are rejected (TypeError): only bf16 is specified.
+
+The format facts (entry bytes, widths, tile) come from ``vmmkv.ops.formats``; the old names
+(``MLA_ENTRY_BYTES``...) are re-exported here. ``check_store_input`` and ``check_slot_mapping``
+are the input checks every store path shares (reference, host stores, kernel wrappers, cache).
 
 Inserters write into a cache view exactly as the kernels do and return how many tokens were
 skipped for being out of range (slot >= num_blocks * block_size); slot < 0 is padding, skipped
@@ -28,6 +32,15 @@ import sys
 
 import torch
 
+from .formats import (
+    INDEXER_DIM,
+    INDEXER_ENTRY_BYTES,
+    MLA_ENTRY_BYTES,
+    MLA_KV_DIM,
+    MLA_ROPE_DIM,
+    MLA_TILE,
+)
+
 __all__ = [
     "FP8_MAX",
     "INDEXER_AMAX_FLOOR",
@@ -36,6 +49,9 @@ __all__ = [
     "MLA_ENTRY_BYTES",
     "MLA_KV_DIM",
     "MLA_ROPE_DIM",
+    "MLA_TILE",
+    "check_slot_mapping",
+    "check_store_input",
     "e4m3_satfinite",
     "indexer_scale",
     "insert_ds_mla",
@@ -49,12 +65,6 @@ __all__ = [
 if sys.byteorder != "little":  # pragma: no cover - the formats are little-endian on every GPU host
     raise ImportError("vmmkv.ops.reference assumes a little-endian host")
 
-MLA_KV_DIM = 512
-MLA_ROPE_DIM = 64
-MLA_TILE = 128
-MLA_ENTRY_BYTES = MLA_KV_DIM + 4 * (MLA_KV_DIM // MLA_TILE) + 2 * MLA_ROPE_DIM  # 656
-INDEXER_DIM = 128
-INDEXER_ENTRY_BYTES = INDEXER_DIM + 4  # 132, split inside the block
 FP8_MAX = 448.0
 FLT_MIN = 2.0**-126
 # The float nearest to 1e-4 (0x38d1b717): vLLM writes fmaxf(amax, 1e-4), the double literal
@@ -62,15 +72,50 @@ FLT_MIN = 2.0**-126
 INDEXER_AMAX_FLOOR = struct.unpack("<f", struct.pack("<I", 0x38D1B717))[0]
 
 
-def _check_bf16(name: str, t: torch.Tensor, dim: int) -> None:
+def check_store_input(
+    name: str,
+    t: object,
+    dtype: torch.dtype,
+    width: int,
+    *,
+    tokens: int = 0,
+    contiguous_rows: bool = False,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """The one check of a store's input tensor: a ``torch.Tensor`` ``[T, width]`` of ``dtype``
+    with ``T >= tokens``, rows contiguous where ``contiguous_rows`` (the kernels read rows as
+    vectors), on ``device`` (the target's) when given. Returns ``t``. TypeError for the type or
+    dtype (float16 named: only bfloat16 is specified), ValueError for shape, count, strides or
+    device, each with the value got and the one expected. Reads no data (safe on fake tensors).
+    """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype == torch.float16:
-        raise TypeError(f"{name} is float16; only bfloat16 is supported (got {t.dtype})")
-    if t.dtype != torch.bfloat16:
-        raise TypeError(f"{name} must be bfloat16, got {t.dtype}")
-    if t.dim() != 2 or t.shape[1] != dim:
-        raise ValueError(f"{name} must have shape [T, {dim}], got {list(t.shape)}")
+    if t.dtype != dtype:
+        want = str(dtype).removeprefix("torch.")
+        if dtype == torch.bfloat16 and t.dtype == torch.float16:
+            raise TypeError(f"{name} is float16; only bfloat16 inputs are supported")
+        raise TypeError(f"{name} must be {want}, got {t.dtype}")
+    if t.dim() != 2 or t.shape[1] != width:
+        raise ValueError(f"{name} must have shape [T, {width}], got {list(t.shape)}")
+    if t.shape[0] < tokens:
+        raise ValueError(f"{name} has {t.shape[0]} tokens, fewer than slot_mapping's {tokens}")
+    if contiguous_rows and t.stride(1) != 1:
+        raise ValueError(f"{name} rows must be contiguous (stride(1) == 1), got {t.stride()}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected the target's device {device}")
+    return t
+
+
+def check_slot_mapping(slot_mapping: object) -> torch.Tensor:
+    """``slot_mapping`` if it is a 1-D int32 or int64 tensor (TypeError / ValueError otherwise);
+    reads no data."""
+    if not isinstance(slot_mapping, torch.Tensor):
+        raise TypeError(f"slot_mapping must be a torch.Tensor, got {type(slot_mapping).__name__}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    if slot_mapping.dim() != 1:
+        raise ValueError(f"slot_mapping must be 1-D, got shape {list(slot_mapping.shape)}")
+    return slot_mapping
 
 
 def _full(like: torch.Tensor, value: float) -> torch.Tensor:
@@ -92,8 +137,8 @@ def e4m3_satfinite(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     """bf16 ``kv_c [T, 512]`` and ``k_pe [T, 64]`` -> uint8 ``[T, 656]`` fp8_ds_mla entries."""
-    _check_bf16("kv_c", kv_c, MLA_KV_DIM)
-    _check_bf16("k_pe", k_pe, MLA_ROPE_DIM)
+    check_store_input("kv_c", kv_c, torch.bfloat16, MLA_KV_DIM)
+    check_store_input("k_pe", k_pe, torch.bfloat16, MLA_ROPE_DIM)
     if kv_c.shape[0] != k_pe.shape[0] or kv_c.device != k_pe.device:
         raise ValueError(
             f"kv_c and k_pe must have the same token count and device, got "
@@ -104,7 +149,8 @@ def quantize_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     amax = _abs_ignoring_nan(x).amax(dim=-1)  # [T, 4]
     scale = torch.maximum(amax / _full(amax, FP8_MAX), _full(amax, FLT_MIN))
     values = e4m3_satfinite(x / scale.unsqueeze(-1)).reshape(t, MLA_KV_DIM)
-    scale_bytes = scale.contiguous().view(torch.uint8).reshape(t, 16)  # little-endian fp32
+    # one little-endian fp32 scale per tile
+    scale_bytes = scale.contiguous().view(torch.uint8).reshape(t, 4 * (MLA_KV_DIM // MLA_TILE))
     rope_bytes = k_pe.contiguous().view(torch.uint8).reshape(t, 2 * MLA_ROPE_DIM)
     return torch.cat([values, scale_bytes, rope_bytes], dim=1)
 
@@ -136,7 +182,7 @@ def indexer_scale(amax: torch.Tensor, ue8m0: bool = True) -> torch.Tensor:
 
 def quantize_indexer_k(k: torch.Tensor, ue8m0: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 ``k [T, 128]`` -> (uint8 values ``[T, 128]``, float32 scales ``[T]``)."""
-    _check_bf16("k", k, INDEXER_DIM)
+    check_store_input("k", k, torch.bfloat16, INDEXER_DIM)
     x = k.float()
     scale = indexer_scale(_abs_ignoring_nan(x).amax(dim=-1), ue8m0)
     return e4m3_satfinite(x / scale.unsqueeze(-1)), scale
@@ -144,21 +190,6 @@ def quantize_indexer_k(k: torch.Tensor, ue8m0: bool = True) -> tuple[torch.Tenso
 
 # ---------------------------------------------------------------------------------------------
 # Inserters
-
-
-def _slots(slot_mapping: torch.Tensor) -> torch.Tensor:
-    if not isinstance(slot_mapping, torch.Tensor):
-        raise TypeError(f"slot_mapping must be a torch.Tensor, got {type(slot_mapping).__name__}")
-    if slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
-    if slot_mapping.dim() != 1:
-        raise ValueError(f"slot_mapping must be 1-D, got shape {list(slot_mapping.shape)}")
-    return slot_mapping.long()
-
-
-def _check_tokens(name: str, t: torch.Tensor, n: int) -> None:
-    if t.shape[0] < n:
-        raise ValueError(f"{name} has {t.shape[0]} tokens, fewer than slot_mapping's {n}")
 
 
 def _check_cache(cache: torch.Tensor, row_bytes: int | None) -> None:
@@ -186,14 +217,10 @@ def _scatter(
 
 def insert_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> int:
     """Copy formatted ``rows [T', row_bytes]`` (uint8) to ``cache[block, offset]``."""
-    slots = _slots(slot_mapping)
+    slots = check_slot_mapping(slot_mapping).long()
     _check_cache(cache, None)
-    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != cache.shape[2]:
-        raise ValueError(
-            f"rows must be uint8 [T, {cache.shape[2]}], got {rows.dtype} {list(rows.shape)}"
-        )
     n = slots.numel()
-    _check_tokens("rows", rows, n)
+    check_store_input("rows", rows, torch.uint8, cache.shape[2], tokens=n)
     return _scatter(cache, rows[:n], slots.to(cache.device), cache.shape[1])
 
 
@@ -202,11 +229,11 @@ def insert_ds_mla(
 ) -> int:
     """Quantize and insert into an fp8_ds_mla view ``[num_blocks, block_size, 656]`` (any
     strides, e.g. one layer of a layer-interleaved buffer)."""
-    slots = _slots(slot_mapping)
+    slots = check_slot_mapping(slot_mapping).long()
     _check_cache(cache, MLA_ENTRY_BYTES)
     n = slots.numel()
-    _check_tokens("kv_c", kv_c, n)
-    _check_tokens("k_pe", k_pe, n)
+    check_store_input("kv_c", kv_c, torch.bfloat16, MLA_KV_DIM, tokens=n)
+    check_store_input("k_pe", k_pe, torch.bfloat16, MLA_ROPE_DIM, tokens=n)
     rows = quantize_ds_mla(kv_c[:n], k_pe[:n])
     return _scatter(cache, rows, slots.to(cache.device), cache.shape[1])
 
@@ -217,7 +244,8 @@ def _indexer_block_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     if cache.dim() == 3:
         if cache.shape[2] != INDEXER_ENTRY_BYTES:
             raise ValueError(
-                f"indexer cache must be [num_blocks, block_size, 132], got {list(cache.shape)}"
+                f"indexer cache must be [num_blocks, block_size, {INDEXER_ENTRY_BYTES}], "
+                f"got {list(cache.shape)}"
             )
         block_size = cache.shape[1]
         if cache.stride(2) != 1 or cache.stride(1) != INDEXER_ENTRY_BYTES:
@@ -230,7 +258,8 @@ def _indexer_block_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     elif cache.dim() == 2:
         if cache.shape[1] % INDEXER_ENTRY_BYTES or cache.stride(1) != 1:
             raise ValueError(
-                f"indexer cache must be [num_blocks, block_size*132] with contiguous blocks, "
+                f"indexer cache must be [num_blocks, block_size*{INDEXER_ENTRY_BYTES}] with "
+                f"contiguous blocks, "
                 f"got shape {list(cache.shape)} strides {list(cache.stride())}"
             )
         block_size = cache.shape[1] // INDEXER_ENTRY_BYTES
@@ -250,10 +279,10 @@ def insert_indexer_k(
     """Quantize and insert into an Indexer-K view: ``[num_blocks, block_size*132]`` or
     ``[num_blocks, block_size, 132]`` whose blocks hold ``block_size*128`` fp8 values (token o at
     ``o*128``) followed by ``block_size`` fp32 scales (token o at ``block_size*128 + 4*o``)."""
-    slots = _slots(slot_mapping)
+    slots = check_slot_mapping(slot_mapping).long()
     values_view, scales_view, block_size = _indexer_block_views(cache)
     n = slots.numel()
-    _check_tokens("k", k, n)
+    check_store_input("k", k, torch.bfloat16, INDEXER_DIM, tokens=n)
     values, scale = quantize_indexer_k(k[:n], ue8m0)
     slots = slots.to(cache.device)
     skipped = _scatter(values_view, values, slots, block_size)
