@@ -133,7 +133,8 @@ def _drive(cache, rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]
     def poison_and_oracle(step, blocks, salt):
         """Poison the committed part of the own replica; the oracle of every rank's step."""
         g = torch.Generator().manual_seed(rank * 31 + salt)
-        n = cache.committed_bytes - (buf.data_ptr() - cache.region.region.base_ptr)
+        own = cache.region.view(cache.rank)  # the whole own region, from its base
+        n = cache.committed_bytes - (buf.data_ptr() - own.data_ptr())
         n = min(n, buf.numel())
         poison = torch.randint(1, 256, (buf.numel(),), generator=g, dtype=torch.uint8)
         buf[:n].copy_(poison[:n].to(dev))
