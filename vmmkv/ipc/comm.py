@@ -219,6 +219,19 @@ class StoreComm:
         self._leftover = []
         return [v for _, v in entries]
 
+    def pending_abort(self) -> str:
+        """'' unless the next step was already aborted by some rank (e.g. while this rank was
+        busy in an fd exchange); then who aborted it and why. Local, one store lookup."""
+        key = self._key(self._step, "outcome")
+        if not self._check([key], "pending abort"):
+            return ""
+        outcome = self._get_all([key], "pending abort")[0]
+        if not outcome.startswith(_ABORT):
+            return ""
+        record = json.loads(outcome[len(_ABORT) :])
+        why = record.get("why") or f"ranks {record.get('missing')} did not arrive"
+        return f"rank {record['by']} aborted the step: {why}"
+
     def barrier(self, what: str, *, timeout: float | None = None) -> None:
         self.all_gather(None, what, timeout=timeout)
 

@@ -55,13 +55,14 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
 __all__ = ["FdExchangeError", "PROTOCOL_VERSION", "exchange_fds", "socket_name"]
 
 _log = logging.getLogger(__name__)
+_CANCEL_POLL_S = 0.02
 
 PROTOCOL_VERSION = 1
 FDS_PER_BATCH = 250
@@ -115,12 +116,15 @@ def exchange_fds(
     expect_from: Iterable[int],
     pids: Sequence[int],
     timeout: float,
+    cancel: Callable[[], str] | None = None,
 ) -> dict[int, tuple[bytes, list[int]]]:
     """Send ``outgoing[p] = (payload, fds)`` to every peer ``p`` and receive one message from
     every rank in ``expect_from``; return ``{sender: (payload, fds)}`` for every expected rank.
 
     ``pids[r]`` is the pid of rank ``r`` (``pids[rank]`` must be this process). ``timeout``
-    (seconds, > 0) bounds the whole call. Raises ``FdExchangeError`` on timeout, refusal or a
+    (seconds, > 0) bounds the whole call. ``cancel``: polled every ~20 ms while waiting; a
+    non-empty string it returns ends the exchange at once with ``FdExchangeError`` (e.g. a
+    peer already gave up the step this exchange belongs to). Raises ``FdExchangeError`` on timeout, refusal or a
     local socket failure; ``ValueError``/``TypeError`` on bad input before any socket exists;
     ``RuntimeError`` off Linux. See the module docstring for ownership and the wire format.
     """
@@ -135,7 +139,9 @@ def exchange_fds(
     messages = _check_outgoing(outgoing, rank, len(pids))
     expect = _check_expect_from(expect_from, rank, len(pids))
     timeout = _check_timeout(timeout)
-    return _Exchange(rank, nonce, messages, expect, pids, timeout).run()
+    if cancel is not None and not callable(cancel):
+        raise TypeError(f"cancel must be callable or None, got {type(cancel).__name__}")
+    return _Exchange(rank, nonce, messages, expect, pids, timeout, cancel).run()
 
 
 # ----------------------------------------------------------------------------- validation
@@ -334,8 +340,11 @@ class _Exchange:
         expect: frozenset[int],
         pids: tuple[int, ...],
         timeout: float,
+        cancel: Callable[[], str] | None = None,
     ) -> None:
         self.rank = rank
+        self.cancel = cancel
+        self.next_cancel_check = 0.0
         self.nonce = nonce
         self.nonce_bytes = nonce.encode("ascii")
         self.expect = expect
@@ -368,6 +377,11 @@ class _Exchange:
                 now = time.monotonic()
                 if now >= self.deadline:
                     raise self._error(f"timed out after {self.timeout:g}s")
+                if self.cancel is not None and now >= self.next_cancel_check:
+                    self.next_cancel_check = now + _CANCEL_POLL_S
+                    reason = self.cancel()
+                    if reason:
+                        raise self._error(f"cancelled ({reason})")
                 self._start_due(now)
                 wake = min(
                     [self.deadline]
@@ -377,6 +391,8 @@ class _Exchange:
                         if out.state == "connect" or out.paused
                     ]
                 )
+                if self.cancel is not None:
+                    wake = min(wake, self.next_cancel_check)
                 for key, _mask in self.sel.select(max(0.0, wake - time.monotonic())):
                     key.data()
             if any(out.state == "failed" for out in self.outgoing.values()):

@@ -406,6 +406,7 @@ def _exchange_and_map(
                 expect_from=others,
                 pids=pids,
                 timeout=comm.timeout,
+                cancel=comm.pending_abort,  # a peer that gave up releases us at once
             )
         finally:
             for fd in fds:
