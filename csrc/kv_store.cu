@@ -5,6 +5,9 @@
 // Host-side contract (checked by vmmkv/ops/kv.py before launch): bf16 inputs with unit inner
 // stride, 16-byte aligned rows for kv_c / k_pe and 8-byte aligned rows for k, 16-byte aligned
 // ds_mla views and 4-byte aligned indexer views in every region.
+// The `*_barrier` kernels store like their plain twins, then run the barrier of barrier.cuh in
+// the same launch (the last CTA to finish, after every CTA released its stores).
+#include "barrier.cuh"
 #include "vmmkv_common.cuh"
 
 using namespace vmmkv;
@@ -100,6 +103,31 @@ __device__ __forceinline__ void indexer_token(const KVDest& dst, const u16* __re
     }
 }
 
+// rows: the warp copies row i (row_bytes) to the token's entry in every destination.
+__device__ __forceinline__ void rows_token(const KVDest& dst, const u8* __restrict__ rows,
+                                           i64 row_stride, i64 row_bytes, i64 i, i64 slot,
+                                           i64 num_local_only, int vec16, int lane) {
+    int o = 0;
+    const i64 block_off = dest_block_offset(dst, slot, lane == 0, &o);
+    if (block_off < 0) return;
+    int first, end;
+    dest_range(dst, i, num_local_only, &first, &end);
+    const u8* src = rows + i * row_stride;
+    const i64 entry_off = block_off + (i64)o * dst.entry_stride;
+    if (vec16) {
+        for (i64 c = lane; c < row_bytes / 16; c += 32) {
+            const uint4 v = reinterpret_cast<const uint4*>(src)[c];
+            for (int r = first; r < end; ++r)
+                reinterpret_cast<uint4*>(region_base(dst, r) + entry_off)[c] = v;
+        }
+    } else {
+        for (i64 c = lane; c < row_bytes; c += 32) {
+            const u8 v = src[c];
+            for (int r = first; r < end; ++r) (region_base(dst, r) + entry_off)[c] = v;
+        }
+    }
+}
+
 struct TokenLoop {
     i64 first, step;
     int lane;
@@ -158,24 +186,63 @@ vmmkv_publish_rows(KVDest dst, const u8* __restrict__ rows, i64 row_stride, i64 
     const TokenLoop t;
     for (i64 i = t.first; i < num_tokens; i += t.step) {
         const i64 slot = load_slot(slots, slots_is_64, i);
-        int o = 0;
-        const i64 block_off = dest_block_offset(dst, slot, t.lane == 0, &o);
-        if (block_off < 0) continue;
-        int first, end;
-        dest_range(dst, i, num_local_only, &first, &end);
-        const u8* src = rows + i * row_stride;
-        const i64 entry_off = block_off + (i64)o * dst.entry_stride;
-        if (vec16) {
-            for (i64 c = t.lane; c < row_bytes / 16; c += 32) {
-                const uint4 v = reinterpret_cast<const uint4*>(src)[c];
-                for (int r = first; r < end; ++r)
-                    reinterpret_cast<uint4*>(region_base(dst, r) + entry_off)[c] = v;
-            }
-        } else {
-            for (i64 c = t.lane; c < row_bytes; c += 32) {
-                const u8 v = src[c];
-                for (int r = first; r < end; ++r) (region_base(dst, r) + entry_off)[c] = v;
-            }
-        }
+        rows_token(dst, rows, row_stride, row_bytes, i, slot, num_local_only, vec16, t.lane);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One launch per layer: the stores above, then the barrier (barrier.cuh, same epochs and lanes
+// as vmmkv_barrier). Any grid size >= 1, 256 threads; a launch with num_tokens == 0 still runs
+// the barrier.
+
+extern "C" __global__ void __launch_bounds__(256)
+vmmkv_store_ds_mla_barrier(KVDest dst, const u16* __restrict__ kv_c, i64 kv_c_stride,
+                           const u16* __restrict__ k_pe, i64 k_pe_stride,
+                           const void* __restrict__ slots, int slots_is_64, i64 num_tokens,
+                           i64 num_local_only, BarrierArgs bar) {
+    const TokenLoop t;
+    for (i64 i = t.first; i < num_tokens; i += t.step) {
+        const i64 slot = load_slot(slots, slots_is_64, i);
+        mla_token(dst, kv_c, kv_c_stride, k_pe, k_pe_stride, i, slot, num_local_only, t.lane);
+    }
+    arrive_then_barrier(bar);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+vmmkv_store_indexer_k_barrier(KVDest dst, const u16* __restrict__ k, i64 k_stride,
+                              const void* __restrict__ slots, int slots_is_64, i64 num_tokens,
+                              i64 num_local_only, int ue8m0, BarrierArgs bar) {
+    const TokenLoop t;
+    for (i64 i = t.first; i < num_tokens; i += t.step) {
+        const i64 slot = load_slot(slots, slots_is_64, i);
+        indexer_token(dst, k, k_stride, i, slot, num_local_only, ue8m0, t.lane);
+    }
+    arrive_then_barrier(bar);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+vmmkv_store_layer_barrier(KVDest mla, KVDest idx, const u16* __restrict__ kv_c, i64 kv_c_stride,
+                          const u16* __restrict__ k_pe, i64 k_pe_stride,
+                          const u16* __restrict__ k, i64 k_stride,
+                          const void* __restrict__ slots, int slots_is_64, i64 num_tokens,
+                          i64 num_local_only, int ue8m0, BarrierArgs bar) {
+    const TokenLoop t;
+    for (i64 i = t.first; i < num_tokens; i += t.step) {
+        const i64 slot = load_slot(slots, slots_is_64, i);
+        mla_token(mla, kv_c, kv_c_stride, k_pe, k_pe_stride, i, slot, num_local_only, t.lane);
+        indexer_token(idx, k, k_stride, i, slot, num_local_only, ue8m0, t.lane);
+    }
+    arrive_then_barrier(bar);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+vmmkv_publish_rows_barrier(KVDest dst, const u8* __restrict__ rows, i64 row_stride,
+                           i64 row_bytes, const void* __restrict__ slots, int slots_is_64,
+                           i64 num_tokens, i64 num_local_only, int vec16, BarrierArgs bar) {
+    const TokenLoop t;
+    for (i64 i = t.first; i < num_tokens; i += t.step) {
+        const i64 slot = load_slot(slots, slots_is_64, i);
+        rows_token(dst, rows, row_stride, row_bytes, i, slot, num_local_only, vec16, t.lane);
+    }
+    arrive_then_barrier(bar);
 }

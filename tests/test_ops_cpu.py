@@ -4,12 +4,14 @@ cleanup of a failed ``load_module``, the custom ops' mutation schemas and their 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 import vmmkv.ops  # noqa: F401  (registers the custom ops)
 from vmmkv.alloc import driver
-from vmmkv.ops import build
+from vmmkv.ops import build, launch
 from vmmkv.ops.kv import KVTarget
 
 
@@ -158,3 +160,246 @@ def test_load_module_keeps_everything_loaded_when_all_succeed(fake_load):
     assert all(loaded.functions[f] == f"fn:{f}" for fs in build.KERNELS.values() for f in fs)
     assert build.load_module(7) is loaded  # cached, no second load
     assert fake.loaded == list(build.KERNELS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel parameter layouts: the host packing of every entry point matches the compiled kernel
+
+_PTX_PARAM = re.compile(r"\.param\s+(?:\.align\s+\d+\s+)?\.(\w+)\s+\w+?_param_\d+(?:\[(\d+)\])?")
+_CODE_SIZE = {"Q": 8, "q": 8, "i": 4, "D": 80, "B": 56}
+
+
+def _ptx_param_sizes(ptx: str, entry: str) -> list[int]:
+    m = re.search(rf"\.entry {entry}\(\s*(.*?)\)", ptx, re.S)
+    if m is None:
+        m = re.search(rf"\.entry {entry}\(\)", ptx)
+        assert m is not None, f"{entry} not in the PTX"
+        return []
+    sizes = []
+    for kind, count in _PTX_PARAM.findall(m.group(1)):
+        sizes.append(int(count) if count else int(kind[1:]) // 8)
+    return sizes
+
+
+def test_every_kernel_layout_matches_the_compiled_parameter_list():
+    kernels = [k for k in vars(launch).values() if isinstance(k, launch.Kernel)]
+    entries = {e for es in build.KERNELS.values() for e in es}
+    assert {k.name for k in kernels} == entries  # every entry point has exactly one layout
+    ptx = {name: build.compile_ptx(name, "sm_90") for name in build.KERNELS}
+    for k in kernels:
+        (source,) = [n for n, es in build.KERNELS.items() if k.name in es]
+        want = [_CODE_SIZE[c] for c in k.layout]
+        assert _ptx_param_sizes(ptx[source], k.name) == want, k.name
+
+
+def test_barrier_args_layout_matches_the_device_struct():
+    fields = ["sig_table", "epochs", "arrivals", "diag", "timeout_ns", "lane", "rank", "world",
+              "reserved"]  # fmt: skip
+    sizes = [8] * 5 + [4] * 4
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    assert launch.BARRIER_ARGS.size == sum(sizes) == 56
+    checks = "\n".join(
+        f'static_assert(__builtin_offsetof(vmmkv::BarrierArgs, {f}) == {o}, "{f}");'
+        for f, o in zip(fields, offsets, strict=True)
+    )
+    _, headers = build.read_source("kv_store.cu")
+    source = '#include "barrier.cuh"\n' + checks + "\n"
+    build._nvrtc_compile("layout.cu", source, headers, build.compile_options("sm_90", None))
+
+
+def test_the_fused_kernels_release_their_stores_before_arriving_and_run_the_barrier():
+    ptx = build.compile_ptx("kv_store.cu", "sm_90")
+    for entry in build.KERNELS["kv_store.cu"]:
+        body = re.search(rf"\.entry {entry}\((.*?)\n}}\n", ptx, re.S).group(1)
+        fused = entry.endswith("_barrier")
+        for op in ("fence.acq_rel.sys", "st.release.sys.global", "ld.acquire.sys.global",
+                   "%globaltimer", "trap"):  # fmt: skip
+            assert (op in body) == fused, (entry, op)
+        if fused:  # the release fence comes before the arrival count, the signals after it
+            fence = body.index("fence.acq_rel.sys")
+            arrive = body.index("atom.global.add.u32", fence)
+            assert arrive < body.index("st.release.sys.global"), entry
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops: schemas and torch.compile graphs
+
+
+@pytest.mark.parametrize(
+    ("op", "mutated"),
+    [
+        ("store_ds_mla", ["cache", "error_counter"]),
+        ("store_indexer_k", ["cache", "error_counter"]),
+        ("publish_rows", ["cache", "error_counter"]),
+        ("store_layer", ["mla_cache", "mla_error_counter", "idx_cache", "idx_error_counter"]),
+        ("barrier", ["epochs", "fence"]),
+        ("prepared_store", ["caches", "counters"]),
+        ("prepared_publish", ["caches", "counters", "epochs", "arrivals"]),
+    ],
+)
+def test_every_custom_op_declares_the_caches_and_barrier_state_it_mutates(op, mutated):
+    schema = getattr(torch.ops.vmmkv, op).default._schema
+    got = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    assert got == mutated, str(schema)
+    assert not schema.returns
+
+
+def _recording_backend(graphs: list):
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return backend
+
+
+def _op_names(gm) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+
+
+def test_torch_compile_keeps_store_barrier_and_publish_ops_in_program_order():
+    """CPU tensors only: the traced graph must hold every op, in order, before the read of the
+    region (the backend records the graph and runs nothing)."""
+    region = torch.zeros(1 << 16, dtype=torch.uint8)
+    view = region[4096:8192]
+    target = _rows_target(cache=region, num_blocks=8, block_stride=512, entry_stride=512,
+                          entry_bytes=512)  # fmt: skip
+    epochs = torch.zeros(1, dtype=torch.int32)
+    arrivals = torch.zeros(1, dtype=torch.int32)
+    rows = torch.ones(4, 512, dtype=torch.uint8)
+    slots = torch.arange(4)
+    region_ptr = region.data_ptr()
+
+    def step(rows, slots):
+        vmmkv.ops.publish_rows(target, rows, slots)
+        torch.ops.vmmkv.barrier(epochs, [region], target.ptr_table, 0, 0, 1, 10**9, 0,
+                                [region_ptr])  # fmt: skip
+        torch.ops.vmmkv.prepared_publish([region], [target.error_counter], epochs, arrivals,
+                                         [rows], slots, 1, 1, 0, 0)  # fmt: skip
+        return view.sum(dtype=torch.int64)
+
+    graphs: list = []
+
+    def record_only(gm, example_inputs):  # the ops cannot run on CPU targets
+        graphs.append(gm)
+        return lambda *args: (torch.zeros((), dtype=torch.int64),)
+
+    compiled = torch.compile(step, fullgraph=True, backend=record_only)
+    assert compiled(rows, slots).item() == 0
+    (gm,) = graphs
+    names = _op_names(gm)
+    order = ["vmmkv.publish_rows", "vmmkv.barrier", "vmmkv.prepared_publish"]
+    pos = [next(i for i, n in enumerate(names) if n.startswith(o)) for o in order]
+    read = max(i for i, n in enumerate(names) if "sum" in n)
+    assert pos == sorted(pos) and pos[-1] < read, names
+
+
+def test_torch_compile_functionalizes_the_ops_without_copying_the_region():
+    """Through AOTAutograd (what inductor sees): the mutating ops stay in the graph, and the
+    mutated region is not cloned (a clone would break the kernels' writes through addresses)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    region = torch.zeros(1 << 16, dtype=torch.uint8)
+    view = region[4096:8192]
+    epochs = torch.zeros(1, dtype=torch.int32)
+    arrivals = torch.zeros(1, dtype=torch.int32)
+    counter = torch.zeros(1, dtype=torch.int32)
+    rows = torch.ones(4, 512, dtype=torch.uint8)
+    graphs: list = []
+
+    def step(rows, slots):
+        torch.ops.vmmkv.prepared_store([region], [counter], [rows], slots, 1, 0)
+        torch.ops.vmmkv.prepared_publish([region], [counter], epochs, arrivals, [rows], slots,
+                                         1, 1, 0, 0)  # fmt: skip
+        return view.sum(dtype=torch.int64)
+
+    backend = aot_autograd(fw_compiler=_recording_backend(graphs))
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    with pytest.raises(RuntimeError, match="prepared store handle 1 no longer exists"):
+        compiled(rows, torch.arange(4))
+    (gm,) = graphs
+    text = gm.code
+    assert "vmmkv.prepared_store" in text and "vmmkv.prepared_publish" in text, text
+    assert "clone" not in text and "copy" not in text, text
+    # the read of the view depends on the publish's output (a data edge, not only program order)
+    (read,) = [n for n in gm.graph.nodes if "sum" in str(n.target)]
+    node = read
+    while "auto_functionalized" not in str(node.target):  # sum <- as_strided <- getitem <- op
+        assert node.op == "call_function", text
+        node = node.args[0]
+    assert "prepared_publish" in str(node.args[0]), text
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare() on host targets, and its argument checks
+
+
+def _host_layer(replicas: list[torch.Tensor], nb: int, my_rank: int):
+    """fp8_ds_mla and indexer_k targets over CPU "replicas" (separate tensors, one per rank)."""
+    table = torch.tensor([r.data_ptr() for r in replicas], dtype=torch.int64)
+    common = dict(ptr_table=table, my_rank=my_rank, num_blocks=nb, block_size=64,
+                  committed_bytes=torch.tensor([replicas[0].numel()]),
+                  error_counter=torch.zeros(1, dtype=torch.int32), cache=replicas[my_rank])  # fmt: skip
+    mla_bytes = nb * 64 * 656
+    mla = KVTarget(kind="fp8_ds_mla", offset_bytes=0, block_stride=64 * 656, entry_stride=656,
+                   entry_bytes=656, **common)  # fmt: skip
+    idx = KVTarget(kind="indexer_k", offset_bytes=mla_bytes, block_stride=64 * 132,
+                   entry_stride=132, entry_bytes=132, **common)  # fmt: skip
+    return mla, idx, mla_bytes
+
+
+class _CountingBarrier:
+    def __init__(self):
+        self.lanes: list[int] = []
+
+    def arrive_and_wait(self, lane: int = 0) -> None:
+        self.lanes.append(lane)
+
+
+def test_prepare_on_host_targets_stores_the_reference_bytes_and_publish_then_waits():
+    from vmmkv.ops import reference as ref
+
+    nb, tokens = 3, 40
+    g = torch.Generator().manual_seed(5)
+    replicas = [torch.randint(1, 256, (nb * 64 * (656 + 132),), generator=g, dtype=torch.uint8)
+                for _ in range(2)]  # fmt: skip
+    expected = [r.clone() for r in replicas]
+    mla, idx, mla_bytes = _host_layer(replicas, nb, my_rank=1)
+    kv_c = (torch.randn(tokens, 512, generator=g) * 3).bfloat16()
+    k_pe = torch.randn(tokens, 64, generator=g).bfloat16()
+    k = torch.randn(tokens, 128, generator=g).bfloat16()
+    slots = torch.randperm(nb * 64, generator=g)[:tokens]
+    slots[7] = -1
+    nlo = 5
+    p = vmmkv.ops.prepare((mla, idx))
+    assert isinstance(p, vmmkv.ops.HostPreparedStore) and p.kinds == ("fp8_ds_mla", "indexer_k")
+    bar = _CountingBarrier()
+    p.publish((kv_c, k_pe, k), slots, nlo, bar, 2)
+    assert bar.lanes == [2]
+    for r, buf in enumerate(expected):
+        first = 0 if r == 1 else nlo
+        mla_v = buf[:mla_bytes].view(nb, 64, 656)
+        idx_v = buf[mla_bytes:].view(nb, 64 * 132)
+        ref.insert_ds_mla(mla_v, kv_c[first:], k_pe[first:], slots[first:])
+        ref.insert_indexer_k(idx_v, k[first:], slots[first:], True)
+    for r in range(2):
+        assert torch.equal(replicas[r], expected[r]), f"replica {r}"
+
+
+def test_prepare_rejects_unknown_kind_combinations_and_non_targets():
+    rows = _rows_target()
+    with pytest.raises(ValueError, match=r"kinds .*got \('rows', 'rows'\)"):
+        vmmkv.ops.prepare((rows, rows))
+    with pytest.raises(TypeError, match="tuple of KVTarget"):
+        vmmkv.ops.prepare(rows)
+    with pytest.raises(TypeError, match=r"targets\[1\] must be a KVTarget"):
+        vmmkv.ops.prepare((rows, object()))
+    with pytest.raises(TypeError, match="ue8m0 must be a bool"):
+        vmmkv.ops.prepare((rows,), ue8m0=1)
+
+
+def test_host_publish_needs_a_barrier_with_arrive_and_wait_and_the_right_input_count():
+    p = vmmkv.ops.prepare((_rows_target(),))
+    with pytest.raises(TypeError, match="arrive_and_wait"):
+        p.publish((torch.zeros(1, 1024, dtype=torch.uint8),), torch.arange(1), 0, object(), 0)
+    with pytest.raises(TypeError, match=r"1 tensors \('rows',\)"):
+        p.store((), torch.arange(1))

@@ -5,12 +5,22 @@ custom ops (namespace ``vmmkv``) and the pure-torch reference of the KV byte for
 - ``build``: NVRTC build and on-disk cubin cache; ``compile_all(arch)`` needs no GPU.
 - ``kv``: ``KVTarget`` and the fused stores into every replica.
 - ``barrier``: ``DeviceBarrier``, the system-scope barrier among ranks.
+- ``prepared``: ``prepare(targets) -> PreparedStore``, the per-binding fast path: ``store`` and
+  ``publish`` (stores + barrier in one launch).
 Importing this package registers the custom ops; it needs no GPU.
 """
 
 from .barrier import BarrierTimeout, DeviceBarrier
-from .kv import KVTarget, publish_rows, store_ds_mla, store_indexer_k, store_layer
+from .kv import (
+    KVTarget,
+    publish_layer,
+    publish_rows,
+    store_ds_mla,
+    store_indexer_k,
+    store_layer,
+)
 from .launch import warm_up
+from .prepared import HostPreparedStore, PreparedStore, prepare
 from .reference import (
     insert_ds_mla,
     insert_indexer_k,
@@ -22,10 +32,14 @@ from .reference import (
 __all__ = [
     "BarrierTimeout",
     "DeviceBarrier",
+    "HostPreparedStore",
     "KVTarget",
+    "PreparedStore",
     "insert_ds_mla",
     "insert_indexer_k",
     "insert_rows",
+    "prepare",
+    "publish_layer",
     "publish_rows",
     "quantize_ds_mla",
     "quantize_indexer_k",

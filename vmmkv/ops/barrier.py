@@ -6,8 +6,19 @@ Contract:
   ``[lanes][2][world]``, zero-initialised before the first barrier, owned and kept alive by the
   caller. ``epochs``: int32 [lanes] in local device memory (allocated zeroed when None); every
   rank's epochs of a lane must start equal. A lane is used by one stream at a time.
-- ``fence``: tensors (e.g. the local caches) that torch.compile must not move across the
-  barrier: the custom op declares them mutated (eager mode relies on stream order alone).
+- ``fence``: the tensor (or tensors) that torch.compile must not move reads or writes across
+  the barrier: the custom op declares it mutated, which also keeps the barrier from being
+  dropped. CONTRACT with the engine-facing cache: ``fence`` is the one uint8 tensor over the
+  whole own region (``SymmetricRegion.region.tensor()``, made once), the same tensor every
+  ``KVTarget.cache`` is and every cache view the model reads is a view of (torch.compile
+  tracks aliasing by storage: a second ``region.tensor()`` call is a different storage). Then
+  store -> barrier -> any read of a cache view stay in that order in a compiled graph.
+  Optional: without it (eager mode relies on stream order alone) a compiled graph may move
+  cache reads across the barrier; a warning is logged when such a barrier is compiled.
+- ``arrivals``: int32 [lanes] in local device memory, allocated zeroed here: the CTA counter of
+  the store kernels that end with the barrier (``vmmkv.ops.prepare(...).publish`` and
+  ``vmmkv.ops.publish_layer``); they use the same epochs, signal slots, timeout and diagnostic,
+  so stand-alone and fused barriers mix freely on one lane.
 - ``arrive_and_wait(lane)`` launches one CTA on torch's current stream: it publishes this rank's
   arrival with a system-scope release and waits (acquire) for every rank. Stores issued earlier
   on the stream are visible to every peer once all ranks passed. Capture-safe (the epoch
@@ -28,6 +39,7 @@ Contract:
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import math
 import weakref
@@ -94,7 +106,7 @@ class DeviceBarrier:
         lanes: int,
         device: torch.device | int | str,
         timeout_s: float = 10.0,
-        fence: Sequence[torch.Tensor] = (),
+        fence: torch.Tensor | Sequence[torch.Tensor] = (),
     ):
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         if dev.type != "cuda":
@@ -138,13 +150,14 @@ class DeviceBarrier:
         self.lanes = lanes
         self.device = dev
         self.ordinal = ordinal
-        self.timeout_ns = int(timeout_s * 1e9)
-        self.fence = list(fence)
+        self.timeout_ns = min(int(timeout_s * 1e9), 2**63 - 1)
+        self.fence = [fence] if isinstance(fence, torch.Tensor) else list(fence)
         for t in self.fence:
             if not isinstance(t, torch.Tensor) or t.device != dev:
                 raise ValueError(f"fence must hold tensors on {dev}, got {t!r:.80}")
         self._fence_ptrs = [t.data_ptr() for t in self.fence]
         self._threads = min(_MAX_THREADS, 32 * -(-world // 32))
+        self.arrivals = torch.zeros(lanes, dtype=torch.int32, device=dev)
 
         flags = driver.cu.CU_MEMHOSTALLOC_DEVICEMAP | driver.cu.CU_MEMHOSTALLOC_PORTABLE
         nbytes = 4 * _DIAG_WORDS
@@ -160,6 +173,15 @@ class DeviceBarrier:
         self._diag_dev_ptr = int(dev_ptr)
         self._closed = False
         self._free = weakref.finalize(self, _free_host_at_gc, host_ptr, ordinal)
+        # the BarrierArgs of each lane, packed once for the store kernels that end with it
+        self._args = tuple(
+            _launch.BARRIER_ARGS.pack(
+                sig_table.data_ptr(), epochs.data_ptr(), self.arrivals.data_ptr(),
+                self._diag_dev_ptr, self.timeout_ns, lane, rank, world, 0,
+            )
+            for lane in range(lanes)
+        )  # fmt: skip
+        self.handle = _register(self)
 
     @property
     def closed(self) -> bool:
@@ -172,6 +194,8 @@ class DeviceBarrier:
         if self.closed:
             raise RuntimeError("DeviceBarrier is closed")
         if torch.compiler.is_compiling():
+            if not self.fence:
+                _warn_unfenced()
             torch.ops.vmmkv.barrier(
                 self.epochs, self.fence, self.sig_table, lane, self.rank, self.world,
                 self.timeout_ns, self._diag_dev_ptr, self._fence_ptrs,
@@ -184,6 +208,16 @@ class DeviceBarrier:
             self.ordinal, 1, self._threads, self.sig_table.data_ptr(), self.epochs.data_ptr(),
             lane, self.rank, self.world, self.timeout_ns, self._diag_dev_ptr,
         )  # fmt: skip
+
+    def barrier_args(self, lane: int) -> bytes:
+        """The packed ``BarrierArgs`` (csrc/barrier.cuh) of ``lane``, for the store kernels that
+        end with this barrier. Raises like ``arrive_and_wait`` for a bad lane or a closed
+        barrier."""
+        if isinstance(lane, bool) or not isinstance(lane, int) or not 0 <= lane < self.lanes:
+            raise ValueError(f"lane must be an int in [0, {self.lanes}), got {lane!r}")
+        if self._closed:
+            raise RuntimeError("DeviceBarrier is closed")
+        return self._args[lane]
 
     def read_diagnostic(self) -> BarrierTimeout | None:
         """The record a timed-out barrier wrote, or None (no timeout, or closed)."""
@@ -200,6 +234,38 @@ class DeviceBarrier:
         self._closed = True
         if self._free.detach() is not None:
             _free_host(self._host_ptr, self.ordinal)
+
+
+_barriers: weakref.WeakValueDictionary[int, DeviceBarrier] = weakref.WeakValueDictionary()
+_next_handle = itertools.count(1)
+_unfenced_warned = False
+
+
+def _register(bar: DeviceBarrier) -> int:
+    handle = next(_next_handle)
+    _barriers[handle] = bar
+    return handle
+
+
+def lookup(handle: int) -> DeviceBarrier:
+    """The live barrier of ``handle`` (custom ops name barriers by handle, a graph constant)."""
+    bar = _barriers.get(handle)
+    if bar is None:
+        raise RuntimeError(
+            f"vmmkv: DeviceBarrier handle {handle} no longer exists (the barrier a compiled "
+            f"graph was traced with was garbage collected)"
+        )
+    return bar
+
+
+def _warn_unfenced() -> None:
+    global _unfenced_warned
+    if not _unfenced_warned:
+        _unfenced_warned = True
+        _log.warning(
+            "vmmkv: torch.compile traced a DeviceBarrier without fence: cache reads may be "
+            "moved across it. Pass fence=<the region tensor every cache view comes from>."
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -67,6 +67,10 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "vmmkv_store_indexer_k",
         "vmmkv_store_layer",
         "vmmkv_publish_rows",
+        "vmmkv_store_ds_mla_barrier",
+        "vmmkv_store_indexer_k_barrier",
+        "vmmkv_store_layer_barrier",
+        "vmmkv_publish_rows_barrier",
     ),
     "barrier.cu": ("vmmkv_barrier", "vmmkv_noop"),
 }

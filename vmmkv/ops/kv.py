@@ -5,10 +5,20 @@ Contract:
   block geometry) plus three device tensors the kernels use: ``committed_bytes`` (int64 [1], the
   region's committed size, read by the kernel on every launch so the cache may grow after
   CUDA-graph capture), ``error_counter`` (int32 [1], incremented once per token skipped for an
-  out-of-range or uncommitted block) and ``cache`` (the local uint8 tensor the op mutates, for
-  torch's dependency tracking). The caller owns and keeps alive every tensor and the mapped
-  regions; nothing here allocates device memory or frees anything.
-- ``store_ds_mla``/``store_indexer_k``/``store_layer``/``publish_rows`` validate everything
+  out-of-range or uncommitted block) and ``cache`` (the uint8 tensor the custom ops declare
+  mutated, for torch's dependency tracking: any tensor whose memory contains the view in the
+  own replica). The caller owns and keeps alive every tensor and the mapped regions; nothing
+  here allocates device memory or frees anything.
+- CONTRACT with the engine-facing cache (torch.compile ordering): ``cache`` is the one uint8
+  tensor over the WHOLE own region (``SymmetricRegion.region.tensor()``, made once and reused),
+  the same tensor object for every target, the ``fence`` of the ``DeviceBarrier``, and the base
+  of every cache view the model reads. torch.compile tracks aliasing by storage, so then every
+  store, publish and barrier op mutates the storage the attention reads, and a compiled graph
+  keeps store -> barrier -> read in order and never drops a barrier. Two targets whose caches
+  are different views of one storage work eagerly, but a compiled graph copies one of them
+  (the ops then refuse to run, see below).
+- ``store_ds_mla``/``store_indexer_k``/``store_layer``/``publish_rows``/``publish_layer``
+  (``store_layer`` + barrier in one launch) validate everything
   (types, shapes, devices, alignment, ranges) before launching and raise TypeError/ValueError
   naming the value got and what was expected. Token count = ``slot_mapping.numel()``; inputs may
   be longer. Tokens ``i < num_local_only`` go to the own replica only, the others to every
@@ -16,6 +26,8 @@ Contract:
 - Launches go to torch's current stream: capture-safe after the first launch on a device (which
   compiles/loads; call ``vmmkv.ops.launch.warm_up`` before capture). Not collective. Stores to
   peers become visible to them only after a system-scope barrier (vmmkv.ops.barrier).
+- The per-binding fast path is ``vmmkv.ops.prepare`` (vmmkv.ops.prepared): same kernels, same
+  checks, parameters packed once.
 - Under ``torch.compile`` the functions call the ``torch.ops.vmmkv.*`` custom ops, which declare
   the cache and error counter as mutated. The kernels write through the region addresses, not
   through the tensor handed to the op, so the op refuses to run (RuntimeError) if compilation
@@ -30,11 +42,13 @@ from dataclasses import dataclass
 import torch
 
 from vmmkv.ops import launch as _launch
+from vmmkv.ops.barrier import DeviceBarrier
 from vmmkv.ops.reference import INDEXER_DIM, INDEXER_ENTRY_BYTES, MLA_ENTRY_BYTES
 
 __all__ = [
     "KINDS",
     "KVTarget",
+    "publish_layer",
     "publish_rows",
     "store_ds_mla",
     "store_indexer_k",
@@ -73,7 +87,7 @@ class KVTarget:
     starts ``b * block_stride`` later; inside a block token ``o`` is at ``o * entry_stride``
     (fp8_ds_mla, rows) or split (indexer_k: values at ``o*128``, scale at
     ``block_size*128 + 4*o``). ``entry_bytes``: 656 (fp8_ds_mla), 132 (indexer_k), the row size
-    (rows).
+    (rows). ``cache``: see the module docstring (the whole own region in the engine).
     """
 
     kind: str
@@ -442,6 +456,58 @@ def store_layer(
         )  # fmt: skip
         return
     _launch_layer(mla, idx, kv_c, k_pe, k, slot_mapping, tokens, nlo, ue8m0)
+
+
+def publish_layer(
+    mla_target: KVTarget,
+    idx_target: KVTarget,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    k: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    barrier: DeviceBarrier,
+    lane: int = 0,
+    num_local_only: int = 0,
+    ue8m0: bool = True,
+) -> None:
+    """``store_layer`` then ``barrier.arrive_and_wait(lane)`` in ONE launch: the last CTA to
+    finish its stores runs the barrier (same epochs, signal slots, timeout and diagnostic as the
+    stand-alone barrier, so the two mix on one lane). Collective in effect like the barrier:
+    every rank calls it (zero tokens still run the barrier). Eager and CUDA-graph capture; under
+    torch.compile use a prepared store (``vmmkv.ops.prepare((mla, idx)).publish``), which is
+    also the cheaper call per step."""
+    mla = _check_target("mla_target", mla_target, "fp8_ds_mla")
+    idx = _check_target("idx_target", idx_target, "indexer_k")
+    if idx.device != mla.device:
+        raise ValueError(f"idx_target is on {idx.device} but mla_target is on {mla.device}")
+    tokens = _check_slots(slot_mapping, mla.device)
+    _check_input("kv_c", kv_c, 512, mla.device, tokens)
+    _check_input("k_pe", k_pe, 64, mla.device, tokens)
+    _check_input("k", k, INDEXER_DIM, mla.device, tokens)
+    nlo = _require_int("num_local_only", num_local_only, 0, tokens)
+    if not isinstance(ue8m0, bool):
+        raise TypeError(f"ue8m0 must be a bool, got {type(ue8m0).__name__}")
+    if not isinstance(barrier, DeviceBarrier):
+        raise TypeError(f"barrier must be a vmmkv.ops.DeviceBarrier, got {type(barrier).__name__}")
+    if _compiling():
+        raise RuntimeError(
+            "vmmkv.ops.publish_layer cannot be traced by torch.compile; call a PreparedStore "
+            "made outside the compiled function: vmmkv.ops.prepare((mla, idx)).publish(...)"
+        )
+    bar_args = barrier.barrier_args(lane)
+    ordinal = _check_cuda(mla.device)
+    if barrier.ordinal != ordinal:
+        raise ValueError(f"barrier is on {barrier.device}, the targets on {mla.device}")
+    _check_aligned("kv_c", kv_c, 16)
+    _check_aligned("k_pe", k_pe, 16)
+    _check_aligned("k", k, 8)
+    _launch.STORE_LAYER_BARRIER.launch(
+        ordinal, _grid(tokens), _THREADS, mla._dest, idx._dest,
+        kv_c.data_ptr(), kv_c.stride(0), k_pe.data_ptr(), k_pe.stride(0),
+        k.data_ptr(), k.stride(0), slot_mapping.data_ptr(),
+        int(slot_mapping.dtype == torch.int64), tokens, nlo, int(ue8m0), bar_args,
+    )  # fmt: skip
 
 
 def publish_rows(

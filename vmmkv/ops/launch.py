@@ -15,6 +15,7 @@ Contract:
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 import threading
 from typing import Any
@@ -24,7 +25,7 @@ import torch
 from vmmkv.alloc import driver
 from vmmkv.ops import build
 
-__all__ = ["KVDEST", "Kernel", "device_ordinal", "warm_up"]
+__all__ = ["BARRIER_ARGS", "KVDEST", "Kernel", "PreparedLaunch", "device_ordinal", "warm_up"]
 
 # Host mirror of csrc/vmmkv_common.cuh `struct KVDest` (80 bytes, 8-byte aligned):
 # ptr_table, committed_bytes, error_counter, offset_bytes, block_stride, entry_stride,
@@ -32,23 +33,30 @@ __all__ = ["KVDEST", "Kernel", "device_ordinal", "warm_up"]
 KVDEST = struct.Struct("<QQQqqqqqiiii")
 assert KVDEST.size == 80
 
-# code -> (struct format, size, alignment). "D" is a KVDest passed by value.
+# Host mirror of csrc/barrier.cuh `struct BarrierArgs` (56 bytes, 8-byte aligned):
+# sig_table, epochs, arrivals, diag, timeout_ns, lane, rank, world, reserved.
+BARRIER_ARGS = struct.Struct("<QQQQqiiii")
+assert BARRIER_ARGS.size == 56
+
+# code -> (struct format, size, alignment). "D" is a KVDest, "B" a BarrierArgs, by value.
 _PARAM = {
     "Q": ("Q", 8, 8),  # pointer
     "q": ("q", 8, 8),  # int64
     "i": ("i", 4, 4),  # int32
     "D": ("80s", 80, 8),
+    "B": ("56s", 56, 8),
 }
 
 
 class Kernel:
     """One ``extern "C"`` entry point with a fixed parameter layout (a string of codes)."""
 
-    __slots__ = ("name", "_struct", "_offsets", "_local")
+    __slots__ = ("name", "layout", "_struct", "_offsets", "_formats", "_local")
 
     def __init__(self, name: str, layout: str):
         fmt = ["<"]
         offsets = []
+        formats = []  # per parameter: its format, preceded by the padding before it
         pos = 0
         for code in layout:
             f, size, align = _PARAM[code]
@@ -57,11 +65,14 @@ class Kernel:
                 fmt.append(f"{pad}x")
                 pos += pad
             offsets.append(pos)
+            formats.append((f"{pad}x" if pad else "", f))
             fmt.append(f)
             pos += size
         self.name = name
+        self.layout = layout
         self._struct = struct.Struct("".join(fmt))
         self._offsets = tuple(offsets)
+        self._formats = tuple(formats)
         self._local = threading.local()
 
     def _buffers(self) -> tuple[Any, int]:
@@ -98,6 +109,109 @@ class Kernel:
             )  # fmt: skip
 
 
+class PreparedLaunch:
+    """One launch site of one kernel with its own parameter buffer (e.g. a PreparedStore's).
+
+    The leading parameters that never change (``fixed``, e.g. the packed destinations) are
+    packed once; ``launch(grid, *rest)`` packs the others in place with one precompiled
+    ``struct`` and calls ``cuLaunchKernel`` on torch's current stream of the device: no
+    allocation beyond Python's argument tuple, no dictionary lookup, no context query.
+    The kernel handle is resolved here (``build.load_module``: compiles and loads on the first
+    use of a device, so make these objects before CUDA-graph capture). Not thread-safe: calls
+    on one object must not overlap (the driver copies the parameters during the call, so
+    consecutive calls reuse the buffer). When the launch fails because another context (or
+    none) is current on the thread, it is retried once under the device's primary context.
+    ``api``: ``"bindings"`` (cuda.bindings, the default) or ``"ctypes"`` (libcuda's
+    ``cuLaunchKernel`` through ctypes; same call, measured by benchmarks/bench_store.py);
+    ``VMMKV_LAUNCH_API`` sets the default.
+    """
+
+    __slots__ = (
+        "kernel", "ordinal", "block", "api", "_buf", "_ptrs", "_params", "_pack", "_offset",
+        "_fn", "_fn_int", "_call",
+    )  # fmt: skip
+
+    def __init__(
+        self, kernel: Kernel, ordinal: int, block: int, fixed: tuple = (), api: str | None = None
+    ):
+        api = api or os.environ.get("VMMKV_LAUNCH_API", "bindings")
+        if api not in ("bindings", "ctypes"):
+            raise ValueError(f"api must be 'bindings' or 'ctypes', got {api!r}")
+        n = len(kernel._offsets)
+        if len(fixed) > n:
+            raise ValueError(f"{kernel.name}: {len(fixed)} fixed values for {n} parameters")
+        self.kernel = kernel
+        self.ordinal = ordinal
+        self.block = block
+        self.api = api
+        self._buf = ctypes.create_string_buffer(kernel._struct.size)
+        base = ctypes.addressof(self._buf)
+        self._ptrs = (ctypes.c_void_p * n)(*(base + o for o in kernel._offsets))
+        self._params = ctypes.addressof(self._ptrs)
+        k = len(fixed)
+        if k:
+            head = "<" + "".join(pad + f for pad, f in kernel._formats[:k])
+            struct.pack_into(head, self._buf, 0, *fixed)
+        if k < n:
+            rest = kernel._formats[k + 1 :]
+            tail = "<" + kernel._formats[k][1] + "".join(pad + f for pad, f in rest)
+            self._pack = struct.Struct(tail).pack_into
+            self._offset = kernel._offsets[k]
+        else:  # nothing left to pack per call
+            self._pack, self._offset = None, 0
+        self._fn = build.load_module(ordinal).function(kernel.name)
+        self._fn_int = int(self._fn)
+        self._call = _ctypes_launch() if api == "ctypes" else None
+
+    def launch(self, grid: int, *values: Any) -> None:
+        """Pack ``values`` (the parameters after the fixed ones) and launch ``grid`` CTAs."""
+        if values:
+            self._pack(self._buf, self._offset, *values)
+        stream = _current_stream(self.ordinal)
+        if self._call is None:
+            (err,) = _cu_launch(self._fn, grid, 1, 1, self.block, 1, 1, 0, stream, self._params, 0)
+            if err != _CU_SUCCESS:
+                self._retry(int(err), grid, stream)
+        else:
+            err = self._call(
+                self._fn_int, grid, 1, 1, self.block, 1, 1, 0, stream, self._params, None
+            )
+            if err:
+                self._retry(err, grid, stream)
+
+    def _retry(self, code: int, grid: int, stream: int) -> None:
+        context = {"kernel": self.kernel.name, "device": self.ordinal, "grid": grid}
+        if code not in _NOT_THIS_CONTEXT:
+            err = driver.cu.CUresult(code)
+            raise driver.CudaError("cuLaunchKernel", err, getattr(err, "name", str(err)), context)
+        with driver.primary_context(self.ordinal):
+            driver.call(
+                driver.cu.cuLaunchKernel, self._fn, grid, 1, 1, self.block, 1, 1, 0, stream,
+                self._params, 0, **context,
+            )  # fmt: skip
+
+
+# CUresult codes of a launch made while another context (or none) is current
+_NOT_THIS_CONTEXT = frozenset((201, 400, 709))  # INVALID_CONTEXT, INVALID_HANDLE, DESTROYED
+_cu_launch = getattr(driver.cu, "cuLaunchKernel", None)
+_CU_SUCCESS = driver.cu.CUresult.CUDA_SUCCESS if driver.cu is not None else 0
+_ctypes_fn: Any = None
+
+
+def _ctypes_launch() -> Any:
+    """libcuda's cuLaunchKernel through ctypes (the legacy-default-stream entry point, as
+    cuda.bindings resolves it by default)."""
+    global _ctypes_fn
+    if _ctypes_fn is None:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+        u = ctypes.c_uint
+        fn.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_void_p]  # fmt: skip
+        fn.restype = ctypes.c_int
+        _ctypes_fn = fn
+    return _ctypes_fn
+
+
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
@@ -124,3 +238,9 @@ STORE_INDEXER_K = Kernel("vmmkv_store_indexer_k", "DQqQiqqi")
 STORE_LAYER = Kernel("vmmkv_store_layer", "DDQqQqQqQiqqi")
 PUBLISH_ROWS = Kernel("vmmkv_publish_rows", "DQqqQiqqi")
 BARRIER = Kernel("vmmkv_barrier", "QQiiiqQ")
+NOOP = Kernel("vmmkv_noop", "")
+# the stores above, then the barrier in the same launch (csrc/kv_store.cu, barrier.cuh)
+STORE_DS_MLA_BARRIER = Kernel("vmmkv_store_ds_mla_barrier", "DQqQqQiqqB")
+STORE_INDEXER_K_BARRIER = Kernel("vmmkv_store_indexer_k_barrier", "DQqQiqqiB")
+STORE_LAYER_BARRIER = Kernel("vmmkv_store_layer_barrier", "DDQqQqQqQiqqiB")
+PUBLISH_ROWS_BARRIER = Kernel("vmmkv_publish_rows_barrier", "DQqqQiqqiB")

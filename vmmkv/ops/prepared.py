@@ -1,0 +1,392 @@
+"""Prepared stores: what is fixed for a binding is checked and packed once, a call packs only
+what changes (input pointers and strides, slots, token count, ``num_local_only``, the barrier
+lane) into a parameter buffer it owns and launches one kernel.
+
+Contract:
+- ``prepare(targets, *, ue8m0=True)`` takes the :class:`~vmmkv.ops.kv.KVTarget` s of one store
+  call, of kinds ``vmmkv.ops.formats.STORE_KINDS``: ``("fp8_ds_mla",)``, ``("indexer_k",)``,
+  ``("rows",)`` or ``("fp8_ds_mla", "indexer_k")`` (both caches of a layer). Targets on a CUDA
+  device give a :class:`PreparedStore`; CPU targets (host backend) a :class:`HostPreparedStore`
+  with the same methods. ``prepare`` loads the kernels (compiles on the first use of a device:
+  call it before CUDA-graph capture, e.g. when binding), allocates nothing on the device, keeps
+  references to the targets (so to their tensors) and is local (not collective).
+- ``store(inputs, slot_mapping, num_local_only=0)``: ``inputs`` in the order of the formats
+  table: ``(kv_c, k_pe)``, ``(k,)``, ``(kv_c, k_pe, k)`` or ``(rows,)``. Validated before the
+  launch like the functional API (``vmmkv.ops.kv``): TypeError/ValueError naming the value got
+  and what was expected; token count = ``slot_mapping.numel()``. One launch on torch's current
+  stream; capture-safe. Zero tokens launch nothing.
+- ``publish(inputs, slot_mapping, num_local_only, barrier, lane)``: the same stores and then the
+  barrier of ``barrier`` (a :class:`~vmmkv.ops.barrier.DeviceBarrier` of the same device) on
+  ``lane``, in the same launch: the last CTA to finish its stores runs the barrier exactly as
+  ``barrier.arrive_and_wait(lane)`` does (same epochs, signal slots, timeout, diagnostic), so the
+  two mix on one lane. Collective in effect: every rank publishes (or arrives) on a lane the
+  same number of times; zero tokens still run the barrier. Capture-safe.
+- Under ``torch.compile`` both methods call the custom ops ``vmmkv::prepared_store`` /
+  ``vmmkv::prepared_publish``, which declare as mutated the targets' ``cache`` tensors, their
+  error counters and (publish) the barrier's epochs and arrivals. With the cache contract of
+  ``vmmkv.ops.kv`` (every target's ``cache`` is the one tensor over the whole own region) a
+  compiled graph keeps store -> publish -> reads of any view of that tensor in order and never
+  drops a publish. The ops name the prepared object by ``handle`` (a graph constant): keep the
+  object alive as long as a compiled graph uses it.
+- Not thread-safe: calls on one prepared object must not overlap (one parameter buffer).
+- Host: ``store`` calls ``vmmkv.ops.host`` (synchronous); ``publish`` stores, then calls
+  ``barrier.arrive_and_wait(lane)`` of whatever host barrier the caller passes (e.g. the
+  cache's group barrier); only that call is collective.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from vmmkv.ops import barrier as _barrier
+from vmmkv.ops import kv as _kv
+from vmmkv.ops import launch as _launch
+from vmmkv.ops.formats import FORMATS, STORE_KINDS
+
+__all__ = ["HostPreparedStore", "PreparedStore", "lookup", "prepare"]
+
+log = logging.getLogger(__name__)
+
+_THREADS = _kv._THREADS
+_SLOT_DTYPES = (torch.int64, torch.int32)
+# Row alignment the kernels need of each input (16-byte vector loads for fp8_ds_mla, 8 for k).
+_INPUT_ALIGN = {"kv_c": 16, "k_pe": 16, "k": 8, "rows": 1}
+_STORE = {
+    ("fp8_ds_mla",): _launch.STORE_DS_MLA,
+    ("indexer_k",): _launch.STORE_INDEXER_K,
+    ("rows",): _launch.PUBLISH_ROWS,
+    ("fp8_ds_mla", "indexer_k"): _launch.STORE_LAYER,
+}
+_PUBLISH = {
+    ("fp8_ds_mla",): _launch.STORE_DS_MLA_BARRIER,
+    ("indexer_k",): _launch.STORE_INDEXER_K_BARRIER,
+    ("rows",): _launch.PUBLISH_ROWS_BARRIER,
+    ("fp8_ds_mla", "indexer_k"): _launch.STORE_LAYER_BARRIER,
+}
+assert set(_STORE) == set(_PUBLISH) == set(STORE_KINDS)
+
+_prepared: weakref.WeakValueDictionary[int, PreparedStore] = weakref.WeakValueDictionary()
+_next_handle = itertools.count(1)
+
+
+def prepare(
+    targets: Sequence[_kv.KVTarget], *, ue8m0: bool = True
+) -> PreparedStore | HostPreparedStore:
+    """The prepared store of ``targets`` (see the module docstring)."""
+    if isinstance(targets, _kv.KVTarget) or not isinstance(targets, (tuple, list)):
+        raise TypeError(f"targets must be a tuple of KVTarget, got {type(targets).__name__}")
+    targets = tuple(targets)
+    for i, t in enumerate(targets):
+        if not isinstance(t, _kv.KVTarget):
+            raise TypeError(f"targets[{i}] must be a KVTarget, got {type(t).__name__}")
+    kinds = tuple(t.kind for t in targets)
+    if kinds not in STORE_KINDS:
+        raise ValueError(f"targets must be of kinds {list(STORE_KINDS)}, got {kinds}")
+    if not isinstance(ue8m0, bool):
+        raise TypeError(f"ue8m0 must be a bool, got {type(ue8m0).__name__}")
+    device = targets[0].device
+    for i, t in enumerate(targets[1:], 1):
+        if t.device != device:
+            raise ValueError(f"targets[{i}] is on {t.device} but targets[0] is on {device}")
+    if device.type == "cpu":
+        return HostPreparedStore(targets, kinds, ue8m0)
+    if device.type != "cuda":
+        raise ValueError(f"targets must be on a CUDA device or the CPU, got {device}")
+    return PreparedStore(targets, kinds, ue8m0)
+
+
+def lookup(handle: int) -> PreparedStore:
+    """The live prepared store of ``handle`` (how the custom ops name it)."""
+    p = _prepared.get(handle)
+    if p is None:
+        raise RuntimeError(
+            f"vmmkv: prepared store handle {handle} no longer exists (the PreparedStore a "
+            f"compiled graph was traced with was garbage collected)"
+        )
+    return p
+
+
+def _unique(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for t in tensors:
+        if not any(t is u for u in out):
+            out.append(t)
+    return out
+
+
+class PreparedStore:
+    """Prepared stores into CUDA targets; made by :func:`prepare`."""
+
+    def __init__(self, targets: tuple[_kv.KVTarget, ...], kinds: tuple[str, ...], ue8m0: bool):
+        self.targets = targets
+        self.kinds = kinds
+        self.ue8m0 = ue8m0
+        self.device = targets[0].device
+        self.ordinal = _kv._check_cuda(self.device)
+        # (name, dtype, width or None for the row size, alignment) per input, formats order
+        specs = []
+        for t in targets:
+            for name, dtype, width in FORMATS[t.kind].inputs:
+                specs.append((name, dtype, t.entry_bytes if width is None else width))
+        self._specs = tuple((n, d, w, _INPUT_ALIGN[n]) for n, d, w in specs)
+        self._names = tuple(s[0] for s in specs)
+        self._caches = _unique([t.cache for t in targets])
+        self._counters = _unique([t.error_counter for t in targets])
+        self._cache_ptrs = [c.data_ptr() for c in self._caches]
+        self._counter_ptrs = [c.data_ptr() for c in self._counters]
+        dests = tuple(t._dest for t in targets)
+        self._store = _launch.PreparedLaunch(_STORE[kinds], self.ordinal, _THREADS, dests)
+        self._publish = _launch.PreparedLaunch(_PUBLISH[kinds], self.ordinal, _THREADS, dests)
+        t0 = targets[0]
+        self._rows_fixed16 = kinds == ("rows",) and all(
+            v % 16 == 0
+            for v in (t0.entry_bytes, t0.offset_bytes, t0.block_stride, t0.entry_stride,
+                      t0._cache_ptr)
+        )  # fmt: skip
+        self._row_bytes = t0.entry_bytes
+        self._ue8m0 = int(ue8m0)
+        self.handle = next(_next_handle)
+        _prepared[self.handle] = self
+
+    def __repr__(self) -> str:
+        return f"PreparedStore(kinds={self.kinds}, device={self.device}, handle={self.handle})"
+
+    # -- per call --------------------------------------------------------------------------
+    def _values(self, inputs: Any, slot_mapping: Any, nlo: Any) -> tuple[int, tuple]:
+        """Validate one call; return the token count and the kernel's per-call parameters
+        (without the barrier). Cheap checks first, explanations only on failure."""
+        s = slot_mapping
+        ordinal = self.ordinal
+        if not (
+            isinstance(s, torch.Tensor)
+            and s.dtype in _SLOT_DTYPES
+            and s.dim() == 1
+            and s.get_device() == ordinal
+            and (s.shape[0] <= 1 or s.stride(0) == 1)
+        ):
+            _kv._check_slots(s, self.device)  # raises with the reason
+        tokens = s.shape[0]
+        if type(nlo) is not int or not 0 <= nlo <= tokens:
+            _kv._require_int("num_local_only", nlo, 0, tokens)
+        specs = self._specs
+        if not isinstance(inputs, (tuple, list)) or len(inputs) != len(specs):
+            raise TypeError(
+                f"inputs must be a tuple of {len(specs)} tensors {self._names}, got "
+                f"{type(inputs).__name__} {inputs!r:.80}"
+            )
+        values: list[int] = []
+        for t, (name, dtype, width, align) in zip(inputs, specs, strict=True):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            shape = t.shape
+            stride = t.stride()
+            ptr = t.data_ptr()
+            row = stride[0] * t.element_size() if len(stride) == 2 else 0
+            if not (
+                t.dtype is dtype
+                and len(shape) == 2
+                and shape[1] == width
+                and shape[0] >= tokens
+                and stride[1] == 1
+                and t.get_device() == ordinal
+                and ptr % align == 0
+                and (shape[0] <= 1 or row % align == 0)
+            ):
+                _explain_input(name, t, dtype, width, tokens, self.device, align)
+            values.append(ptr)
+            values.append(stride[0])
+        is64 = s.dtype is torch.int64
+        if self.kinds == ("rows",):
+            vec16 = (
+                self._rows_fixed16 and values[0] % 16 == 0 and (tokens <= 1 or values[1] % 16 == 0)
+            )
+            return tokens, (
+                values[0], values[1], self._row_bytes, s.data_ptr(), is64, tokens, nlo, vec16,
+            )  # fmt: skip
+        if self.kinds == ("fp8_ds_mla",):
+            return tokens, (*values, s.data_ptr(), is64, tokens, nlo)
+        return tokens, (*values, s.data_ptr(), is64, tokens, nlo, self._ue8m0)
+
+    def store(
+        self, inputs: Sequence[torch.Tensor], slot_mapping: torch.Tensor, num_local_only: int = 0
+    ) -> None:
+        """Store ``inputs`` into every replica of the targets (see the module docstring)."""
+        if torch.compiler.is_compiling():
+            torch.ops.vmmkv.prepared_store(
+                self._caches, self._counters, list(inputs), slot_mapping, self.handle,
+                num_local_only,
+            )  # fmt: skip
+            return
+        tokens, values = self._values(inputs, slot_mapping, num_local_only)
+        if tokens:
+            self._store.launch(_kv._grid(tokens), *values)
+
+    def publish(
+        self,
+        inputs: Sequence[torch.Tensor],
+        slot_mapping: torch.Tensor,
+        num_local_only: int,
+        barrier: _barrier.DeviceBarrier,
+        lane: int,
+    ) -> None:
+        """``store``, then ``barrier`` on ``lane``, in one launch (see the module docstring)."""
+        if torch.compiler.is_compiling():
+            if not isinstance(barrier, _barrier.DeviceBarrier):
+                raise TypeError(f"barrier must be a DeviceBarrier, got {type(barrier).__name__}")
+            torch.ops.vmmkv.prepared_publish(
+                self._caches, self._counters, barrier.epochs, barrier.arrivals, list(inputs),
+                slot_mapping, self.handle, barrier.handle, lane, num_local_only,
+            )  # fmt: skip
+            return
+        if type(barrier) is not _barrier.DeviceBarrier:
+            self._check_barrier(barrier)
+        bar_args = barrier.barrier_args(lane)
+        if barrier.ordinal != self.ordinal:
+            raise ValueError(f"barrier is on {barrier.device}, the targets on {self.device}")
+        tokens, values = self._values(inputs, slot_mapping, num_local_only)
+        self._publish.launch(_kv._grid(tokens), *values, bar_args)
+
+    def _check_barrier(self, barrier: object) -> None:
+        if not isinstance(barrier, _barrier.DeviceBarrier):
+            raise TypeError(
+                f"barrier must be a vmmkv.ops.DeviceBarrier, got {type(barrier).__name__}"
+            )
+
+    def _check_op_tensors(self, caches: list[torch.Tensor], counters: list[torch.Tensor]) -> None:
+        got = [c.data_ptr() for c in caches], [c.data_ptr() for c in counters]
+        if got != (self._cache_ptrs, self._counter_ptrs):
+            raise RuntimeError(
+                f"vmmkv: a prepared store op got cache/counter tensors at {got} instead of "
+                f"{(self._cache_ptrs, self._counter_ptrs)}: torch.compile replaced them by "
+                f"copies (e.g. two targets' caches are different views of one storage). Give "
+                f"every target the same cache tensor (the whole own region)."
+            )
+
+
+def _explain_input(name, t, dtype, width, tokens, device, align) -> None:
+    """Raise the TypeError/ValueError that says why ``t`` is not a valid input."""
+    if t.dtype != dtype:
+        if dtype is torch.bfloat16 and t.dtype == torch.float16:
+            raise TypeError(f"{name} is float16; only bfloat16 inputs are supported")
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.dim() != 2 or t.shape[1] != width:
+        raise ValueError(f"{name} must have shape [T, {width}], got {list(t.shape)}")
+    if t.shape[0] < tokens:
+        raise ValueError(f"{name} has {t.shape[0]} tokens, fewer than slot_mapping's {tokens}")
+    if t.stride(1) != 1:
+        raise ValueError(f"{name} rows must be contiguous (stride(1) == 1), got {t.stride()}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected the target's device {device}")
+    _kv._check_aligned(name, t, align)
+    raise AssertionError(f"{name}: no reason found for a failed check")  # pragma: no cover
+
+
+class HostPreparedStore:
+    """Prepared stores into CPU targets (host backend) through ``vmmkv.ops.host``."""
+
+    def __init__(self, targets: tuple[_kv.KVTarget, ...], kinds: tuple[str, ...], ue8m0: bool):
+        from vmmkv.ops import host
+
+        self.targets = targets
+        self.kinds = kinds
+        self.ue8m0 = ue8m0
+        self.device = targets[0].device
+        self._names = tuple(n for t in targets for n, _, _ in FORMATS[t.kind].inputs)
+        self._fn = {
+            ("fp8_ds_mla",): host.store_ds_mla,
+            ("indexer_k",): host.store_indexer_k,
+            ("rows",): host.publish_rows,
+            ("fp8_ds_mla", "indexer_k"): host.store_layer,
+        }[kinds]
+
+    def __repr__(self) -> str:
+        return f"HostPreparedStore(kinds={self.kinds})"
+
+    def store(
+        self, inputs: Sequence[torch.Tensor], slot_mapping: torch.Tensor, num_local_only: int = 0
+    ) -> None:
+        if not isinstance(inputs, (tuple, list)) or len(inputs) != len(self._names):
+            raise TypeError(
+                f"inputs must be a tuple of {len(self._names)} tensors {self._names}, got "
+                f"{type(inputs).__name__}"
+            )
+        kw: dict[str, Any] = {"num_local_only": num_local_only}
+        if "indexer_k" in self.kinds:
+            kw["ue8m0"] = self.ue8m0
+        self._fn(*self.targets, *inputs, slot_mapping, **kw)
+
+    def publish(
+        self,
+        inputs: Sequence[torch.Tensor],
+        slot_mapping: torch.Tensor,
+        num_local_only: int,
+        barrier: Any,
+        lane: int,
+    ) -> None:
+        """``store``, then ``barrier.arrive_and_wait(lane)`` (any host barrier object)."""
+        if not callable(getattr(barrier, "arrive_and_wait", None)):
+            raise TypeError(
+                f"barrier must have an arrive_and_wait(lane) method, got {type(barrier).__name__}"
+            )
+        self.store(inputs, slot_mapping, num_local_only)
+        barrier.arrive_and_wait(lane)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library custom ops (torch.compile path; also callable directly, eager or under capture)
+
+
+@torch.library.custom_op("vmmkv::prepared_store", mutates_args=("caches", "counters"))
+def _op_prepared_store(
+    caches: list[torch.Tensor],
+    counters: list[torch.Tensor],
+    inputs: list[torch.Tensor],
+    slot_mapping: torch.Tensor,
+    handle: int,
+    num_local_only: int,
+) -> None:
+    p = lookup(handle)
+    p._check_op_tensors(caches, counters)
+    p.store(tuple(inputs), slot_mapping, num_local_only)
+
+
+@_op_prepared_store.register_fake
+def _(caches, counters, inputs, slot_mapping, handle, num_local_only):
+    return None
+
+
+@torch.library.custom_op(
+    "vmmkv::prepared_publish", mutates_args=("caches", "counters", "epochs", "arrivals")
+)
+def _op_prepared_publish(
+    caches: list[torch.Tensor],
+    counters: list[torch.Tensor],
+    epochs: torch.Tensor,
+    arrivals: torch.Tensor,
+    inputs: list[torch.Tensor],
+    slot_mapping: torch.Tensor,
+    handle: int,
+    barrier_handle: int,
+    lane: int,
+    num_local_only: int,
+) -> None:
+    p = lookup(handle)
+    p._check_op_tensors(caches, counters)
+    bar = _barrier.lookup(barrier_handle)
+    if epochs.data_ptr() != bar.epochs.data_ptr() or arrivals.data_ptr() != bar.arrivals.data_ptr():
+        raise RuntimeError(
+            "vmmkv::prepared_publish got epochs/arrivals other than its barrier's: "
+            "torch.compile replaced them by copies"
+        )
+    p.publish(tuple(inputs), slot_mapping, num_local_only, bar, lane)
+
+
+@_op_prepared_publish.register_fake
+def _(caches, counters, epochs, arrivals, inputs, slot_mapping, handle, bh, lane, nlo):
+    return None
