@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.mputil import capture_logs, run_world
+from vmmkv.testing.spawn import capture_logs, run_world
 
 BS = 64  # block size
 NB = 6  # blocks per layer view
