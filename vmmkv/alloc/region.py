@@ -458,10 +458,7 @@ class PeerRegion(_MappedRange):
     Local object; ``close()`` unmaps every chunk then gives up the reservation (idempotent).
     """
 
-    _what = "PeerRegion"
-
-    def __init__(self, backend: Backend, capacity_bytes: int) -> None:
-        super().__init__(backend, capacity_bytes)
+    _what = "PeerRegion"  # built by ``VirtualRegion.open_peer()``: PeerRegion(backend, capacity)
 
     @property
     def mapped_bytes(self) -> int:
