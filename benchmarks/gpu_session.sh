@@ -6,6 +6,7 @@
 # pytest-timeout), unpack their wheels into .gpu-site/ here (ignored by git) and name .gpu-site
 # in the call's carry list; the path below puts it on PYTHONPATH.
 set -u
+# NVLink multicast off for the whole session (the ranks the spawner starts get it anyway).
 export PYTHONPATH=$PWD:$PWD/.gpu-site NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/bench-out}
