@@ -799,3 +799,367 @@ def test_torch_compile_keeps_store_then_barrier_then_read_in_order(dev):
         want = mla_view(exp[0][GUARD:-GUARD], lay).sum(dtype=torch.int64)
         assert got.item() == want.item()
     assert bar.epochs.tolist() == [2]
+
+
+# ---------------------------------------------------------------------------------------------
+# Prepared stores (vmmkv.ops.prepare) and one launch per layer (stores + barrier)
+
+
+def _one_rank_barrier(dev, lanes: int = 2, **kw) -> DeviceBarrier:
+    sig = torch.zeros(lanes * 2 * 1, dtype=torch.int32, device=dev)
+    table = torch.tensor([sig.data_ptr()], dtype=torch.int64, device=dev)
+    bar = DeviceBarrier(table, None, rank=0, world=1, lanes=lanes, device=dev, **kw)
+    bar._test_signals = sig  # keep the signal memory alive with the barrier
+    return bar
+
+
+ROW_WIDTH, ROW_STRIDE, ROW_OFFSET = 656, 672, 4096
+
+
+def _rows_setup(rep: Replicas, nb: int, my_rank: int) -> KVTarget:
+    view = rep.regions[my_rank].as_strided(
+        (nb, BS, ROW_WIDTH), (BS * ROW_STRIDE, ROW_STRIDE, 1),
+        rep.regions[my_rank].storage_offset() + ROW_OFFSET,
+    )  # fmt: skip
+    return KVTarget(
+        "rows", rep.ptr_table, my_rank, ROW_OFFSET, nb, BS, BS * ROW_STRIDE, ROW_STRIDE,
+        ROW_WIDTH, rep.committed, torch.zeros(1, dtype=torch.int32, device=dev_of(rep)), view,
+    )  # fmt: skip
+
+
+def dev_of(rep: Replicas) -> torch.device:
+    return rep.ptr_table.device
+
+
+def _expect_rows(exp, nb, my_rank, rows, slots, nlo=0):
+    for r, buf in enumerate(exp):
+        start = 0 if r == my_rank else nlo
+        region = buf[GUARD:-GUARD]
+        view = region.as_strided(
+            (nb, BS, ROW_WIDTH), (BS * ROW_STRIDE, ROW_STRIDE, 1),
+            region.storage_offset() + ROW_OFFSET,
+        )  # fmt: skip
+        R.insert_rows(view, rows.cpu()[start:], slots.cpu()[start:])
+
+
+class _Case:
+    """One store call of a kind: its targets, inputs and expected bytes."""
+
+    def __init__(self, kind: str, dev, tokens: int, seed: int, slot_dtype=torch.int64, nlo=0,
+                 my_rank=1, dests=3):  # fmt: skip
+        self.kind, self.nlo, self.my_rank = kind, nlo, my_rank
+        if kind == "rows":
+            self.nb = 5
+            self.rep = Replicas(dests, ROW_OFFSET + self.nb * BS * ROW_STRIDE + 64, dev)
+            self.targets = (_rows_setup(self.rep, self.nb, my_rank),)
+            g = torch.Generator().manual_seed(seed)
+            self.inputs = (torch.randint(0, 256, (tokens + 3, ROW_WIDTH), generator=g,
+                                         dtype=torch.uint8).to(dev),)  # fmt: skip
+        else:
+            self.lay = interleaved(5)
+            self.nb = self.lay.num_blocks
+            self.rep = Replicas(dests, self.lay.region_bytes, dev)
+            mla, idx = targets(self.rep, self.lay, my_rank=my_rank)
+            kv_c, k_pe, k = make_inputs(tokens + 3, seed=seed, device=dev)
+            self.targets, self.inputs = {
+                "fp8_ds_mla": ((mla,), (kv_c, k_pe)),
+                "indexer_k": ((idx,), (k,)),
+                "layer": ((mla, idx), (kv_c, k_pe, k)),
+            }[kind]
+        self.slots = make_slots(tokens, self.nb, seed=seed + 1, dtype=slot_dtype).to(dev)
+
+    def expect(self, exp) -> None:
+        ins, s, r, nlo = self.inputs, self.slots, self.my_rank, self.nlo
+        if self.kind == "rows":
+            _expect_rows(exp, self.nb, r, ins[0], s, nlo)
+        if self.kind in ("fp8_ds_mla", "layer"):
+            expect_mla(exp, self.lay, r, ins[0], ins[1], s, nlo=nlo)
+        if self.kind in ("indexer_k", "layer"):
+            expect_idx(exp, self.lay, r, ins[-1], s, nlo=nlo)
+
+    def counters_ok(self) -> bool:
+        return all(t.error_counter.item() == 2 for t in self.targets)
+
+
+KINDS_UNDER_TEST = ["fp8_ds_mla", "indexer_k", "layer", "rows"]
+
+
+@requires_gpu
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("kind", KINDS_UNDER_TEST)
+def test_prepared_store_writes_the_reference_bytes_for_every_kind(dev, kind, slot_dtype):
+    from vmmkv.ops import prepare
+
+    case = _Case(kind, dev, tokens=150, seed=100, slot_dtype=slot_dtype, nlo=7)
+    p = prepare(case.targets)
+    exp = case.rep.poison(101)
+    p.store(case.inputs, case.slots, 7)
+    case.expect(exp)
+    case.rep.assert_equal(exp)
+    assert case.counters_ok()
+
+
+@requires_gpu
+@pytest.mark.parametrize("kind", KINDS_UNDER_TEST)
+def test_prepared_publish_stores_the_same_bytes_and_passes_the_lane_once(dev, kind):
+    from vmmkv.ops import prepare
+
+    case = _Case(kind, dev, tokens=150, seed=110, nlo=4)
+    bar = _one_rank_barrier(dev, lanes=2)
+    p = prepare(case.targets)
+    exp = case.rep.poison(111)
+    p.publish(case.inputs, case.slots, 4, bar, 1)
+    case.expect(exp)
+    case.rep.assert_equal(exp)
+    assert case.counters_ok()
+    assert bar.epochs.tolist() == [0, 1] and bar.arrivals.tolist() == [0, 0]
+    assert bar._test_signals.view(2, 2).tolist() == [[0, 0], [0, 1]]  # lane 1, parity 1
+    bar.close()
+
+
+@requires_gpu
+def test_publish_layer_is_byte_equal_to_store_layer_then_barrier(dev):
+    from vmmkv.ops import publish_layer
+
+    lay = interleaved(5)
+    reps = [Replicas(2, lay.region_bytes, dev) for _ in range(2)]
+    bars = [_one_rank_barrier(dev, lanes=1) for _ in range(2)]
+    kv_c, k_pe, k = make_inputs(150, seed=120, device=dev)
+    slots = make_slots(150, lay.num_blocks, seed=121, dtype=torch.int64).to(dev)
+    exps = [rep.poison(122) for rep in reps]
+    assert all(torch.equal(a, b) for a, b in zip(exps[0], exps[1], strict=True))
+    mla, idx = targets(reps[0], lay, my_rank=0)
+    store_layer(mla, idx, kv_c, k_pe, k, slots, num_local_only=3)
+    bars[0].arrive_and_wait(0)
+    mla1, idx1 = targets(reps[1], lay, my_rank=0)
+    publish_layer(mla1, idx1, kv_c, k_pe, k, slots, barrier=bars[1], lane=0, num_local_only=3)
+    torch.cuda.synchronize()
+    for a, b in zip(reps[0].bufs, reps[1].bufs, strict=True):
+        assert torch.equal(a, b)
+    expect_mla(exps[0], lay, 0, kv_c, k_pe, slots, nlo=3)
+    expect_idx(exps[0], lay, 0, k, slots, nlo=3)
+    reps[0].assert_equal(exps[0])
+    assert bars[0].epochs.tolist() == bars[1].epochs.tolist() == [1]
+    assert mla1.error_counter.item() == idx1.error_counter.item() == 2
+    for b in bars:
+        b.close()
+
+
+@requires_gpu
+def test_publish_over_thousands_of_ctas_resets_the_arrival_counter(dev):
+    from vmmkv.ops import prepare
+
+    lay = packed(400)  # 25600 slots
+    rep = Replicas(2, lay.region_bytes, dev)
+    mla, idx = targets(rep, lay, my_rank=0)
+    bar = _one_rank_barrier(dev, lanes=1)
+    p = prepare((mla, idx))
+    for round_, tokens in enumerate((20000, 9, 20000)):  # 2500, 2, 2500 CTAs
+        kv_c, k_pe, k = make_inputs(tokens, seed=130 + round_, device=dev)
+        slots = make_slots(tokens, lay.num_blocks, seed=140 + round_, dtype=torch.int64,
+                           padded=(3,), oob=(5,)).to(dev)  # fmt: skip
+        exp = rep.poison(150 + round_)
+        p.publish((kv_c, k_pe, k), slots, 0, bar, 0)
+        expect_mla(exp, lay, 0, kv_c, k_pe, slots)
+        expect_idx(exp, lay, 0, k, slots)
+        rep.assert_equal(exp)
+        assert bar.epochs.tolist() == [round_ + 1] and bar.arrivals.tolist() == [0]
+    bar.close()
+
+
+@requires_gpu
+def test_publish_of_zero_tokens_writes_nothing_but_runs_the_barrier(dev):
+    from vmmkv.ops import prepare
+
+    case = _Case("layer", dev, tokens=64, seed=160)
+    bar = _one_rank_barrier(dev, lanes=1)
+    p = prepare(case.targets)
+    exp = case.rep.poison(161)
+    p.store(case.inputs, case.slots[:0])
+    p.publish(case.inputs, case.slots[:0], 0, bar, 0)
+    p.publish(case.inputs, case.slots[:0], 0, bar, 0)
+    case.rep.assert_equal(exp)
+    assert bar.epochs.tolist() == [2] and bar.arrivals.tolist() == [0]
+    bar.close()
+
+
+@requires_gpu
+def test_prepared_calls_validate_before_launching(dev):
+    from vmmkv.ops import prepare
+
+    case = _Case("layer", dev, tokens=20, seed=170)
+    bar = _one_rank_barrier(dev, lanes=1)
+    p = prepare(case.targets)
+    kv_c, k_pe, k = case.inputs
+    s = case.slots
+    with pytest.raises(TypeError, match=r"3 tensors \('kv_c', 'k_pe', 'k'\)"):
+        p.store((kv_c, k_pe), s)
+    with pytest.raises(TypeError, match="only bfloat16"):
+        p.store((kv_c.half(), k_pe, k), s)
+    with pytest.raises(ValueError, match=r"k must have shape \[T, 128\]"):
+        p.store((kv_c, k_pe, k[:, :64]), s)
+    with pytest.raises(ValueError, match="fewer than slot_mapping's 20"):
+        p.store((kv_c[:5], k_pe, k), s)
+    with pytest.raises(ValueError, match="is on cpu"):
+        p.store((kv_c, k_pe.cpu(), k), s)
+    raw = torch.zeros(20, 584, dtype=torch.bfloat16, device=dev)
+    with pytest.raises(ValueError, match="kv_c rows must be 16-byte aligned"):
+        p.store((raw[:, 4:516], k_pe, k), s)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        p.store(case.inputs, s.float())
+    with pytest.raises(ValueError, match="slot_mapping is on cpu"):
+        p.store(case.inputs, s.cpu())
+    with pytest.raises(ValueError, match=r"num_local_only must be in \[0, 20\], got 21"):
+        p.store(case.inputs, s, 21)
+    with pytest.raises(TypeError, match="DeviceBarrier"):
+        p.publish(case.inputs, s, 0, object(), 0)
+    with pytest.raises(ValueError, match=r"lane must be an int in \[0, 1\), got 1"):
+        p.publish(case.inputs, s, 0, bar, 1)
+    bar.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        p.publish(case.inputs, s, 0, bar, 0)
+    torch.cuda.synchronize()
+    assert case.targets[0].error_counter.item() == 0  # nothing was launched
+
+
+@requires_gpu
+def test_captured_publish_replays_byte_exact_and_advances_the_epoch_per_replay(dev):
+    from vmmkv.ops import prepare, publish_layer
+
+    lay = interleaved(5)
+    rep = Replicas(2, lay.region_bytes, dev)
+    mla, idx = targets(rep, lay, my_rank=0)
+    bar = _one_rank_barrier(dev, lanes=2)
+    p = prepare((mla, idx))
+    kv_c, k_pe, k = (t.clone() for t in make_inputs(100, seed=180, device=dev))
+    slots = make_slots(100, lay.num_blocks, seed=181, dtype=torch.int64).to(dev)
+    slots2 = torch.zeros(20, dtype=torch.int64, device=dev)
+    p.publish((kv_c, k_pe, k), slots, 0, bar, 1)  # eager first: epochs [0, 1]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        p.publish((kv_c, k_pe, k), slots, 0, bar, 0)
+        publish_layer(mla, idx, kv_c, k_pe, k, slots2, barrier=bar, lane=1)
+        bar.arrive_and_wait(0)
+    torch.cuda.synchronize()
+    assert bar.epochs.tolist() == [0, 1]  # capture ran nothing
+    for round_ in range(3):
+        fresh = make_inputs(100, seed=190 + round_, device=dev)
+        for static, new in zip((kv_c, k_pe, k), fresh, strict=True):
+            static.copy_(new)
+        new_slots = make_slots(100, lay.num_blocks, seed=200 + round_, dtype=torch.int64)
+        new_slots[new_slots >= 4 * BS] = -1  # blocks 4.. belong to the second publish
+        slots.copy_(new_slots)
+        slots2.copy_(torch.randperm(BS)[:20] + 4 * BS)
+        mla.error_counter.zero_()
+        exp = rep.poison(210 + round_)
+        graph.replay()
+        if round_ == 1:
+            bar.arrive_and_wait(1)  # a stand-alone barrier between replays, same lane
+        expect_mla(exp, lay, 0, kv_c, k_pe, slots)
+        expect_idx(exp, lay, 0, k, slots)
+        expect_mla(exp, lay, 0, kv_c, k_pe, slots2)
+        expect_idx(exp, lay, 0, k, slots2)
+        rep.assert_equal(exp)
+        assert bar.epochs.tolist() == [2 * (round_ + 1), 1 + (round_ + 1) + (round_ >= 1)]
+        assert bar.arrivals.tolist() == [0, 0]
+    assert bar.read_diagnostic() is None
+    bar.close()
+
+
+def _snapshot_has(snapshot: torch.Tensor, lay: Layout, kv_c, k_pe, k, slots) -> bool:
+    """True when the replica snapshot already holds the reference rows of these tokens
+    (inserting them again changes nothing)."""
+    region = snapshot[GUARD:-GUARD].clone()
+    R.insert_ds_mla(mla_view(region, lay), kv_c.cpu(), k_pe.cpu(), slots.cpu())
+    R.insert_indexer_k(idx_view(region, lay), k.cpu(), slots.cpu(), True)
+    return torch.equal(region, snapshot[GUARD:-GUARD])
+
+
+@requires_gpu
+def test_two_ranks_see_each_others_rows_after_publish_mixing_fused_and_standalone_barriers(dev):
+    """Two ranks in one process, one stream each. Per round each rank stores its own tokens
+    into both replicas, either fused (``publish``) or as ``store_layer`` + ``arrive_and_wait``,
+    on lane ``round % 2``; rank 0 is delayed so rank 1's barrier must really wait. After its
+    barrier each rank snapshots its replica (a copy, no kernel to load while a peer spins):
+    every snapshot must hold the peer's rows of that round."""
+    from vmmkv.ops import prepare
+
+    lay = packed(8)  # rank r, round parity q -> blocks 4q + 2r, 4q + 2r + 1
+    rep = Replicas(2, lay.region_bytes, dev)
+    sigs, bars, streams = _two_ranks(dev, lanes=2)
+    tg = [targets(rep, lay, my_rank=r) for r in (0, 1)]
+    prepared = [prepare(t) for t in tg]
+    rounds = 6
+    inputs, slots = {}, {}
+    for j in range(rounds):
+        for r in (0, 1):
+            inputs[j, r] = make_inputs(100, seed=300 + 2 * j + r, device=dev)
+            base = (4 * (j % 2) + 2 * r) * BS
+            slots[j, r] = (torch.randperm(2 * BS)[:100] + base).to(dev)
+    snaps = {(j, r): torch.empty_like(rep.bufs[r]) for j in range(rounds) for r in (0, 1)}
+    exp = rep.poison(320)
+    torch.cuda._sleep(1)  # load torch's sleep kernel before any barrier spins
+    torch.cuda.synchronize()
+    for j in range(rounds):
+        lane = j % 2
+        for r in (1, 0):
+            with torch.cuda.stream(streams[r]):
+                if j == 0 and r == 0:
+                    torch.cuda._sleep(50_000_000)
+                kv_c, k_pe, k = inputs[j, r]
+                if (j + r) % 2 == 0:
+                    prepared[r].publish((kv_c, k_pe, k), slots[j, r], 0, bars[r], lane)
+                else:
+                    store_layer(*tg[r], kv_c, k_pe, k, slots[j, r])
+                    bars[r].arrive_and_wait(lane)
+                snaps[j, r].copy_(rep.bufs[r])
+    torch.cuda.synchronize()
+    for j in range(rounds):
+        for r in (0, 1):
+            peer = 1 - r
+            assert _snapshot_has(snaps[j, r].cpu(), lay, *inputs[j, peer], slots[j, peer]), (j, r)
+    for j in range(rounds):
+        for r in (0, 1):
+            expect_mla(exp, lay, r, inputs[j, r][0], inputs[j, r][1], slots[j, r])
+            expect_idx(exp, lay, r, inputs[j, r][2], slots[j, r])
+    rep.assert_equal(exp)
+    for b in bars:
+        assert b.epochs.tolist() == [rounds // 2, rounds // 2]
+        assert b.arrivals.tolist() == [0, 0] and b.read_diagnostic() is None
+        b.close()
+
+
+@requires_gpu
+def test_a_missing_peer_times_out_in_the_fused_publish_with_a_diagnostic(dev):
+    script = textwrap.dedent(
+        """
+        import os, torch
+        from vmmkv.ops import prepare
+        from vmmkv.ops.barrier import DeviceBarrier
+        from tests.test_kernels_gpu import _Case
+        dev = torch.device("cuda", 0)
+        case = _Case("layer", dev, tokens=64, seed=5)
+        sigs = [torch.zeros(2 * 2 * 2, dtype=torch.int32, device=dev) for _ in range(2)]
+        table = torch.tensor([s.data_ptr() for s in sigs], dtype=torch.int64, device=dev)
+        bar = DeviceBarrier(table, None, rank=1, world=2, lanes=2, device=dev, timeout_s=0.2)
+        prepare(case.targets).publish(case.inputs, case.slots, 0, bar, 1)  # rank 0 never comes
+        try:
+            torch.cuda.synchronize()
+            print("SYNCHRONIZE-RETURNED", flush=True)
+        except Exception as exc:
+            print("SYNCHRONIZE-FAILED", type(exc).__name__, flush=True)
+        print("DIAG", bar.read_diagnostic(), flush=True)
+        os._exit(3)
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=_pythonpath())
+    env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", str(dev.index))
+    run = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    out = run.stdout + run.stderr
+    assert run.returncode != 0, out
+    assert "SYNCHRONIZE-FAILED" in out, out
+    assert "DIAG vmmkv barrier timeout: lane=1 rank=1 missing peer=0 epoch=1 observed=0" in out, out
