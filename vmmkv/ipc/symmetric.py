@@ -14,7 +14,8 @@ Contract:
   configuration mismatches (:class:`ConfigMismatch`) always raise.
 - ``must_match``: per-rank settings of the caller that must be equal on every rank; gathered
   with the first request, a mismatch raises the same error on every rank.
-- ``resize`` is refused during CUDA stream capture. A failed grow leaves every rank at the old
+- ``resize`` is refused during CUDA stream capture on the calling thread (a capture running on
+  another thread cannot be seen: do not resize while another thread captures). A failed grow leaves every rank at the old
   size and the group usable; a failed shrink leaves the bound lowered and the object refusing
   further resizes (some ranks may have unmapped their peers' chunks).
 - ``committed_table`` (device int64 ``[1]``) holds the committed size every rank's region has;
@@ -290,6 +291,9 @@ class SymmetricRegion:
         try:
             run_all(steps)
         except Exception as exc:
+            # Chunks that stayed mapped stay on the books (no hole), but the next grow would
+            # find them in its way: refuse further resizes, as after a failed shrink.
+            self._broken = f"a failed grow rollback ({exc})"
             log.error("rank %d: rolling back a failed grow: %s", self.rank, exc)
 
     def _shrink(self, target: int) -> None:
