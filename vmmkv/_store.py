@@ -1,18 +1,14 @@
-"""What the direct and the gather path share: the view geometry of a bound layer, the one input
-validator of the cache's stores, and a store over a fixed tuple of targets.
+"""What the direct and the gather path share: the view geometry of a bound layer, the checks of
+the cache's store arguments, and the slot forms.
 
 - ``target_geometry(view, kind, region_base, capacity)`` validates a layer view
   ``[num_blocks, block_size, entry]`` that lies inside a region and returns the geometry fields of
   a :class:`vmmkv.ops.KVTarget` (the format facts come from ``vmmkv.ops.formats``).
 - ``check_inputs`` makes, before any collective, the checks the kernels would make, so a rank
   with bad inputs raises before its peers start waiting for it.
-- ``TargetStore`` runs the stores of one combination of bound caches (one cache, or the two of a
-  layer) into a tuple of targets: the fused kernels on CUDA (through ``vmmkv.ops.prepare`` when
-  the ops layer offers it: per-binding launch state built once), the pure-torch reference of
-  ``vmmkv.ops.host`` on the host backend. ``publish`` adds the device barrier in the same launch
-  where the ops layer supports it.
+- ``own_slots`` resolves the two slot forms (this rank's mapping, or the engine's gathered one).
 
-Local, no collective. Capture-safe where the underlying store is (CUDA, after warm-up).
+Local, no collective, no device work (shapes and metadata only; safe under capture).
 Internal: the engine-facing API is :class:`vmmkv.ReplicatedKVCache`.
 """
 
@@ -24,12 +20,11 @@ from typing import Any
 
 import torch
 
-from . import ops
-from .ops import host as host_ops
+from ._util import require_int
 from .ops.formats import STORE_KINDS, get_format
-from .ops.kv import KVTarget
+from .ops.reference import check_slot_mapping, check_store_input
 
-__all__ = ["TargetStore", "check_inputs", "check_kinds", "own_slots", "target_geometry"]
+__all__ = ["check_inputs", "check_kinds", "own_slots", "target_geometry"]
 
 log = logging.getLogger(__name__)
 
@@ -125,15 +120,6 @@ def own_slots(
     return slot_mapping, gathered
 
 
-def input_specs(kinds: tuple[str, ...], rows_entry: int) -> list[tuple[str, torch.dtype, int]]:
-    """(name, dtype, width) of every input tensor a store of ``kinds`` takes."""
-    return [
-        (name, dtype, rows_entry if width is None else width)
-        for kind in kinds
-        for name, dtype, width in get_format(kind).inputs
-    ]
-
-
 def check_inputs(
     kinds: tuple[str, ...],
     rows_entry: int,
@@ -142,71 +128,23 @@ def check_inputs(
     nlo: Any,
     device: torch.device,
 ) -> int:
-    """The checks the kernels make (types, dtypes, widths, devices, token counts); returns the
-    token count ``slot_mapping.numel()``."""
-    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
-        raise TypeError(f"slot_mapping must be a 1-D tensor, got {slot_mapping!r:.60}")
-    if slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
-    tokens = slot_mapping.numel()
-    if tokens > 1 and slot_mapping.stride(0) != 1:
-        raise ValueError(f"slot_mapping must be contiguous, got stride {slot_mapping.stride()}")
-    if isinstance(nlo, bool) or not isinstance(nlo, int) or not 0 <= nlo <= tokens:
-        raise ValueError(f"num_local_only must be an int in [0, {tokens}], got {nlo!r}")
-    specs = input_specs(kinds, rows_entry)
-    if len(inputs) != len(specs):
-        raise ValueError(f"expected {len(specs)} input tensors, got {len(inputs)}")
+    """The checks the kernels make (types, dtypes, widths, devices, token counts), through the
+    one store-input check of ``vmmkv.ops.reference``; returns the token count
+    ``slot_mapping.numel()``."""
+    slots = check_slot_mapping(slot_mapping)
+    tokens = slots.numel()
+    if tokens > 1 and slots.stride(0) != 1:
+        raise ValueError(f"slot_mapping must be contiguous, got stride {slots.stride()}")
+    if slots.device != device:
+        raise ValueError(f"slot_mapping is on {slots.device}, expected {device}")
+    require_int("num_local_only", nlo, lo=0, hi=tokens)
+    specs = [
+        (name, dtype, rows_entry if width is None else width)
+        for kind in kinds
+        for name, dtype, width in get_format(kind).inputs
+    ]
+    if not isinstance(inputs, (tuple, list)) or len(inputs) != len(specs):
+        raise TypeError(f"expected {len(specs)} input tensors {[s[0] for s in specs]}")
     for t, (name, dtype, width) in zip(inputs, specs, strict=True):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
-        if t.dtype != dtype:
-            raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
-        if t.dim() != 2 or t.shape[1] != width or t.shape[0] < tokens:
-            raise ValueError(f"{name} must be [>= {tokens}, {width}], got {list(t.shape)}")
-        if t.stride(1) != 1:
-            raise ValueError(f"{name} rows must be contiguous, got strides {t.stride()}")
-    for t in (*inputs, slot_mapping):
-        if t.device != device:
-            raise ValueError(f"inputs must be on {device}, got one on {t.device}")
+        check_store_input(name, t, dtype, width, tokens=tokens, contiguous_rows=True, device=device)
     return tokens
-
-
-class TargetStore:
-    """The stores of one combination of bound caches into a fixed tuple of targets."""
-
-    def __init__(self, kinds: tuple[str, ...], targets: tuple[KVTarget, ...]) -> None:
-        self.kinds = kinds
-        self.targets = targets
-        self.entry_bytes = sum(t.entry_bytes for t in targets)
-        cuda = targets[0].device.type == "cuda"
-        self._impl = ops if cuda else host_ops
-        prepare = getattr(ops, "prepare", None) if cuda else None
-        # The ops layer's prepared store (launch state built once) where it exists.
-        self._prepared = prepare(targets) if prepare is not None else None
-
-    def store(self, inputs: Sequence[torch.Tensor], slots: torch.Tensor, nlo: int) -> None:
-        """Store ``inputs`` (validated by the kernels' wrappers) at ``slots``."""
-        if self._prepared is not None:
-            self._prepared.store(tuple(inputs), slots, nlo)
-            return
-        impl, t = self._impl, self.targets
-        if self.kinds == ("fp8_ds_mla",):
-            impl.store_ds_mla(t[0], *inputs, slots, num_local_only=nlo)
-        elif self.kinds == ("indexer_k",):
-            impl.store_indexer_k(t[0], *inputs, slots, num_local_only=nlo)
-        elif self.kinds == ("rows",):
-            impl.publish_rows(t[0], *inputs, slots, num_local_only=nlo)
-        else:
-            impl.store_layer(t[0], t[1], *inputs, slots, num_local_only=nlo)
-
-    def publish(
-        self, inputs: Sequence[torch.Tensor], slots: torch.Tensor, nlo: int, barrier: Any, lane: int
-    ) -> None:
-        """Store, then ``barrier.arrive_and_wait(lane)``: in one launch when the ops layer has
-        a fused publish for a device barrier, else two."""
-        fused = getattr(self._prepared, "publish", None)
-        if fused is not None and isinstance(barrier, ops.DeviceBarrier):
-            fused(tuple(inputs), slots, nlo, barrier, lane)
-            return
-        self.store(inputs, slots, nlo)
-        barrier.arrive_and_wait(lane)

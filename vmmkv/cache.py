@@ -266,7 +266,7 @@ class ReplicatedKVCache:
         cache = view.view(torch.uint8) if view.dtype == torch.int8 else view
         binding = Binding(name, kind, cache, local, direct)
         for path in (self._gather, self._direct) if self._direct else (self._gather,):
-            path.prepare((binding,), (kind,))  # per-binding launch state, built once
+            path.prepare((binding,))  # per-binding launch state, built once (before capture)
         return binding
 
     def grow(self, committed_bytes: int) -> int:
@@ -311,8 +311,8 @@ class ReplicatedKVCache:
         rank inserted everything itself, nothing to wait for)."""
         path = self._select(mode)
         self._check_lane(lane)
-        kinds = check_kinds((mla, idx), Binding)
-        args = ((mla, idx), kinds, (kv_c, k_pe, k), slot_mapping, num_local_only)
+        check_kinds((mla, idx), Binding)
+        args = ((mla, idx), (kv_c, k_pe, k), slot_mapping, num_local_only)
         self._tokens += path.publish(*args, gathered_slot_mapping, lane)
         if path is self._direct:
             self._barriers += 1
@@ -333,8 +333,8 @@ class ReplicatedKVCache:
 
     def _store(self, bindings, inputs, slot_mapping, nlo, mode, gathered) -> None:
         path = self._select(mode)
-        kinds = check_kinds(bindings, Binding)
-        self._tokens += path.store(bindings, kinds, inputs, slot_mapping, nlo, gathered)
+        check_kinds(bindings, Binding)
+        self._tokens += path.store(bindings, inputs, slot_mapping, nlo, gathered)
 
     def _check_lane(self, lane: Any) -> None:
         if isinstance(lane, bool) or not isinstance(lane, int) or not 0 <= lane < self._lanes:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
-from ._store import TargetStore, own_slots
+from ._store import own_slots
 from .ops.kv import KVTarget
 
 __all__ = ["DirectPath"]
@@ -72,7 +72,7 @@ class DirectPath:
         self.device = region.device
         self.peer_bytes = 0
         self._ptr_table = region.ptr_table
-        self._stores: dict[tuple[Any, ...], TargetStore] = {}
+        self._stores: dict[tuple[Any, ...], Any] = {}  # bindings -> ops.PreparedStore
         if self.device.type == "cuda":
             peers = region.peers
             need = lanes * 2 * self.world_size * 4
@@ -89,7 +89,7 @@ class DirectPath:
                 lanes,
                 self.device,
                 timeout_s=barrier_timeout,
-                fence=(fence,),
+                fence=fence,
             )
         else:
             self._barrier = _HostBarrier(region, cpu_group)
@@ -98,30 +98,32 @@ class DirectPath:
         """The target of a bound view: every replica, own base at this rank."""
         return KVTarget(ptr_table=self._ptr_table, my_rank=self.rank, **geometry, **tensors)
 
-    def prepare(self, bindings: tuple[Any, ...], kinds: tuple[str, ...]) -> TargetStore:
+    def prepare(self, bindings: tuple[Any, ...]) -> Any:
+        """The prepared store (``vmmkv.ops.prepare``) of these bindings, built once."""
         store = self._stores.get(bindings)
         if store is None:
-            store = TargetStore(kinds, tuple(b.direct for b in bindings))
+            store = ops.prepare(tuple(b.direct for b in bindings))
             self._stores[bindings] = store
         return store
 
-    def store(self, bindings, kinds, inputs, slot_mapping, nlo, gathered) -> int:
+    def store(self, bindings, inputs, slot_mapping, nlo, gathered) -> int:
         """Store this rank's tokens into every replica; returns the token count."""
         slots, _ = own_slots(slot_mapping, gathered, self.rank, self.world_size)
-        store = self.prepare(bindings, kinds)
+        store = self.prepare(bindings)
         store.store(inputs, slots, nlo)
         return self._count(store, slots, nlo)
 
-    def publish(self, bindings, kinds, inputs, slot_mapping, nlo, gathered, lane: int) -> int:
-        """``store`` then ``barrier(lane)`` (one launch where the ops layer fuses them)."""
+    def publish(self, bindings, inputs, slot_mapping, nlo, gathered, lane: int) -> int:
+        """``store`` then ``barrier(lane)``: one launch on CUDA (the ops layer's publish)."""
         slots, _ = own_slots(slot_mapping, gathered, self.rank, self.world_size)
-        store = self.prepare(bindings, kinds)
+        store = self.prepare(bindings)
         store.publish(inputs, slots, nlo, self._barrier, lane)
         return self._count(store, slots, nlo)
 
-    def _count(self, store: TargetStore, slots: torch.Tensor, nlo: int) -> int:
+    def _count(self, store: Any, slots: torch.Tensor, nlo: int) -> int:
         tokens = slots.numel()
-        self.peer_bytes += (tokens - nlo) * (self.world_size - 1) * store.entry_bytes
+        entry = sum(t.entry_bytes for t in store.targets)
+        self.peer_bytes += (tokens - nlo) * (self.world_size - 1) * entry
         return tokens
 
     def barrier(self, lane: int) -> None:

@@ -46,7 +46,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._store import TargetStore, check_inputs, own_slots
+from . import ops
+from ._store import check_inputs, own_slots
 from ._util import require_int, round_up
 from .ops.kv import KVTarget
 
@@ -168,7 +169,7 @@ class GatherPath:
         # NCCL where the rows live on a GPU and the caller gave a device group; else gloo
         self._device_group = device_group if device.type == "cuda" else None
         self._timeout = timedelta(seconds=timeout)
-        self._stores: dict[tuple[Any, ...], TargetStore] = {}
+        self._stores: dict[tuple[Any, ...], Any] = {}  # bindings -> ops.PreparedStore
         self._staging: dict[tuple[int, int], _Staging] = {}
         self.transport = "nccl" if self._device_group is not None else "gloo"
         if device.type == "cuda" and self._device_group is None and world_size > 1:
@@ -182,22 +183,25 @@ class GatherPath:
         """The target of a bound view: the own replica only."""
         return KVTarget(ptr_table=self._local_table, my_rank=0, **geometry, **tensors)
 
-    def prepare(self, bindings: tuple[Any, ...], kinds: tuple[str, ...]) -> TargetStore:
+    def prepare(self, bindings: tuple[Any, ...]) -> Any:
+        """The prepared store (``vmmkv.ops.prepare``) of these bindings' own-replica targets,
+        built once."""
         store = self._stores.get(bindings)
         if store is None:
-            store = TargetStore(kinds, tuple(b.local for b in bindings))
+            store = ops.prepare(tuple(b.local for b in bindings))
             self._stores[bindings] = store
         return store
 
     # -- the store -------------------------------------------------------------------------
-    def publish(self, bindings, kinds, inputs, slot_mapping, nlo, gathered, lane: int) -> int:
+    def publish(self, bindings, inputs, slot_mapping, nlo, gathered, lane: int) -> int:
         """Same as ``store``: each rank inserted every row itself, no barrier is needed."""
-        return self.store(bindings, kinds, inputs, slot_mapping, nlo, gathered)
+        return self.store(bindings, inputs, slot_mapping, nlo, gathered)
 
-    def store(self, bindings, kinds, inputs, slot_mapping, nlo, gathered) -> int:
+    def store(self, bindings, inputs, slot_mapping, nlo, gathered) -> int:
         """Collective: gather the group's rows and insert them into the own replica. Returns
         this rank's token count ``T`` (as passed, before the gather)."""
         inputs = tuple(inputs)
+        kinds = tuple(b.kind for b in bindings)
         problem: Exception | None = None
         tokens = 0
         try:
@@ -210,20 +214,26 @@ class GatherPath:
             self._check_padding(problem, kinds, tokens, nlo, slot_mapping, gathered)
         if problem is not None:
             raise problem
-        store = self.prepare(bindings, kinds)
+        store = self.prepare(bindings)
         if self.world_size == 1:
             store.store(inputs, slots, nlo)
             return tokens
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing and self._device_group is None:
+            raise RuntimeError(
+                f"rank {self.rank}: the gather fallback over gloo (no device_group) cannot run "
+                "during CUDA-graph capture: pass an NCCL device_group to ReplicatedKVCache"
+            )
         if nlo:  # replicated rows: from the own inputs, never gathered
             store.store(inputs, slots[:nlo], 0)
         per_rank = tokens - nlo
         if per_rank == 0:  # every rank has only replicated rows (same T, same nlo)
             return tokens
-        cols, all_slots = self._gather(inputs, slots, nlo, tokens, gathered)
+        cols, all_slots = self._gather(inputs, slots, nlo, tokens, gathered, capturing)
         store.store(cols, all_slots, 0)
         return tokens
 
-    def _gather(self, inputs, slots, nlo, tokens, gathered):
+    def _gather(self, inputs, slots, nlo, tokens, gathered, capturing):
         """The group's non-replicated rows (``[world * P]`` column views of one packed buffer)
         and their slots, P = T - nlo."""
         world, per_rank = self.world_size, tokens - nlo
@@ -231,7 +241,6 @@ class GatherPath:
         own = [t[nlo:tokens].view(torch.uint8) for t in inputs]
         slot_bytes = 0 if gathered is not None else slots.element_size()
         layout = _Layout([c.shape[1] for c in own], slot_bytes)
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         staging = None if capturing else self._staging_for(layout.width)
         old = staging.rows if staging is not None else None
         recv = _buffer(old, (n, layout.width), torch.uint8, self.device)
@@ -251,7 +260,7 @@ class GatherPath:
                           if slot_bytes else [])  # fmt: skip
             pad = self._pad(staging, per_rank)
             torch.cat(layout.pieces(cols, pad), dim=1, out=send)
-        self._all_gather(recv, send, capturing)
+        self._all_gather(recv, send)
         views = [
             recv[:, off : off + w].view(t.dtype)
             for t, off, w in zip(inputs, layout.offsets, layout.input_bytes, strict=True)
@@ -289,16 +298,11 @@ class GatherPath:
             staging.pad = pad
         return pad
 
-    def _all_gather(self, recv: torch.Tensor, send: torch.Tensor, capturing: bool) -> None:
+    def _all_gather(self, recv: torch.Tensor, send: torch.Tensor) -> None:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         if self._device_group is not None:
             gather(recv, send, group=self._device_group)
             return
-        if capturing:
-            raise RuntimeError(
-                f"rank {self.rank}: the gather fallback over gloo (no device_group) cannot run "
-                "during CUDA-graph capture: pass an NCCL device_group to ReplicatedKVCache"
-            )
         if self.device.type == "cpu":
             self._wait(gather(recv, send, group=self._cpu_group, async_op=True), "rows")
             return
