@@ -345,3 +345,58 @@ def test_gather_fallback_handles_a_padded_rank_without_tokens_and_rejects_bad_in
     assert out[0]["empty_ok"] and out[1]["empty_ok"]
     assert out[1]["bad"].startswith("TypeError") and "float16" in out[1]["bad"]
     assert out[0]["bad"].startswith("ValueError") and "ranks [1]" in out[0]["bad"]
+
+
+def _mode_mismatch(rank, world):
+    import torch.distributed as dist
+
+    from vmmkv import ReplicatedKVCache
+
+    try:
+        ReplicatedKVCache(
+            dist.group.WORLD, 1 << 20, "cpu", backend="host", direct=rank == 0, timeout=20
+        )
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "constructed"
+
+
+@pytest.mark.timeout(60)
+def test_a_direct_mode_that_differs_between_ranks_raises_on_every_rank_naming_it():
+    out = run_world(_mode_mismatch, 2, timeout=50)
+    for msg in out:
+        assert msg.startswith("ConfigMismatch") and "direct differs" in msg, msg
+        assert "ranks [0] have '1'" in msg and "ranks [1] have '0'" in msg, msg
+
+
+def _setup_fails_on_rank_1(rank, world):
+    import torch.distributed as dist
+
+    import vmmkv.cache as cache_mod
+    from vmmkv import ReplicatedKVCache
+
+    def broken(*args, **kwargs):
+        raise MemoryError("injected: no memory for the gather path")
+
+    original = cache_mod.GatherPath
+    if rank == 1:
+        cache_mod.GatherPath = broken  # a local failure after the region exists
+    out = []
+    try:
+        ReplicatedKVCache(dist.group.WORLD, 1 << 20, "cpu", backend="host", timeout=20)
+        out.append("constructed")
+    except Exception as exc:
+        out.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        cache_mod.GatherPath = original
+    with ReplicatedKVCache(dist.group.WORLD, 1 << 20, "cpu", backend="host", timeout=20) as c:
+        out.append(c.path)  # the group is usable afterwards
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_local_setup_failure_after_the_region_raises_on_every_rank_and_leaves_the_group_usable():
+    out = run_world(_setup_fails_on_rank_1, 2, timeout=50)
+    for msg, path in out:
+        assert "cache setup failed on group ranks [1]" in msg and "injected" in msg, msg
+        assert path == "direct"

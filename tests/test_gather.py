@@ -349,3 +349,47 @@ def test_a_packed_row_keeps_inputs_16_byte_aligned_and_the_slot_last():
     assert _Layout([1024, 128, 256], 0).width == 1408  # slots already gathered: no slot column
     rows = _Layout([200], 4)  # odd rows + int32 slot
     assert rows.offsets == [0] and rows.slot_offset == 200 and rows.width == 208
+
+
+def _publish_layer(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from vmmkv import ReplicatedKVCache
+    from vmmkv.ops import reference as ref
+
+    cap = 2 * BLOCK
+    out = {}
+    with ReplicatedKVCache(
+        dist.group.WORLD, cap, "cpu", backend="host", chunk_bytes=CHUNK, initial_bytes=cap
+    ) as cache:
+        buf = cache.allocate(cap).view(torch.uint8)
+        (mla, idx), _ = _layout(buf)[0]  # layer 0 of the two
+        bm, bi = cache.bind("mla", mla, "fp8_ds_mla"), cache.bind("idx", idx, "indexer_k")
+        decode, own = _batches(world, 2, 5)
+        kv_c, k_pe, k, _, slots = (
+            torch.cat([d, o]) for d, o in zip(decode, own[rank], strict=True)
+        )
+        g = torch.Generator().manual_seed(rank)
+        poison = torch.randint(1, 256, (cap,), generator=g, dtype=torch.uint8)
+        want = poison.clone()
+        (wm, wi), _ = _layout(want)[0]
+        for b in [decode] + own:
+            ok = torch.where(b[4] >= 2 * BS, -1, b[4])
+            ref.insert_ds_mla(wm, b[0], b[1], ok)
+            ref.insert_indexer_k(wi, b[2], ok)
+        for mode in ("direct", "gather"):
+            buf.copy_(poison)
+            before = cache.stats()["barriers"]
+            dist.barrier()
+            cache.publish_layer(bm, bi, kv_c, k_pe, k, slots, num_local_only=DECODE, mode=mode)
+            dist.barrier()  # the publish itself ordered every rank's writes; this orders the check
+            out[mode] = (torch.equal(buf, want), cache.stats()["barriers"] - before)
+            dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_publish_layer_writes_every_replica_in_both_modes_and_only_direct_needs_a_barrier():
+    for o in run_world(_publish_layer, 3, timeout=100):
+        assert o["direct"] == (True, 1) and o["gather"] == (True, 0), o

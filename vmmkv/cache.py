@@ -50,7 +50,6 @@ be equal on every rank (checked at construction).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import threading
@@ -66,7 +65,7 @@ from ._util import require_int, require_timeout, round_up, run_all
 from .alloc.driver import finalizing
 from .direct import DirectPath
 from .gather import GatherPath, check_padding_enabled
-from .ipc import DirectUnsupported, SymmetricRegion
+from .ipc import SymmetricRegion
 from .ipc.comm import check_cpu_group
 from .ops.kv import KVTarget
 
@@ -99,22 +98,6 @@ class Binding:
     view: torch.Tensor
     local: KVTarget
     direct: KVTarget | None
-
-
-def _open_region(capacity, device, group, mode: str, must_match: dict, **kw) -> Any:
-    """The SymmetricRegion, peers mapped unless mode '0' or mapping failed (``auto``)."""
-    if "peers" in inspect.signature(SymmetricRegion).parameters:
-        peers = "off" if mode == "0" else "auto"
-        return SymmetricRegion(capacity, device, group, peers=peers, must_match=must_match, **kw)
-    # SymmetricRegion before ``peers=`` (map_peers=): only DirectUnsupported falls back
-    if mode != "0":
-        try:
-            return SymmetricRegion(capacity, device, group, **kw)
-        except DirectUnsupported as exc:
-            why = str(exc)
-    sr = SymmetricRegion(capacity, device, group, map_peers=False, **kw)
-    sr.why_not_mapped = why if mode != "0" else "peer mapping off"
-    return sr
 
 
 class ReplicatedKVCache:
@@ -152,10 +135,10 @@ class ReplicatedKVCache:
             direct=self.mode_requested, lanes=lanes, barrier_timeout=barrier_timeout,
             check_padding=check,
         )  # fmt: skip
-        sr = _open_region(
-            capacity_bytes, device, cpu_group, self.mode_requested, match,
-            initial_bytes=initial_bytes or 0, chunk_bytes=chunk_bytes, backend=backend,
-            timeout=timeout,
+        sr = SymmetricRegion(
+            capacity_bytes, device, cpu_group, initial_bytes=initial_bytes or 0,
+            chunk_bytes=chunk_bytes, backend=backend, timeout=timeout, must_match=match,
+            peers="off" if self.mode_requested == "0" else "auto",
         )  # fmt: skip
         self._sr = sr
         self.direct = sr.mapped
@@ -176,15 +159,11 @@ class ReplicatedKVCache:
             )  # fmt: skip
             self._direct = None
             if self.direct:
-                self._direct = DirectPath(sr, self._fence, lanes, barrier_timeout, cpu_group)
+                self._direct = DirectPath(sr, self._fence, lanes, barrier_timeout)
         except Exception as exc:
             error = exc
         try:
-            agree = getattr(sr, "agree", None)
-            if agree is not None:
-                agree(error, "cache setup")
-            elif error is not None:
-                raise error
+            sr.agree(error, "cache setup")
         except BaseException:
             direct_path = getattr(self, "_direct", None)
             run_all(([direct_path.close] if direct_path else []) + [sr.close])

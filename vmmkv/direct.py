@@ -18,11 +18,9 @@ Contract:
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from . import ops
 from ._store import own_slots
@@ -35,20 +33,13 @@ log = logging.getLogger(__name__)
 
 class _HostBarrier:
     """Host-backend barrier: writes into shared host mappings are ordered by a host barrier
-    bounded by vmmkv's timeout."""
+    over the group's store, bounded by vmmkv's timeout (not the group's)."""
 
-    def __init__(self, region: Any, group: Any) -> None:
+    def __init__(self, region: Any) -> None:
         self._region = region
-        self._group = group
 
     def arrive_and_wait(self, lane: int = 0) -> None:
-        host_barrier = getattr(self._region, "host_barrier", None)
-        if host_barrier is not None:
-            host_barrier("cache barrier")  # one name: host barriers run in program order
-            return
-        # older SymmetricRegion: a gloo barrier, still bounded by vmmkv's timeout
-        timeout = timedelta(seconds=getattr(self._region, "timeout", 60.0))
-        dist.barrier(group=self._group, async_op=True).wait(timeout=timeout)
+        self._region.host_barrier("cache barrier")  # one name: host barriers run in program order
 
     def close(self) -> None:
         pass
@@ -65,7 +56,6 @@ class DirectPath:
         fence: torch.Tensor,
         lanes: int,
         barrier_timeout: float,
-        cpu_group: Any,
     ) -> None:
         self.rank = region.rank
         self.world_size = region.world_size
@@ -92,7 +82,7 @@ class DirectPath:
                 fence=fence,
             )
         else:
-            self._barrier = _HostBarrier(region, cpu_group)
+            self._barrier = _HostBarrier(region)
 
     def target(self, geometry: dict[str, Any], **tensors: torch.Tensor) -> KVTarget:
         """The target of a bound view: every replica, own base at this rank."""
