@@ -403,3 +403,54 @@ def test_host_publish_needs_a_barrier_with_arrive_and_wait_and_the_right_input_c
         p.publish((torch.zeros(1, 1024, dtype=torch.uint8),), torch.arange(1), 0, object(), 0)
     with pytest.raises(TypeError, match=r"1 tensors \('rows',\)"):
         p.store((), torch.arange(1))
+
+
+def test_inductor_runs_a_traced_publish_in_place_and_reads_after_it():
+    """The whole torch.compile pipeline on CPU: a PreparedStore whose eager publish is the
+    host store (it writes through the region's address, as the kernels do) stands in for the
+    CUDA one. The compiled function must write the region itself (no copy: the op checks the
+    addresses) and read the rows only after the publish, on every call."""
+    from tests.test_compile_gpu import _expected, _inputs, _make_step, _views
+    from vmmkv.ops import barrier as barrier_mod
+    from vmmkv.ops import prepared as prepared_mod
+    from vmmkv.ops.formats import INDEXER_ENTRY_BYTES as IDX
+    from vmmkv.ops.formats import MLA_ENTRY_BYTES as MLA
+
+    nb, bs = 2, 64
+    region = torch.zeros(2 << 20, dtype=torch.uint8)
+    mla_view, idx_view, mla_bytes = _views(region, nb)
+    common = dict(ptr_table=torch.tensor([region.data_ptr()]), my_rank=0, num_blocks=nb,
+                  block_size=bs, committed_bytes=torch.tensor([region.numel()]),
+                  error_counter=torch.zeros(1, dtype=torch.int32), cache=region)  # fmt: skip
+    mla = KVTarget(kind="fp8_ds_mla", offset_bytes=0, block_stride=bs * MLA, entry_stride=MLA,
+                   entry_bytes=MLA, **common)  # fmt: skip
+    idx = KVTarget(kind="indexer_k", offset_bytes=mla_bytes, block_stride=bs * IDX,
+                   entry_stride=IDX, entry_bytes=IDX, **common)  # fmt: skip
+    host = vmmkv.ops.prepare((mla, idx))
+
+    class HostBackedStore(prepared_mod.PreparedStore):
+        def publish(self, inputs, slot_mapping, num_local_only, barrier, lane):
+            if torch.compiler.is_compiling():
+                return super().publish(inputs, slot_mapping, num_local_only, barrier, lane)
+            host.store(inputs, slot_mapping, num_local_only)
+            barrier.epochs.add_(1)
+
+    p = object.__new__(HostBackedStore)
+    p._caches, p._counters = [region], [mla.error_counter]
+    p._cache_ptrs, p._counter_ptrs = [region.data_ptr()], [mla.error_counter.data_ptr()]
+    p.handle = next(prepared_mod._next_handle)
+    prepared_mod._prepared[p.handle] = p
+    bar = object.__new__(barrier_mod.DeviceBarrier)
+    bar.epochs = torch.zeros(1, dtype=torch.int32)
+    bar.arrivals = torch.zeros(1, dtype=torch.int32)
+    bar.handle = barrier_mod._register(bar)
+
+    step = _make_step(p, bar, mla_view, idx_view, nb)
+    compiled = torch.compile(step, fullgraph=True)
+    for call in range(3):
+        kv_c, k_pe, k, slots = _inputs(0, call, "cpu")
+        region.fill_(0xA5)
+        got = compiled(kv_c, k_pe, k, slots, slots)
+        for a, b in zip(got, _expected(kv_c, k_pe, k), strict=True):
+            assert torch.equal(a, b), call
+    assert bar.epochs.tolist() == [3]
