@@ -9,6 +9,13 @@ For T tokens and D destinations (distinct VMM regions on the one GPU, as peers w
   of an empty kernel through the same launch path;
 - barrier: 1 rank (eager and graph), 2 processes sharing the GPU, and torch symmetric memory's
   ``barrier()`` in a 1-rank group.
+``--pcp N`` instead runs N ranks (one process per GPU when there are N GPUs, else sharing one)
+over a ``SymmetricRegion`` and prints, side by side: the eager host time per layer step (store +
+barrier in two launches vs ``publish`` in one; functional API vs ``vmmkv.ops.prepare``), the
+graph-replayed device time of both, the barrier vs torch symmetric memory's (eager, graph) and
+the publish bandwidth vs a peer copy of the same bytes through the same mapping.
+``--host-cost`` (one process) breaks the host time of one prepared publish into its stages
+(perf_counter_ns) and compares the empty-kernel launch with torch's own launches.
 Medians after warm-up. Prints tables, writes JSON (``--out``). Needs CUDA.
 """
 
@@ -104,6 +111,10 @@ def store_sweep(tokens, dests, iters):
     errors = torch.zeros(1, dtype=torch.int32, device="cuda")
     local = regions[0].tensor()
     ops.warm_up(0)
+    sig1 = torch.zeros(2, dtype=torch.int32, device="cuda")
+    bar1 = ops.DeviceBarrier(
+        torch.tensor([sig1.data_ptr()], dtype=torch.int64, device="cuda"), None, 0, 1, 1, "cuda:0"
+    )
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for d in dests:
@@ -121,6 +132,7 @@ def store_sweep(tokens, dests, iters):
         idx_t = KVTarget(kind="indexer_k", offset_bytes=mla_bytes, block_stride=BS * IDX,
                          entry_stride=IDX, entry_bytes=IDX,
                          cache=local[mla_bytes : mla_bytes + idx_bytes], **geo)  # fmt: skip
+        prepared = ops.prepare((mla_t, idx_t))
         views = [
             (
                 r.tensor()[:mla_bytes].view(nblk, BS, MLA),
@@ -136,6 +148,9 @@ def store_sweep(tokens, dests, iters):
 
             def fused(kv_c=kv_c, k_pe=k_pe, k=k, slots=slots, mla_t=mla_t, idx_t=idx_t):
                 ops.store_layer(mla_t, idx_t, kv_c, k_pe, k, slots)
+
+            def published(kv_c=kv_c, k_pe=k_pe, k=k, slots=slots, p=prepared):
+                p.publish((kv_c, k_pe, k), slots, 0, bar1, 0)
 
             def unfused(kv_c=kv_c, k_pe=k_pe, k=k, slots=slots, views=views):
                 entries = ref.quantize_ds_mla(kv_c, k_pe)
@@ -154,6 +169,7 @@ def store_sweep(tokens, dests, iters):
             torch.cuda.synchronize()
             eager = _events_ms(fused, iters)
             graph = _graph_ms(fused, iters)
+            pub_graph = _graph_ms(published, iters)
             naive = _events_ms(unfused, max(5, iters // 4))
             nbytes = t * READ_PER_TOKEN + t * (MLA + IDX) * d
             rows.append(
@@ -162,12 +178,14 @@ def store_sweep(tokens, dests, iters):
                     "dests": d,
                     "fused_eager_us": eager * 1e3,
                     "fused_graph_us": graph * 1e3,
+                    "publish_1rank_graph_us": pub_graph * 1e3,
                     "unfused_us": naive * 1e3,
                     "unfused/fused": naive / eager,
                     "eff_GBps": nbytes / graph / 1e6,
                 }
             )
             print(f"T={t} dests={d} done", file=sys.stderr, flush=True)
+    bar1.close()
     for r in regions:
         r.close()
     return rows
@@ -270,13 +288,350 @@ def symm_mem_barrier(iters):
         dist.destroy_process_group()
 
 
+# ---------------------------------------------------------------------------------------------
+# --pcp N: N ranks over a SymmetricRegion (one process per GPU, or sharing one GPU)
+
+PCP_TOKENS = (1, 16, 256, 2048, 8192, 65536)
+EAGER_MAX_T = 8192  # eager host-time rows (larger T is device bound)
+BW_MIN_T = 8192  # bandwidth rows
+
+
+def _host_us(fn, n, reps, sync_group):
+    """(host µs per call, wall µs per call incl. the final synchronize), medians over ``reps``
+    loops of ``n`` back-to-back calls; every rank starts each loop together."""
+    import torch
+
+    host, wall = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        sync_group()
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter_ns()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter_ns()
+        host.append((t1 - t0) / n / 1e3)
+        wall.append((t2 - t0) / n / 1e3)
+    return median(host), median(wall)
+
+
+def _steps(ops, mla_t, idx_t, prepared, bar, inputs, slots):
+    """The five layer steps the PCP benchmark compares, over the same inputs."""
+    kv_c, k_pe, k = inputs
+
+    def two_functional():
+        ops.store_layer(mla_t, idx_t, kv_c, k_pe, k, slots)
+        bar.arrive_and_wait(0)
+
+    def one_functional():
+        ops.publish_layer(mla_t, idx_t, kv_c, k_pe, k, slots, barrier=bar)
+
+    def two_prepared():
+        prepared.store(inputs, slots)
+        bar.arrive_and_wait(0)
+
+    def one_prepared():
+        prepared.publish(inputs, slots, 0, bar, 0)
+
+    def store_only():
+        prepared.store(inputs, slots)
+
+    return two_functional, one_functional, two_prepared, one_prepared, store_only
+
+
+def _pcp_rank(rank, world, tokens, iters):
+    import torch
+    import torch.distributed as dist
+
+    from vmmkv import ops
+    from vmmkv.ipc import SymmetricRegion
+    from vmmkv.ops.kv import KVTarget
+
+    ngpu = torch.cuda.device_count()
+    dev = torch.device("cuda", rank if ngpu >= world else 0)
+    torch.cuda.set_device(dev)
+    tmax = max(tokens)
+    nb_rank = -(-tmax // BS)
+    nb = world * nb_rank
+    mla_bytes, idx_bytes = nb * BS * MLA, nb * BS * IDX
+    gran = 2 << 20
+    cap = -(-(mla_bytes + idx_bytes) // gran) * gran
+    sr = SymmetricRegion(cap, dev, initial_bytes=cap, backend="cuda")
+    out: dict = {"rank": rank, "device": str(dev), "shared_gpu": ngpu < world, "rows": []}
+    try:
+        region = sr.region.tensor()
+        err = torch.zeros(1, dtype=torch.int32, device=dev)
+        geo = dict(ptr_table=sr.peers.ptr_table, my_rank=rank, num_blocks=nb, block_size=BS,
+                   committed_bytes=sr.committed_table, error_counter=err, cache=region)  # fmt: skip
+        mla_t = KVTarget(kind="fp8_ds_mla", offset_bytes=0, block_stride=BS * MLA,
+                         entry_stride=MLA, entry_bytes=MLA, **geo)  # fmt: skip
+        idx_t = KVTarget(kind="indexer_k", offset_bytes=mla_bytes, block_stride=BS * IDX,
+                         entry_stride=IDX, entry_bytes=IDX, **geo)  # fmt: skip
+        bar = ops.DeviceBarrier(sr.peers.signal_table, None, rank, world, 1, dev, timeout_s=60,
+                                fence=region)  # fmt: skip
+        ops.warm_up(dev)
+        prepared = ops.prepare((mla_t, idx_t))
+        g = torch.Generator(device=dev).manual_seed(rank)
+        sync = dist.barrier
+
+        for t in tokens:
+            kv_c = torch.randn(t, 512, device=dev, generator=g).bfloat16()
+            k_pe = torch.randn(t, 64, device=dev, generator=g).bfloat16()
+            k = torch.randn(t, 128, device=dev, generator=g).bfloat16()
+            slots = torch.randperm(nb_rank * BS, device=dev, generator=g)[:t] + rank * nb_rank * BS
+            inputs = (kv_c, k_pe, k)
+
+            two_functional, one_functional, two_prepared, one_prepared, store_only = _steps(
+                ops, mla_t, idx_t, prepared, bar, inputs, slots
+            )
+            for f in (two_functional, one_functional, two_prepared, one_prepared):
+                f()
+            torch.cuda.synchronize()
+            row = {"T": t}
+            if t <= EAGER_MAX_T:
+                for name, f in (("2 launches", two_functional), ("1 launch", one_functional),
+                                ("2 launches prepared", two_prepared),
+                                ("1 launch prepared", one_prepared)):  # fmt: skip
+                    host, wall = _host_us(f, 100, 5, sync)
+                    row[f"eager host us: {name}"] = host
+                    row[f"eager wall us: {name}"] = wall
+            sync()
+            row["graph us: 2 launches"] = _graph_ms(two_prepared, iters) * 1e3
+            sync()
+            row["graph us: 1 launch"] = _graph_ms(one_prepared, iters) * 1e3
+            if t >= BW_MIN_T:
+                sync()
+                alone = _graph_ms(store_only, iters)  # no barrier: ranks need not meet
+                peer_bytes = t * (MLA + IDX) * (world - 1)
+                row["graph us: store only"] = alone * 1e3
+                row["publish GB/s to peers"] = peer_bytes / (row["graph us: 1 launch"] * 1e3)
+                row["store GB/s to peers"] = peer_bytes / (alone * 1e6)
+                peer = (rank + 1) % world
+                dst = sr.peers.view(peer)[: t * (MLA + IDX)]
+                src = torch.empty(t * (MLA + IDX), dtype=torch.uint8, device=dev)
+                sync()
+                copy = _graph_ms(lambda dst=dst, src=src: dst.copy_(src), iters)
+                row["peer copy GB/s"] = t * (MLA + IDX) / (copy * 1e6)
+                row["publish/peer copy"] = (  # per peer
+                    row["publish GB/s to peers"] / (world - 1) / row["peer copy GB/s"]
+                )
+            out["rows"].append(row)
+            sync()
+        # the barrier alone: vmmkv vs torch symmetric memory (same ranks, same run)
+        sync()
+        out["barrier vmmkv eager us"] = _events_ms(lambda: bar.arrive_and_wait(0), iters) * 1e3
+        out["barrier vmmkv eager host us"] = _host_us(lambda: bar.arrive_and_wait(0), 100, 5,
+                                                      sync)[0]  # fmt: skip
+        sync()
+        out["barrier vmmkv graph us"] = _graph_ms(lambda: bar.arrive_and_wait(0), iters) * 1e3
+        torch.cuda.synchronize()
+        sync()
+        out["epochs"] = bar.epochs.tolist()
+        out["out_of_range"] = int(err.item())
+        bar.close()
+        return out
+    finally:
+        sr.close()
+
+
+def _symm_mem_rank(rank, world, iters):
+    """torch symmetric memory's barrier on the same ranks (own processes: a failure or hang
+    there must not cost the vmmkv numbers)."""
+    import torch
+    import torch.distributed as dist
+
+    ngpu = torch.cuda.device_count()
+    dev = torch.device("cuda", rank if ngpu >= world else 0)
+    torch.cuda.set_device(dev)
+    sync = dist.barrier
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        t = symm_mem.empty(1 << 20, dtype=torch.uint8, device=dev)
+        h = symm_mem.rendezvous(t, dist.group.WORLD.group_name)
+        for _ in range(5):
+            h.barrier()
+        torch.cuda.synchronize()
+        sync()
+        res = {"barrier torch symm_mem eager us": _events_ms(h.barrier, iters) * 1e3}
+        res["barrier torch symm_mem eager host us"] = _host_us(h.barrier, 100, 5, sync)[0]
+        sync()
+        res["barrier torch symm_mem graph us"] = _graph_ms(h.barrier, iters) * 1e3
+        return res
+    except Exception as exc:
+        return {"barrier torch symm_mem": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def pcp(world, tokens, iters):
+    from vmmkv.testing.spawn import run_world, run_world_raw
+
+    per_rank = run_world(_pcp_rank, world, args=(tokens, iters), timeout=900)
+    try:
+        symm = run_world_raw(_symm_mem_rank, world, args=(iters,), timeout=180)
+        for r, res in zip(per_rank, symm, strict=True):
+            r.update(res.value if res.ok else {"barrier torch symm_mem": res.error[-300:]})
+    except Exception as exc:
+        per_rank[0]["barrier torch symm_mem"] = f"{type(exc).__name__}: {exc}"[:300]
+    rows = []
+    for i, r0 in enumerate(per_rank[0]["rows"]):
+        row = {"T": r0["T"]}
+        for key in r0:
+            if key == "T":
+                continue
+            vals = [r["rows"][i][key] for r in per_rank]
+            worst = min if "GB/s" in key or "/" in key else max
+            row[key] = worst(vals)  # the slowest rank
+        rows.append(row)
+    keys = {k for r in per_rank for k in r} - {"rows", "rank", "device"}
+    summary = {}
+    for k in sorted(keys):
+        vals = [r[k] for r in per_rank if k in r]
+        summary[k] = max(vals) if all(isinstance(v, float) for v in vals) else vals[0]
+    summary["devices"] = [r["device"] for r in per_rank]
+    return rows, summary
+
+
+# ---------------------------------------------------------------------------------------------
+# --host-cost: where the host time of one eager prepared publish goes
+
+
+def _per_call_ns(fn, n=200, reps=7):
+    """Median host ns per call of ``fn`` over ``reps`` loops of ``n`` calls (the device is
+    synchronized between loops, outside the measurement, so the launch queue never fills)."""
+    import torch
+
+    per = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        per.append((time.perf_counter_ns() - t0) / n)
+    torch.cuda.synchronize()
+    return median(per)
+
+
+def host_cost(tokens=16):
+    import torch
+
+    from vmmkv import ops
+    from vmmkv.ops import launch
+    from vmmkv.ops.kv import KVTarget, _grid
+
+    dev = torch.device("cuda", 0)
+    ops.warm_up(dev)
+    nb = 4
+    region = torch.zeros(nb * BS * (MLA + IDX), dtype=torch.uint8, device=dev)
+    table_t = torch.tensor([region.data_ptr()], dtype=torch.int64, device=dev)
+    geo = dict(ptr_table=table_t, my_rank=0, num_blocks=nb, block_size=BS,
+               committed_bytes=torch.tensor([region.numel()], device=dev),
+               error_counter=torch.zeros(1, dtype=torch.int32, device=dev), cache=region)  # fmt: skip
+    mla_t = KVTarget(kind="fp8_ds_mla", offset_bytes=0, block_stride=BS * MLA, entry_stride=MLA,
+                     entry_bytes=MLA, **geo)  # fmt: skip
+    idx_t = KVTarget(kind="indexer_k", offset_bytes=nb * BS * MLA, block_stride=BS * IDX,
+                     entry_stride=IDX, entry_bytes=IDX, **geo)  # fmt: skip
+    sig = torch.zeros(2, dtype=torch.int32, device=dev)
+    bar = ops.DeviceBarrier(torch.tensor([sig.data_ptr()], dtype=torch.int64, device=dev), None,
+                            0, 1, 1, dev, fence=region)  # fmt: skip
+    p = ops.prepare((mla_t, idx_t))
+    kv_c = torch.randn(tokens, 512, device=dev).bfloat16()
+    k_pe = torch.randn(tokens, 64, device=dev).bfloat16()
+    k = torch.randn(tokens, 128, device=dev).bfloat16()
+    slots = torch.arange(tokens, device=dev)
+    inputs = (kv_c, k_pe, k)
+    _, values = p._values(inputs, slots, 0)
+    args = bar.barrier_args(0)
+    lp = p._publish
+    grid = _grid(tokens)
+    stream = launch._current_stream(0)
+    res: dict = {"T": tokens}
+
+    def show(key, ns):
+        res[key] = ns / 1e3
+        print(f"  {key:<58} {ns / 1e3:8.2f} us", flush=True)
+
+    print(f"host time per call, T={tokens} (median of loops of 200 calls):", flush=True)
+    show("stage: torch.compiler.is_compiling()", _per_call_ns(torch.compiler.is_compiling))
+    show(
+        "stage: validate + collect values (_values)",
+        _per_call_ns(lambda: p._values(inputs, slots, 0)),
+    )
+    show("stage: barrier.barrier_args(lane)", _per_call_ns(lambda: bar.barrier_args(0)))
+    show(
+        "stage: pack parameters in place",
+        _per_call_ns(lambda: lp._pack(lp._buf, lp._offset, *values, args)),
+    )
+    show("stage: current stream lookup", _per_call_ns(lambda: launch._current_stream(0)))
+    fn, params = lp._fn, lp._params
+    show(
+        "stage: cuLaunchKernel (cuda.bindings)",
+        _per_call_ns(lambda: launch._cu_launch(fn, grid, 1, 1, 256, 1, 1, 0, stream, params, 0)),
+    )
+    show("total: PreparedStore.publish", _per_call_ns(lambda: p.publish(inputs, slots, 0, bar, 0)))
+    show("total: PreparedStore.store", _per_call_ns(lambda: p.store(inputs, slots)))
+    show(
+        "total: publish_layer (functional)",
+        _per_call_ns(lambda: ops.publish_layer(mla_t, idx_t, kv_c, k_pe, k, slots, barrier=bar)),
+    )
+    show(
+        "total: store_layer (functional)",
+        _per_call_ns(lambda: ops.store_layer(mla_t, idx_t, kv_c, k_pe, k, slots)),
+    )
+    show("total: DeviceBarrier.arrive_and_wait", _per_call_ns(lambda: bar.arrive_and_wait(0)))
+    noop_old = launch.Kernel("vmmkv_noop", "")
+    show(
+        "empty kernel: Kernel.launch (functional path)",
+        _per_call_ns(lambda: noop_old.launch(0, 1, 32)),
+    )
+    noop = launch.PreparedLaunch(launch.NOOP, 0, 32)
+    show("empty kernel: PreparedLaunch (cuda.bindings)", _per_call_ns(lambda: noop.launch(1)))
+    x = torch.zeros(1, device=dev)
+    show("torch: torch.cuda._sleep(0)", _per_call_ns(lambda: torch.cuda._sleep(0)))
+    show("torch: x.add_(1) on 1 element", _per_call_ns(lambda: x.add_(1)))
+    show("torch: x.fill_(1) on 1 element", _per_call_ns(lambda: x.fill_(1)))
+    # libcuda through ctypes last: a wrong signature would crash here, after the rest printed
+    noop_c = launch.PreparedLaunch(launch.NOOP, 0, 32, api="ctypes")
+    show("empty kernel: PreparedLaunch (ctypes)", _per_call_ns(lambda: noop_c.launch(1)))
+    saved = p._publish
+    p._publish = launch.PreparedLaunch(launch.STORE_LAYER_BARRIER, 0, 256,
+                                       tuple(t._dest for t in p.targets), api="ctypes")  # fmt: skip
+    show(
+        "total: PreparedStore.publish (ctypes launch)",
+        _per_call_ns(lambda: p.publish(inputs, slots, 0, bar, 0)),
+    )
+    p._publish = saved
+    torch.cuda.synchronize()
+    res["epochs"] = bar.epochs.tolist()
+    bar.close()
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,16,256,4096,16384,65536")
     ap.add_argument("--dests", default="1,2,4,8")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--out", default="bench-out/bench_store.json")
+    ap.add_argument("--pcp", type=int, default=0, help="run the N-rank publish benchmark only")
+    ap.add_argument("--host-cost", action="store_true", help="host time breakdown only")
     a = ap.parse_args()
+    if a.host_cost:
+        write_json(a.out, "bench_store_host_cost", [host_cost(16), host_cost(2048)])
+        return
+    if a.pcp:
+        toks = PCP_TOKENS if a.tokens == ap.get_default("tokens") else a.tokens.split(",")
+        rows, summary = pcp(a.pcp, [int(x) for x in toks], a.iters)
+        print(f"PCP{a.pcp} publish (slowest rank; devices {summary['devices']}):")
+        eager = [r for r in rows if any(k.startswith("eager") for k in r)]
+        print(table(eager, ["T"] + [k for k in eager[0] if k.startswith("eager host")]))
+        print(table(rows, ["T", "graph us: 2 launches", "graph us: 1 launch"]))
+        bw = [r for r in rows if "peer copy GB/s" in r]
+        if bw:
+            print(table(bw, ["T"] + [k for k in bw[0] if "GB/s" in k or "/" in k or "only" in k]))
+        print("barrier:", {k: v for k, v in summary.items() if k.startswith("barrier")})
+        write_json(a.out, f"bench_store_pcp{a.pcp}", rows, summary=summary)
+        return
     tokens = [int(x) for x in a.tokens.split(",")]
     dests = [int(x) for x in a.dests.split(",")]
     ceil = ceilings(a.iters)

@@ -160,7 +160,7 @@ class PreparedLaunch:
         else:  # nothing left to pack per call
             self._pack, self._offset = None, 0
         self._fn = build.load_module(ordinal).function(kernel.name)
-        self._fn_int = int(self._fn)
+        self._fn_int = int(self._fn) if api == "ctypes" else 0
         self._call = _ctypes_launch() if api == "ctypes" else None
 
     def launch(self, grid: int, *values: Any) -> None:
