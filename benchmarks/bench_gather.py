@@ -1,0 +1,405 @@
+"""The gather fallback (vmmkv.gather) against its ideal baseline and against direct publication.
+
+One run, one process per GPU (``--world`` ranks, default 2; NCCL needs one GPU per rank), an
+NCCL device group. For every T (tokens per rank; default 1, 8, 32, 128, 512, 2048, 8192, 32768)
+one layer (``store_layer``: fp8_ds_mla + indexer_k) and no replicated rows:
+
+- ``fallback``: ``cache.store_layer(..., mode="gather")`` with each rank's own slots (the slot
+  travels in the packed row: ``row_bytes`` 1424) and with the engine's gathered slot mapping
+  (``gathered_slot_mapping=``: 1408 bytes per row, slots not gathered);
+- ``ideal``: the same bytes timed piecewise in the same process: ``nccl`` (one
+  ``all_gather_into_tensor`` of T packed rows per rank, preallocated), ``insert`` (the
+  one-destination insert kernel of the gathered rows, slots ready), and both as one step;
+  ``fallback / ideal`` is the overhead of vmmkv's path (pack, slot extraction, Python);
+- ``direct``: ``store_layer(mode="direct")`` + ``barrier()`` (two launches) and
+  ``publish_layer`` (one launch); ``direct / fallback``.
+
+Two modes: ``eager`` = host clock per step over a back-to-back loop ended by one synchronize
+(launch-bound at small T, device-bound at large T); ``graph`` = device time per step of CUDA-graph
+replays (``inner`` steps per graph, replayed back to back, CUDA events). Every number is the
+median over ``--reps`` loops, then the slowest rank. Before timing, each T checks that the
+fallback and direct publication leave identical bytes (``equal``).
+
+``--backend host`` runs the same sweep on the CPU (host backend, gloo, no graphs, no direct
+comparison of device time): it exercises this script's logic without a GPU. Prints a table,
+writes JSON (``--out``); each finished T is also appended to ``<out>.partial.jsonl`` so a run cut
+short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import median, table, write_json  # noqa: E402
+
+TOKENS = (1, 8, 32, 128, 512, 2048, 8192, 32768)
+BS = 64
+CASES_EAGER = (
+    "fallback_own", "fallback_gathered", "nccl_own", "nccl_gathered", "insert", "ideal_own",
+    "ideal_gathered", "direct_store_barrier", "direct_publish",
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# pure logic (tested on the CPU)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b`` when both were measured, else None."""
+    if a is None or b is None or b <= 0:
+        return None
+    return a / b
+
+
+def summarize(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per T: every timing of every mode is the slowest rank's; ratios added:
+    ``fallback/ideal`` (own and gathered slots), ``ideal_sum`` (nccl + insert timed apart),
+    ``direct/fallback`` (publish vs gathered-slot fallback)."""
+    rows = []
+    for by_rank in zip(*per_rank, strict=True):
+        t = by_rank[0]["T"]
+        if any(r["T"] != t for r in by_rank):
+            raise ValueError(f"ranks disagree on T: {[r['T'] for r in by_rank]}")
+        row: dict[str, Any] = {
+            k: v for k, v in by_rank[0].items() if k not in ("eager", "graph", "equal", "error")
+        }
+        equal = [r.get("equal") for r in by_rank]
+        row["equal"] = None if None in equal else all(equal)
+        errors = [f"rank {i}: {r['error']}" for i, r in enumerate(by_rank) if r.get("error")]
+        if errors:
+            row["error"] = "; ".join(errors)
+        for mode in ("eager", "graph"):
+            cases: dict[str, float | None] = {}
+            for case in CASES_EAGER:
+                got = [r.get(mode, {}).get(case) for r in by_rank]
+                cases[case] = None if any(v is None for v in got) else max(got)
+            if not any(v is not None for v in cases.values()):
+                continue
+            sums = [cases["nccl_own"], cases["insert"]], [cases["nccl_gathered"], cases["insert"]]
+            for name, parts in zip(("ideal_own_sum", "ideal_gathered_sum"), sums, strict=True):
+                cases[name] = None if None in parts else sum(parts)  # type: ignore[arg-type]
+            cases["fallback/ideal_own"] = ratio(cases["fallback_own"], cases["ideal_own"])
+            cases["fallback/ideal_gathered"] = ratio(
+                cases["fallback_gathered"], cases["ideal_gathered"]
+            )
+            cases["direct/fallback"] = ratio(cases["direct_publish"], cases["fallback_gathered"])
+            row[mode] = cases
+        rows.append(row)
+    return rows
+
+
+def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Flat rows for the printed table (µs; ratios)."""
+    out = []
+    for r in rows:
+        for mode in ("eager", "graph"):
+            c = r.get(mode)
+            if not c:
+                continue
+            out.append(
+                {
+                    "T": r["T"],
+                    "mode": mode,
+                    "fallback": c["fallback_own"],
+                    "ideal": c["ideal_own"],
+                    "ratio": c["fallback/ideal_own"],
+                    "fb(gath)": c["fallback_gathered"],
+                    "ideal(gath)": c["ideal_gathered"],
+                    "ratio(gath)": c["fallback/ideal_gathered"],
+                    "nccl": c["nccl_own"],
+                    "insert": c["insert"],
+                    "direct": c["direct_publish"],
+                    "direct/fb": c["direct/fallback"],
+                    "equal": r["equal"],
+                }  # fmt: skip
+            )
+    return [{k: ("-" if v is None else v) for k, v in row.items()} for row in out]
+
+
+# ---------------------------------------------------------------------------------------------
+# one rank
+
+
+class _Timer:
+    """Eager: host clock over back-to-back steps ended by one synchronize. Graph: CUDA events
+    around back-to-back replays of a graph holding ``inner`` steps. Every loop starts with a
+    gloo barrier of all ranks."""
+
+    def __init__(self, device, group, iters: int, reps: int) -> None:
+        self.device, self.group, self.iters, self.reps = device, group, iters, reps
+
+    def _sync(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def eager(self, step) -> float:
+        import torch.distributed as dist
+
+        for _ in range(2):
+            step()
+        times = []
+        for _ in range(self.reps):
+            self._sync()
+            dist.barrier(group=self.group)
+            t0 = time.perf_counter()
+            for _ in range(self.iters):
+                step()
+            self._sync()
+            times.append((time.perf_counter() - t0) * 1e6 / self.iters)
+        return median(times)
+
+    def graph(self, step, inner: int) -> float:
+        import torch
+        import torch.distributed as dist
+
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self._sync()
+        dist.barrier(group=self.group)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                step()
+        graph.replay()
+        times = []
+        for _ in range(self.reps):
+            self._sync()
+            dist.barrier(group=self.group)
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(self.iters):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / (self.iters * inner))
+        del graph
+        return median(times)
+
+
+def _steps(cache, mla, idx, insert, t: int, rank: int, world: int, gather_group) -> dict:
+    """The timed steps at ``t`` tokens per rank (inputs and buffers made here, once)."""
+    import torch
+    import torch.distributed as dist
+
+    from vmmkv.gather import _Layout
+    from vmmkv.testing.kv import layer_inputs
+
+    device = cache.device
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gathered = torch.randperm(world * t, generator=torch.Generator().manual_seed(t)).to(device)
+    slots = gathered[rank * t : (rank + 1) * t].clone()
+    kv_c, k_pe, k = (x.to(device) for x in layer_inputs(1000 * t + rank, t))
+    ideal = {}  # the same bytes as the fallback gathers, packed into preallocated buffers
+    for name, slot_bytes in (("own", 8), ("gathered", 0)):
+        w = _Layout([1024, 128, 256], slot_bytes).width
+        send = torch.zeros(t, w, dtype=torch.uint8, device=device)
+        recv = torch.empty(world * t, w, dtype=torch.uint8, device=device)
+        cols = [
+            recv[:, a:b].view(torch.bfloat16) for a, b in ((0, 1024), (1024, 1152), (1152, 1408))
+        ]
+        ideal[name] = (send, recv, cols, w)
+
+    def nccl(name):
+        send, recv, _, _ = ideal[name]
+        gather(recv, send, group=gather_group)
+
+    def ideal_step(name):
+        nccl(name)
+        insert.store(ideal[name][2], gathered, 0)
+
+    steps = {
+        "fallback_own": lambda: cache.store_layer(mla, idx, kv_c, k_pe, k, slots, mode="gather"),
+        "fallback_gathered": lambda: cache.store_layer(
+            mla, idx, kv_c, k_pe, k, None, gathered_slot_mapping=gathered, mode="gather"
+        ),
+        "nccl_own": lambda: nccl("own"),
+        "nccl_gathered": lambda: nccl("gathered"),
+        "insert": lambda: insert.store(ideal["gathered"][2], gathered, 0),
+        "ideal_own": lambda: ideal_step("own"),
+        "ideal_gathered": lambda: ideal_step("gathered"),
+    }
+    if cache.direct:
+
+        def direct_store_barrier():
+            cache.store_layer(mla, idx, kv_c, k_pe, k, slots, mode="direct")
+            cache.barrier()
+
+        steps["direct_store_barrier"] = direct_store_barrier
+        steps["direct_publish"] = lambda: cache.publish_layer(
+            mla, idx, kv_c, k_pe, k, slots, mode="direct"
+        )
+    return {
+        "steps": steps,
+        "row_bytes_own": ideal["own"][3],
+        "row_bytes_gathered": ideal["gathered"][3],
+    }
+
+
+def _rank(rank: int, world: int, opts: dict[str, Any]) -> list[dict[str, Any]]:
+    import torch
+    import torch.distributed as dist
+
+    from vmmkv import ReplicatedKVCache
+    from vmmkv.ops import prepare
+    from vmmkv.testing.kv import block_stride, interleaved_views
+
+    host = opts["backend"] == "host"
+    if host:
+        device, dgroup = torch.device("cpu"), None
+    else:
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        dgroup = dist.new_group(backend="nccl")
+    group = dist.group.WORLD
+    tokens = opts["tokens"]
+    blocks = -(-world * max(tokens) // BS)
+    chunk = 1 << 16 if host else 2 << 20
+    need = blocks * block_stride(1)
+    cap = -(-need // chunk) * chunk
+    timer = _Timer(device, group, opts["iters"], opts["reps"])
+    rows: list[dict[str, Any]] = []
+    with ReplicatedKVCache(
+        group, cap, device, device_group=dgroup, chunk_bytes=chunk, initial_bytes=cap
+    ) as cache:
+        buf = cache.allocate(need).view(torch.uint8)
+        ((mla_view, idx_view),) = interleaved_views(buf, 1, blocks)
+        mla = cache.bind("mla", mla_view, "fp8_ds_mla")
+        idx = cache.bind("idx", idx_view, "indexer_k")
+        insert = prepare((mla.local, idx.local))  # the one-destination insert of the ideal
+        for t in tokens:
+            row: dict[str, Any] = {"T": t, "world": world, "eager": {}, "graph": {}}
+            try:
+                made = _steps(cache, mla, idx, insert, t, rank, world, group if host else dgroup)
+                steps = made.pop("steps")
+                row.update(made)
+                row["equal"] = _same_bytes(cache, buf, steps)
+                for case, step in steps.items():
+                    row["eager"][case] = timer.eager(step)
+                if not host:
+                    row["inner"] = inner = 10 if t <= 2048 else 2
+                    for case, step in steps.items():
+                        row["graph"][case] = timer.graph(step, inner)
+                del steps, made
+            except Exception as exc:  # recorded; the agreement below stops every rank
+                row["error"] = f"{type(exc).__name__}: {exc}"
+            rows.append(row)
+            if not _all_ok(group, "error" not in row, opts["timeout"]):
+                row.setdefault("error", "stopped: another rank failed at this T")
+                break
+            if rank == 0 and opts.get("partial"):
+                with open(opts["partial"], "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    return rows
+
+
+def _same_bytes(cache, buf, steps) -> bool | None:
+    """Poison, run the fallback, snapshot; poison again, publish directly; equal bytes? (None
+    without direct publication.)"""
+    import torch
+    import torch.distributed as dist
+
+    if "direct_publish" not in steps:
+        return None
+    snaps = []
+    for case in ("fallback_gathered", "direct_publish"):
+        buf.fill_(0xA5)
+        if buf.is_cuda:
+            torch.cuda.synchronize(buf.device)
+        dist.barrier()
+        steps[case]()
+        if buf.is_cuda:
+            torch.cuda.synchronize(buf.device)
+        dist.barrier()
+        snaps.append(buf.clone())
+    return bool(torch.equal(snaps[0], snaps[1]))
+
+
+def _all_ok(group, ok: bool, timeout: float) -> bool:
+    """Bounded gloo agreement: True when every rank finished this T without an error."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int64)
+    work = gather(flags, torch.tensor([int(ok)]), group=group, async_op=True)
+    work.wait(timeout=timedelta(seconds=timeout))
+    return bool(flags.all())
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench-out/bench_gather.json")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    ap.add_argument("--iters", type=int, default=50, help="steps per timed loop")
+    ap.add_argument("--reps", type=int, default=5, help="timed loops (median)")
+    ap.add_argument("--backend", choices=("cuda", "host"), default="cuda")
+    ap.add_argument("--timeout", type=float, default=540.0, help="whole run, seconds")
+    args = ap.parse_args(argv)
+    if args.world < 2 or any(t < 1 for t in args.tokens) or args.iters < 1 or args.reps < 1:
+        ap.error("--world >= 2, tokens >= 1, --iters >= 1, --reps >= 1")
+    if args.backend == "cuda":
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n < args.world:
+            print(
+                f"bench_gather: needs {args.world} GPUs (one process per GPU: NCCL refuses two "
+                f"ranks on one GPU), found {n}; --backend host runs the logic on the CPU",
+                file=sys.stderr,
+            )
+            return 2
+    from vmmkv.testing.spawn import run_world_raw
+
+    partial = args.out + ".partial.jsonl"
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    if os.path.exists(partial):
+        os.remove(partial)
+    opts = dict(
+        backend=args.backend, tokens=args.tokens, iters=args.iters, reps=args.reps,
+        timeout=max(60.0, args.timeout / 4), partial=partial,
+    )  # fmt: skip
+    results = run_world_raw(_rank, args.world, args=(opts,), timeout=args.timeout)
+    failed = [r for r in results if not r.ok]
+    if failed:
+        errors = {r.rank: r.error[-2000:] for r in failed}
+        done = []
+        if os.path.exists(partial):
+            with open(partial) as f:
+                done = [json.loads(line) for line in f if line.strip()]
+        write_json(args.out, "bench_gather", done, errors=errors, options=opts)
+        print(f"bench_gather: ranks failed: {errors}; partial rows (rank 0) in {args.out}")
+        return 1
+    rows = summarize([r.value for r in results])
+    write_json(args.out, "bench_gather", rows, options=opts)
+    flat = table_rows(rows)
+    if flat:
+        print(table(flat, list(flat[0])))
+    for r in rows:
+        if r.get("error"):
+            print(f"T={r['T']}: {r['error']}")
+    print(f"bench_gather: JSON in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

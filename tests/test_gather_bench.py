@@ -1,0 +1,84 @@
+"""benchmarks/bench_gather.py without a GPU: its summary logic on made-up numbers, and its whole
+sweep on the host backend (gloo, no graphs), which runs every step it times on the GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import bench_gather  # noqa: E402
+
+
+def _rank_row(t, scale, graph=True, **extra):
+    cases = {c: scale * (i + 1) for i, c in enumerate(bench_gather.CASES_EAGER)}
+    return {
+        "T": t,
+        "world": 2,
+        "eager": dict(cases),
+        "graph": dict(cases) if graph else {},
+        **extra,
+    }
+
+
+def test_summary_takes_the_slowest_rank_and_computes_the_ratios():
+    rank0 = [_rank_row(1, 1.0, equal=True), _rank_row(8, 1.0, graph=False, equal=True)]
+    rank1 = [_rank_row(1, 2.0, equal=True), _rank_row(8, 0.5, graph=False, equal=False)]
+    rows = bench_gather.summarize([rank0, rank1])
+    assert [r["T"] for r in rows] == [1, 8]
+    e = rows[0]["eager"]
+    names = bench_gather.CASES_EAGER
+    assert e["fallback_own"] == 2.0 and e["ideal_own"] == 2.0 * (names.index("ideal_own") + 1)
+    assert e["fallback/ideal_own"] == pytest.approx(e["fallback_own"] / e["ideal_own"])
+    assert e["ideal_own_sum"] == e["nccl_own"] + e["insert"]
+    assert e["direct/fallback"] == pytest.approx(e["direct_publish"] / e["fallback_gathered"])
+    assert rows[0]["equal"] is True and rows[1]["equal"] is False
+    assert "graph" in rows[0] and "graph" not in rows[1]  # nothing measured: no graph entry
+
+
+def test_summary_keeps_missing_cases_as_none_and_names_the_failed_rank():
+    a = _rank_row(4, 1.0, equal=None)
+    b = _rank_row(4, 1.0, equal=True, error="RuntimeError: boom")
+    for row in (a, b):
+        del row["eager"]["direct_publish"]  # no direct publication in this group
+    (row,) = bench_gather.summarize([[a], [b]])
+    assert row["eager"]["direct_publish"] is None and row["eager"]["direct/fallback"] is None
+    assert row["equal"] is None and row["error"] == "rank 1: RuntimeError: boom"
+    flat = bench_gather.table_rows([row])
+    assert flat[0]["direct"] == "-" and flat[0]["T"] == 4 and len(flat) == 2
+    with pytest.raises(ValueError, match="ranks disagree on T"):
+        bench_gather.summarize([[_rank_row(1, 1.0)], [_rank_row(2, 1.0)]])
+
+
+@pytest.mark.timeout(300)
+def test_the_sweep_runs_on_the_host_backend_and_writes_its_json(tmp_path):
+    out = tmp_path / "bench_gather.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_gather.py"), "--backend",
+           "host", "--tokens", "1", "5", "--iters", "1", "--reps", "1", "--world", "3",
+           "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "bench_gather" and [r["T"] for r in data["rows"]] == [1, 5]
+    for row in data["rows"]:
+        assert row["equal"] is True and "error" not in row  # fallback bytes == direct bytes
+        assert row["row_bytes_own"] == 1424 and row["row_bytes_gathered"] == 1408
+        assert all(row["eager"][c] > 0 for c in bench_gather.CASES_EAGER)
+    assert "fallback" in proc.stdout and "direct/fb" in proc.stdout
+    partial = [json.loads(x) for x in open(str(out) + ".partial.jsonl")]
+    assert [r["T"] for r in partial] == [1, 5]
+
+
+def test_the_cuda_sweep_says_what_it_needs_without_enough_gpus(capsys):
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 64:
+        pytest.skip("this machine has the GPUs")
+    assert bench_gather.main(["--world", "64", "--out", "/dev/null"]) == 2
+    assert "needs 64 GPUs" in capsys.readouterr().err
