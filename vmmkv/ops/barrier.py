@@ -182,6 +182,8 @@ class DeviceBarrier:
             for lane in range(lanes)
         )  # fmt: skip
         self.handle = _register(self)
+        # the zeroed epochs/arrivals must be in place before a kernel on any stream reads them
+        torch.cuda.current_stream(dev).synchronize()
 
     @property
     def closed(self) -> bool:

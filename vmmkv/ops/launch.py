@@ -191,8 +191,10 @@ class PreparedLaunch:
             )  # fmt: skip
 
 
-# CUresult codes of a launch made while another context (or none) is current
-_NOT_THIS_CONTEXT = frozenset((201, 400, 709))  # INVALID_CONTEXT, INVALID_HANDLE, DESTROYED
+# CUresult codes a launch may get while another context (or none) is current: INVALID_VALUE,
+# INVALID_DEVICE, INVALID_CONTEXT, INVALID_HANDLE, CONTEXT_IS_DESTROYED. A failed launch
+# launched nothing, so retrying it under the primary context is safe; a real error repeats.
+_NOT_THIS_CONTEXT = frozenset((1, 101, 201, 400, 709))
 _cu_launch = getattr(driver.cu, "cuLaunchKernel", None)
 _CU_SUCCESS = driver.cu.CUresult.CUDA_SUCCESS if driver.cu is not None else 0
 _ctypes_fn: Any = None
