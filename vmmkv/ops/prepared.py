@@ -134,7 +134,10 @@ class PreparedStore:
         for t in targets:
             for name, dtype, width in FORMATS[t.kind].inputs:
                 specs.append((name, dtype, t.entry_bytes if width is None else width))
-        self._specs = tuple((n, d, w, _INPUT_ALIGN[n]) for n, d, w in specs)
+        # (name, dtype, width, row alignment in elements, alignment in bytes)
+        self._specs = tuple(
+            (n, d, w, max(1, _INPUT_ALIGN[n] // d.itemsize), _INPUT_ALIGN[n]) for n, d, w in specs
+        )
         self._names = tuple(s[0] for s in specs)
         self._caches = _unique([t.cache for t in targets])
         self._counters = _unique([t.error_counter for t in targets])
@@ -180,27 +183,9 @@ class PreparedStore:
                 f"inputs must be a tuple of {len(specs)} tensors {self._names}, got "
                 f"{type(inputs).__name__} {inputs!r:.80}"
             )
-        values: list[int] = []
-        for t, (name, dtype, width, align) in zip(inputs, specs, strict=True):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            shape = t.shape
-            stride = t.stride()
-            ptr = t.data_ptr()
-            row = stride[0] * t.element_size() if len(stride) == 2 else 0
-            if not (
-                t.dtype is dtype
-                and len(shape) == 2
-                and shape[1] == width
-                and shape[0] >= tokens
-                and stride[1] == 1
-                and t.get_device() == ordinal
-                and ptr % align == 0
-                and (shape[0] <= 1 or row % align == 0)
-            ):
-                _explain_input(name, t, dtype, width, tokens, self.device, align)
-            values.append(ptr)
-            values.append(stride[0])
+        values: list[Any] = []
+        for t, spec in zip(inputs, specs):
+            values += _input(t, spec, tokens, ordinal, self.device)
         is64 = s.dtype is torch.int64
         if self.kinds == ("rows",):
             vec16 = (
@@ -209,9 +194,10 @@ class PreparedStore:
             return tokens, (
                 values[0], values[1], self._row_bytes, s.data_ptr(), is64, tokens, nlo, vec16,
             )  # fmt: skip
-        if self.kinds == ("fp8_ds_mla",):
-            return tokens, (*values, s.data_ptr(), is64, tokens, nlo)
-        return tokens, (*values, s.data_ptr(), is64, tokens, nlo, self._ue8m0)
+        values += (s.data_ptr(), is64, tokens, nlo)
+        if self.kinds != ("fp8_ds_mla",):
+            values.append(self._ue8m0)
+        return tokens, values
 
     def store(
         self, inputs: Sequence[torch.Tensor], slot_mapping: torch.Tensor, num_local_only: int = 0
@@ -267,6 +253,28 @@ class PreparedStore:
                 f"copies (e.g. two targets' caches are different views of one storage). Give "
                 f"every target the same cache tensor (the whole own region)."
             )
+
+
+def _input(t: Any, spec: tuple, tokens: int, ordinal: int, device: torch.device) -> tuple:
+    """(address, row stride) of a valid input; else the TypeError/ValueError saying why."""
+    name, dtype, width, row_align, align = spec
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    shape = t.shape
+    stride = t.stride()
+    ptr = t.data_ptr()
+    if (
+        t.dtype is not dtype
+        or len(shape) != 2
+        or shape[1] != width
+        or shape[0] < tokens
+        or stride[1] != 1
+        or t.get_device() != ordinal
+        or ptr % align
+        or (shape[0] > 1 and stride[0] % row_align)
+    ):
+        _explain_input(name, t, dtype, width, tokens, device, align)
+    return ptr, stride[0]
 
 
 def _explain_input(name, t, dtype, width, tokens, device, align) -> None:
