@@ -11,12 +11,11 @@ Prints a table, writes JSON (``--out``). Needs a CUDA GPU.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 
-from common import median, table, timed, write_json  # noqa: E402
+from common import arguments, median, table, timed, write_json  # noqa: E402
 
 from vmmkv.alloc import VirtualRegion  # noqa: E402
 from vmmkv.alloc.cuda import CudaBackend  # noqa: E402
@@ -98,11 +97,10 @@ def run(total: int, chunks: list[int], reps: int) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = arguments(__doc__, "bench_region")
     ap.add_argument("--total-gib", type=float, default=8.0)
     ap.add_argument("--chunks-mib", default="2,64,256,1024")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", default="bench-out/bench_region.json")
     a = ap.parse_args()
     total = int(a.total_gib * (1 << 30))
     rows = run(total, [int(c) * MiB for c in a.chunks_mib.split(",")], a.reps)

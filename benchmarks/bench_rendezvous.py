@@ -11,14 +11,13 @@ one device). Prints a table and writes JSON (``--out``). Needs CUDA.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import median, table, timed, write_json  # noqa: E402
+from common import arguments, median, table, timed, write_json  # noqa: E402
 
 from vmmkv.testing.spawn import run_world, run_world_raw  # noqa: E402
 
@@ -132,12 +131,11 @@ def symm_mem_anchor(size):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = arguments(__doc__, "bench_rendezvous")
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--caps-gib", default="8,32")
     ap.add_argument("--chunks-mib", default="256,1024")
     ap.add_argument("--grow-gib", type=float, default=8.0)
-    ap.add_argument("--out", default="bench-out/bench_rendezvous.json")
     a = ap.parse_args()
     grow = int(a.grow_gib * GiB)
     chunks = [int(c) * MiB for c in a.chunks_mib.split(",")]

@@ -3,6 +3,7 @@ and the timing helpers of ``vmmkv.testing.timing`` (one percentile, one timing l
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -12,7 +13,24 @@ from typing import Any
 
 from vmmkv.testing.timing import median, percentile, time_us
 
-__all__ = ["machine", "median", "percentile", "table", "time_us", "timed", "write_json"]
+__all__ = [
+    "arguments",
+    "machine",
+    "median",
+    "percentile",
+    "table",
+    "time_us",
+    "timed",
+    "write_json",
+]
+
+
+def arguments(doc: str, name: str) -> argparse.ArgumentParser:
+    """The parser every benchmark starts from: its docstring's first line as the description
+    and ``--out`` (default ``bench-out/<name>.json``)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", default=f"bench-out/{name}.json", help="where the JSON goes")
+    return ap
 
 
 def machine() -> dict[str, Any]:

@@ -41,15 +41,10 @@ from .formats import (
     MLA_TILE,
 )
 
+# The format constants imported above stay importable from here under their old names.
 __all__ = [
     "FP8_MAX",
     "INDEXER_AMAX_FLOOR",
-    "INDEXER_DIM",
-    "INDEXER_ENTRY_BYTES",
-    "MLA_ENTRY_BYTES",
-    "MLA_KV_DIM",
-    "MLA_ROPE_DIM",
-    "MLA_TILE",
     "check_slot_mapping",
     "check_store_input",
     "e4m3_satfinite",
