@@ -184,7 +184,7 @@ class PreparedStore:
                 f"{type(inputs).__name__} {inputs!r:.80}"
             )
         values: list[Any] = []
-        for t, spec in zip(inputs, specs):
+        for t, spec in zip(inputs, specs, strict=True):
             values += _input(t, spec, tokens, ordinal, self.device)
         is64 = s.dtype is torch.int64
         if self.kinds == ("rows",):
