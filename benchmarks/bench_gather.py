@@ -196,6 +196,7 @@ def _steps(cache, mla, idx, insert, t: int, rank: int, world: int, gather_group)
     import torch.distributed as dist
 
     from vmmkv.gather import _Layout
+    from vmmkv.ops.formats import get_format
     from vmmkv.testing.kv import layer_inputs
 
     device = cache.device
@@ -203,15 +204,18 @@ def _steps(cache, mla, idx, insert, t: int, rank: int, world: int, gather_group)
     gathered = torch.randperm(world * t, generator=torch.Generator().manual_seed(t)).to(device)
     slots = gathered[rank * t : (rank + 1) * t].clone()
     kv_c, k_pe, k = (x.to(device) for x in layer_inputs(1000 * t + rank, t))
+    inputs = [i for kind in ("fp8_ds_mla", "indexer_k") for i in get_format(kind).inputs]
+    widths = [w * dtype.itemsize for _, dtype, w in inputs]  # bytes of kv_c, k_pe, k per row
     ideal = {}  # the same bytes as the fallback gathers, packed into preallocated buffers
-    for name, slot_bytes in (("own", 8), ("gathered", 0)):
-        w = _Layout([1024, 128, 256], slot_bytes).width
-        send = torch.zeros(t, w, dtype=torch.uint8, device=device)
-        recv = torch.empty(world * t, w, dtype=torch.uint8, device=device)
+    for name, slot_bytes in (("own", gathered.element_size()), ("gathered", 0)):
+        lay = _Layout(widths, slot_bytes)
+        send = torch.zeros(t, lay.width, dtype=torch.uint8, device=device)
+        recv = torch.empty(world * t, lay.width, dtype=torch.uint8, device=device)
         cols = [
-            recv[:, a:b].view(torch.bfloat16) for a, b in ((0, 1024), (1024, 1152), (1152, 1408))
+            recv[:, a : a + w].view(dtype)
+            for a, w, (_, dtype, _) in zip(lay.offsets, widths, inputs, strict=True)
         ]
-        ideal[name] = (send, recv, cols, w)
+        ideal[name] = (send, recv, cols, lay.width)
 
     def nccl(name):
         send, recv, _, _ = ideal[name]

@@ -56,6 +56,8 @@ __all__ = ["GatherPath", "GatherTimeout", "check_padding_enabled", "pad_tokens"]
 log = logging.getLogger(__name__)
 
 _ROW_ALIGN = 16  # packed row width and input columns: the kernels' 16-byte vector loads
+# one all-gather into a single tensor (newer torch names it all_gather_single)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class GatherTimeout(RuntimeError):
@@ -171,6 +173,7 @@ class GatherPath:
         self._timeout = timedelta(seconds=timeout)
         self._stores: dict[tuple[Any, ...], Any] = {}  # bindings -> ops.PreparedStore
         self._staging: dict[tuple[int, int], _Staging] = {}
+        self._layouts: dict[tuple[int, ...], _Layout] = {}
         self.transport = "nccl" if self._device_group is not None else "gloo"
         if device.type == "cuda" and self._device_group is None and world_size > 1:
             log.info(
@@ -240,7 +243,10 @@ class GatherPath:
         n = world * per_rank
         own = [t[nlo:tokens].view(torch.uint8) for t in inputs]
         slot_bytes = 0 if gathered is not None else slots.element_size()
-        layout = _Layout([c.shape[1] for c in own], slot_bytes)
+        key = (*(c.shape[1] for c in own), slot_bytes)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = _Layout(key[:-1], slot_bytes)
         staging = None if capturing else self._staging_for(layout.width)
         old = staging.rows if staging is not None else None
         recv = _buffer(old, (n, layout.width), torch.uint8, self.device)
@@ -299,7 +305,7 @@ class GatherPath:
         return pad
 
     def _all_gather(self, recv: torch.Tensor, send: torch.Tensor) -> None:
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather = _ALL_GATHER
         if self._device_group is not None:
             gather(recv, send, group=self._device_group)
             return
@@ -336,8 +342,7 @@ class GatherPath:
             mine = [0, 0, 0, 0, 0]
         send = torch.tensor(mine, dtype=torch.int64)
         out = torch.empty(self.world_size * len(mine), dtype=torch.int64)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self._wait(gather(out, send, group=self._cpu_group, async_op=True), "padding check")
+        self._wait(_ALL_GATHER(out, send, group=self._cpu_group, async_op=True), "padding check")
         table = out.view(self.world_size, len(mine)).tolist()
         if problem is not None:
             return  # this rank raises its own error
