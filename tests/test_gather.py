@@ -258,25 +258,31 @@ def _mismatch(rank, world, field):
             t = 5
         if field == "nlo" and rank == world - 1:
             nlo = 2
+        rows = c.bind("rows", c.allocate(64 * 40).view(torch.uint8).view(1, 64, 40), "rows")
         try:
-            c.store_indexer_k(idx, k, torch.full((t,), -1), num_local_only=nlo)
+            if field == "kinds" and rank == 1:
+                zeros = torch.zeros(t, 40, dtype=torch.uint8)
+                c.publish_rows(rows, zeros, torch.full((t,), -1), num_local_only=nlo)
+            else:
+                c.store_indexer_k(idx, k, torch.full((t,), -1), num_local_only=nlo)
         except ValueError as exc:
             return ok, str(exc)
         return ok, "no error"
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("field", ["tokens", "nlo"])
+@pytest.mark.parametrize("field", ["tokens", "nlo", "kinds"])
 def test_the_padding_check_reports_a_mismatch_on_every_rank(field):
     out = run_world(_mismatch, 3, args=(field,), timeout=100)
-    name = "padded token count" if field == "tokens" else "num_local_only"
+    name = {"tokens": "padded token count", "nlo": "num_local_only", "kinds": "kinds"}[field]
+    listing = {
+        "tokens": "rank 0: 4, rank 1: 5, rank 2: 4",
+        "nlo": "rank 0: 1, rank 1: 1, rank 2: 2",
+        "kinds": "rank 0: ('indexer_k',), rank 1: ('rows',), rank 2: ('indexer_k',)",
+    }[field]
     for rank, (ok, msg) in enumerate(out):
         assert ok, "a valid store under the check must write every rank's rows"
-        assert f"rank {rank}: gather fallback: {name} differs across ranks" in msg, msg
-        if field == "tokens":
-            assert "rank 0: 4, rank 1: 5, rank 2: 4" in msg
-        else:
-            assert "rank 0: 1, rank 1: 1, rank 2: 2" in msg
+        assert f"rank {rank}: gather fallback: {name} differs across ranks ({listing})" in msg, msg
         assert "pad_tokens" in msg
 
 

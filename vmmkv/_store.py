@@ -104,6 +104,10 @@ def own_slots(
     if not isinstance(gathered, torch.Tensor) or gathered.dim() != 1:
         raise TypeError(f"gathered_slot_mapping must be a 1-D tensor, got {gathered!r:.60}")
     n = gathered.numel()
+    if n > 1 and gathered.stride(0) != 1:
+        raise ValueError(
+            f"gathered_slot_mapping must be contiguous, got stride {gathered.stride()}"
+        )
     if n % world:
         raise ValueError(
             f"gathered_slot_mapping has {n} entries, not a multiple of the group size {world} "

@@ -214,7 +214,7 @@ class GatherPath:
         except (TypeError, ValueError) as exc:
             problem = exc
         if self.check_padding and self.world_size > 1:
-            self._check_padding(problem, kinds, tokens, nlo, slot_mapping, gathered)
+            self._check_padding(problem, kinds, inputs, tokens, nlo, slot_mapping, gathered)
         if problem is not None:
             raise problem
         store = self.prepare(bindings)
@@ -327,19 +327,24 @@ class GatherPath:
             ) from exc
 
     # -- debug check -----------------------------------------------------------------------
-    _FIELDS = ("inputs valid", "padded token count", "num_local_only", "kinds", "slot form")
+    _FIELDS = (
+        "inputs valid", "padded token count", "num_local_only", "kinds", "slot form",
+        "input bytes per row",
+    )  # fmt: skip
 
-    def _check_padding(self, problem, kinds, tokens, nlo, slot_mapping, gathered) -> None:
+    def _check_padding(self, problem, kinds, inputs, tokens, nlo, slot_mapping, gathered):
         """VMMKV_CHECK_PADDING=1: compare this call's shape of the convention across ranks
-        with one bounded host collective; raise the same diagnosis on every rank."""
+        with one bounded host collective; raise the same diagnosis on every rank. (A call
+        captured in a CUDA graph is checked when captured, not on replay.)"""
         from .ops.formats import STORE_KINDS
 
         if problem is None:
             src = gathered if gathered is not None else slot_mapping
             form = (2 if gathered is not None else 1) * 100 + src.element_size()
-            mine = [1, tokens, nlo, STORE_KINDS.index(kinds), form]
+            row = sum(t.shape[1] * t.element_size() for t in inputs)
+            mine = [1, tokens, nlo, STORE_KINDS.index(kinds), form, row]
         else:
-            mine = [0, 0, 0, 0, 0]
+            mine = [0] * len(self._FIELDS)
         send = torch.tensor(mine, dtype=torch.int64)
         out = torch.empty(self.world_size * len(mine), dtype=torch.int64)
         self._wait(_ALL_GATHER(out, send, group=self._cpu_group, async_op=True), "padding check")
