@@ -400,3 +400,34 @@ def test_a_local_setup_failure_after_the_region_raises_on_every_rank_and_leaves_
     for msg, path in out:
         assert "cache setup failed on group ranks [1]" in msg and "injected" in msg, msg
         assert path == "direct"
+
+
+def _typo_on_rank_1(rank, world):
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from vmmkv import ReplicatedKVCache
+
+    os.environ["VMMKV_DIRECT"] = "yes" if rank == 1 else "auto"
+    t0 = time.monotonic()
+    try:
+        ReplicatedKVCache(dist.group.WORLD, 1 << 20, "cpu", backend="host", timeout=20)
+        msg = "constructed"
+    except Exception as exc:
+        msg = f"{type(exc).__name__}: {exc}"
+    waited = time.monotonic() - t0
+    os.environ["VMMKV_DIRECT"] = "auto"
+    with ReplicatedKVCache(dist.group.WORLD, 1 << 20, "cpu", backend="host", timeout=20) as c:
+        return msg, waited, c.path  # the group is usable afterwards
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_setting_on_one_rank_fails_every_rank_at_once_naming_it():
+    (msg0, waited0, path0), (msg1, waited1, path1) = run_world(_typo_on_rank_1, 2, timeout=50)
+    assert msg1.startswith("ValueError") and "VMMKV_DIRECT must be" in msg1, msg1
+    assert msg0.startswith("ConfigMismatch") and "direct differs" in msg0, msg0
+    assert "invalid: VMMKV_DIRECT must be" in msg0, msg0
+    assert waited0 < 10 and waited1 < 10  # not the 20 s timeout
+    assert path0 == path1 == "direct"

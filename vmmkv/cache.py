@@ -65,7 +65,7 @@ from ._util import require_int, require_timeout, round_up, run_all
 from .alloc.driver import finalizing
 from .direct import DirectPath
 from .gather import GatherPath, check_padding_enabled
-from .ipc import SymmetricRegion
+from .ipc import ConfigMismatch, SymmetricRegion
 from .ipc.comm import check_cpu_group
 from .ops.kv import KVTarget
 
@@ -74,6 +74,17 @@ __all__ = ["Binding", "ReplicatedKVCache", "resolve_direct"]
 log = logging.getLogger(__name__)
 
 _ALLOC_ALIGN = 256
+
+
+def _barrier_timeout(value: float | None) -> float:
+    if value is None:
+        env = os.environ.get("VMMKV_BARRIER_TIMEOUT", "10")
+        try:
+            value = float(env)
+        except ValueError:
+            msg = f"VMMKV_BARRIER_TIMEOUT must be a number of seconds, got {env!r}"
+            raise ValueError(msg) from None
+    return require_timeout("barrier_timeout", value)
 
 
 def resolve_direct(direct: bool | None) -> str:
@@ -119,27 +130,41 @@ class ReplicatedKVCache:
         backend: str = "auto",
     ) -> None:
         check_cpu_group(cpu_group)
-        self._lanes = require_int("lanes", lanes, lo=1)
-        self.mode_requested = resolve_direct(direct)
-        if barrier_timeout is None:
-            barrier_timeout = float(os.environ.get("VMMKV_BARRIER_TIMEOUT", "10"))
-        barrier_timeout = require_timeout("barrier_timeout", barrier_timeout)
         timeout = require_timeout("timeout", timeout)
-        check = check_padding_enabled()
+        # Settings every rank must share. A bad one (e.g. a typo in one rank's environment)
+        # travels to the region's first request, so the peers fail at once naming it.
+        match: dict[str, Any] = {}
+        error: Exception | None = None
+        for key, value in (
+            ("direct", lambda: resolve_direct(direct)),
+            ("lanes", lambda: require_int("lanes", lanes, lo=1)),
+            ("barrier_timeout", lambda: _barrier_timeout(barrier_timeout)),
+            ("check_padding", check_padding_enabled),
+        ):
+            try:
+                match[key] = value()
+            except (TypeError, ValueError) as exc:
+                match[key], error = f"invalid: {exc}", error or exc
+        self.mode_requested = match["direct"]
+        self._lanes = lanes
         self._lock = threading.Lock()
         self._closed = False
         self._next_offset = 0
         self._tokens = 0
         self._barriers = 0
-        match = dict(
-            direct=self.mode_requested, lanes=lanes, barrier_timeout=barrier_timeout,
-            check_padding=check,
-        )  # fmt: skip
-        sr = SymmetricRegion(
-            capacity_bytes, device, cpu_group, initial_bytes=initial_bytes or 0,
-            chunk_bytes=chunk_bytes, backend=backend, timeout=timeout, must_match=match,
-            peers="off" if self.mode_requested == "0" else "auto",
-        )  # fmt: skip
+        try:
+            sr = SymmetricRegion(
+                capacity_bytes, device, cpu_group, initial_bytes=initial_bytes or 0,
+                chunk_bytes=chunk_bytes, backend=backend, timeout=timeout, must_match=match,
+                peers="auto" if self.mode_requested in ("auto", "1") else "off",
+            )  # fmt: skip
+        except ConfigMismatch as exc:
+            if error is not None:
+                raise error from exc  # this rank's own setting is the cause
+            raise
+        if error is not None:  # every rank has the same bad setting
+            sr.close()
+            raise error
         self._sr = sr
         self.direct = sr.mapped
         self.why_not_direct = "" if self.direct else sr.why_not_mapped
@@ -155,11 +180,11 @@ class ReplicatedKVCache:
                 ops.warm_up(sr.device)
             self._gather = GatherPath(
                 sr.rank, sr.world_size, sr.device, sr.local_table, cpu_group, device_group,
-                timeout, check,
+                timeout, match["check_padding"],
             )  # fmt: skip
             self._direct = None
             if self.direct:
-                self._direct = DirectPath(sr, self._fence, lanes, barrier_timeout)
+                self._direct = DirectPath(sr, self._fence, lanes, match["barrier_timeout"])
         except Exception as exc:
             error = exc
         try:
