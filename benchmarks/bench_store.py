@@ -21,14 +21,13 @@ Medians after warm-up. Prints tables, writes JSON (``--out``). Needs CUDA.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import median, table, write_json  # noqa: E402
+from common import arguments, median, table, write_json  # noqa: E402
 
 BS = 64
 MLA, IDX = 656, 132
@@ -608,11 +607,10 @@ def host_cost(tokens=16):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = arguments(__doc__, "bench_store")
     ap.add_argument("--tokens", default="1,16,256,4096,16384,65536")
     ap.add_argument("--dests", default="1,2,4,8")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--out", default="bench-out/bench_store.json")
     ap.add_argument("--pcp", type=int, default=0, help="run the N-rank publish benchmark only")
     ap.add_argument("--host-cost", action="store_true", help="host time breakdown only")
     a = ap.parse_args()
