@@ -87,6 +87,25 @@ def _barrier_timeout(value: float | None) -> float:
     return require_timeout("barrier_timeout", value)
 
 
+def _settings(direct, lanes, barrier_timeout) -> tuple[dict[str, Any], Exception | None]:
+    """The settings every rank must share, and the first invalid one's error. An invalid one
+    (e.g. a typo in one rank's environment) still travels to the region's first request, as
+    ``"invalid: <why>"``, so the peers fail at once naming it instead of waiting."""
+    match: dict[str, Any] = {}
+    error: Exception | None = None
+    for key, value in (
+        ("direct", lambda: resolve_direct(direct)),
+        ("lanes", lambda: require_int("lanes", lanes, lo=1)),
+        ("barrier_timeout", lambda: _barrier_timeout(barrier_timeout)),
+        ("check_padding", check_padding_enabled),
+    ):
+        try:
+            match[key] = value()
+        except (TypeError, ValueError) as exc:
+            match[key], error = f"invalid: {exc}", error or exc
+    return match, error
+
+
 def resolve_direct(direct: bool | None) -> str:
     """'auto', '1' or '0' from the argument (wins) or ``VMMKV_DIRECT``."""
     if direct is not None:
@@ -131,20 +150,7 @@ class ReplicatedKVCache:
     ) -> None:
         check_cpu_group(cpu_group)
         timeout = require_timeout("timeout", timeout)
-        # Settings every rank must share. A bad one (e.g. a typo in one rank's environment)
-        # travels to the region's first request, so the peers fail at once naming it.
-        match: dict[str, Any] = {}
-        error: Exception | None = None
-        for key, value in (
-            ("direct", lambda: resolve_direct(direct)),
-            ("lanes", lambda: require_int("lanes", lanes, lo=1)),
-            ("barrier_timeout", lambda: _barrier_timeout(barrier_timeout)),
-            ("check_padding", check_padding_enabled),
-        ):
-            try:
-                match[key] = value()
-            except (TypeError, ValueError) as exc:
-                match[key], error = f"invalid: {exc}", error or exc
+        match, error = _settings(direct, lanes, barrier_timeout)
         self.mode_requested = match["direct"]
         self._lanes = lanes
         self._lock = threading.Lock()
