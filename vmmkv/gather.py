@@ -16,15 +16,21 @@ Convention (the one vLLM's own PCP gather uses):
   or on CUDA without a device group: gloo over the CPU group (on CUDA staged through host
   memory: it synchronizes, cannot be captured, and is refused during capture). Gloo waits are
   bounded by vmmkv's timeout (the cache's ``timeout``), not the group's.
-- Then the same store kernels (on the host backend, the same reference) with a one-entry
-  destination table, the own replica: the same bytes as direct publication.
+- Then the same store kernels (``vmmkv.ops.prepare``; on the host backend the same reference)
+  with a one-entry destination table, the own replica: the same bytes as direct publication.
+- Device work per call: one pack launch (``torch.cat`` into the staging rows; skipped for one
+  contiguous input whose slots were gathered already), the all-gather (in place), one slot
+  copy (skipped when the gathered mapping holds exactly the gathered rows' slots: no replicated
+  rows), one insert launch, plus one for the replicated rows.
 
 Contract: ``store`` is collective over the group (every rank, same order, same ``T``, ``nlo``,
 kinds, slot dtype and slot form). With NCCL it takes no host synchronization, no ``.item()``
 and no host collective: capture-safe under ``torch.cuda.graph`` (after one eager call, which
 sets NCCL up), also when replayed after the cache grew. A rank that breaks the convention is a
 contract violation that the path cannot see without a host collective: NCCL then hangs or
-corrupts, gloo aborts the process (mismatched sizes) or times out. ``VMMKV_CHECK_PADDING=1``
+corrupts, gloo aborts the process (mismatched sizes) or times out. Invalid inputs raise on the
+rank that passed them before any collective; its peers then wait in the all-gather (gloo: up to
+vmmkv's timeout; NCCL: until NCCL's own timeout). ``VMMKV_CHECK_PADDING=1``
 (read at construction, equal on every rank) adds a bounded host collective before every gather
 that compares ``T``, ``nlo``, kinds, slot dtype and form and input validity across ranks and
 raises the same diagnosis on every rank (a debug aid: it synchronizes the host).
