@@ -110,8 +110,6 @@ def _oracle(poisoned, world, committed_blocks):
         _inputs(r, world, committed_blocks) for r in range(world)
     ]
     for kv_c, k_pe, k, rows, slots in batches:
-        if not slots.numel():
-            continue  # a rank without tokens writes nothing
         ok = slots.clone()
         ok[(ok >= committed_blocks * BS)] = -1  # uncommitted or outside: never written
         for mla, idx in views:
