@@ -299,6 +299,7 @@ def test_views_still_read_and_write_the_committed_prefix_while_the_region_is_ope
 @pytest.mark.gpu
 def test_cuda_close_with_a_live_view_returns_device_memory_and_defers_the_range():
     g = make_backend(backend="cuda").granularity
+    torch.empty(16 * g, dtype=torch.uint8, device="cuda").fill_(1)  # load the fill kernel first
     torch.cuda.synchronize()
     a = VirtualRegion(16 * g, backend="cuda", chunk_bytes=4 * g)
     used0 = a.memory_in_use()

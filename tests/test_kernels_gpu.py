@@ -954,7 +954,7 @@ def test_publish_over_thousands_of_ctas_resets_the_arrival_counter(dev):
     mla, idx = targets(rep, lay, my_rank=0)
     bar = _one_rank_barrier(dev, lanes=1)
     p = prepare((mla, idx))
-    for round_, tokens in enumerate((20000, 9, 20000)):  # 2500, 2, 2500 CTAs
+    for round_, tokens in enumerate((20000, 12, 20000)):  # 2500, 2, 2500 CTAs
         kv_c, k_pe, k = make_inputs(tokens, seed=130 + round_, device=dev)
         slots = make_slots(tokens, lay.num_blocks, seed=140 + round_, dtype=torch.int64,
                            padded=(3,), oob=(5,)).to(dev)  # fmt: skip
@@ -987,7 +987,7 @@ def test_publish_of_zero_tokens_writes_nothing_but_runs_the_barrier(dev):
 def test_prepared_calls_validate_before_launching(dev):
     from vmmkv.ops import prepare
 
-    case = _Case("layer", dev, tokens=20, seed=170)
+    case = _Case("layer", dev, tokens=48, seed=170)
     bar = _one_rank_barrier(dev, lanes=1)
     p = prepare(case.targets)
     kv_c, k_pe, k = case.inputs
@@ -998,19 +998,19 @@ def test_prepared_calls_validate_before_launching(dev):
         p.store((kv_c.half(), k_pe, k), s)
     with pytest.raises(ValueError, match=r"k must have shape \[T, 128\]"):
         p.store((kv_c, k_pe, k[:, :64]), s)
-    with pytest.raises(ValueError, match="fewer than slot_mapping's 20"):
+    with pytest.raises(ValueError, match="fewer than slot_mapping's 48"):
         p.store((kv_c[:5], k_pe, k), s)
     with pytest.raises(ValueError, match="is on cpu"):
         p.store((kv_c, k_pe.cpu(), k), s)
-    raw = torch.zeros(20, 584, dtype=torch.bfloat16, device=dev)
+    raw = torch.zeros(48, 584, dtype=torch.bfloat16, device=dev)
     with pytest.raises(ValueError, match="kv_c rows must be 16-byte aligned"):
         p.store((raw[:, 4:516], k_pe, k), s)
     with pytest.raises(TypeError, match="int32 or int64"):
         p.store(case.inputs, s.float())
     with pytest.raises(ValueError, match="slot_mapping is on cpu"):
         p.store(case.inputs, s.cpu())
-    with pytest.raises(ValueError, match=r"num_local_only must be in \[0, 20\], got 21"):
-        p.store(case.inputs, s, 21)
+    with pytest.raises(ValueError, match=r"num_local_only must be in \[0, 48\], got 49"):
+        p.store(case.inputs, s, 49)
     with pytest.raises(TypeError, match="DeviceBarrier"):
         p.publish(case.inputs, s, 0, object(), 0)
     with pytest.raises(ValueError, match=r"lane must be an int in \[0, 1\), got 1"):

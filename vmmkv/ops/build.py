@@ -420,6 +420,7 @@ def compile_all(arch: str) -> dict[str, bytes]:
 
 
 def arch_of_device(ordinal: int) -> str:
+    driver.ensure_init()  # warm_up may be the process's first driver call
     dev = driver.call(driver.cu.cuDeviceGet, ordinal, device=ordinal)
     attr = driver.cu.CUdevice_attribute
     major = driver.call(
