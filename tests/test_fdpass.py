@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.mputil import run_world, run_world_raw
 from vmmkv.ipc import fdpass
 from vmmkv.ipc.fdpass import FdExchangeError, exchange_fds, socket_name
+from vmmkv.testing.spawn import run_world, run_world_raw
 
 OK_TIMEOUT = 15.0
 

@@ -24,7 +24,7 @@ from vmmkv.ops import reference as R
 from vmmkv.ops.barrier import DeviceBarrier
 from vmmkv.ops.kv import KVTarget, publish_rows, store_ds_mla, store_indexer_k, store_layer
 from vmmkv.ops.launch import warm_up
-from vmmkv.ops.testing import requires_gpu
+from vmmkv.testing.markers import requires_gpu
 
 GUARD = 4096
 GUARD_BYTE = 0xA5

@@ -1,6 +1,6 @@
 """rendezvous() / SymmetricRegion: peer mappings, collective resize, failure semantics.
 
-Every scenario runs in spawned processes with a gloo group (tests/mputil.py). On the host
+Every scenario runs in spawned processes with a gloo group (vmmkv/testing/spawn.py). On the host
 backend (CI) the mappings are real shared memfd mappings; with marker ``gpu`` the same scenarios
 run with N processes sharing the one GPU.
 """
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.mputil import capture_logs, run_world, run_world_raw
+from vmmkv.testing.spawn import capture_logs, run_world, run_world_raw
 
 CASES = [
     pytest.param("host", 2, id="host-2"),
@@ -397,7 +397,7 @@ def test_close_at_interpreter_exit_is_clean():
     script = textwrap.dedent(
         """
         import atexit, os, torch.distributed as dist
-        from tests.mputil import free_port
+        from vmmkv.testing.spawn import free_port
         dist.init_process_group("gloo", rank=0, world_size=1,
                                 init_method=f"tcp://127.0.0.1:{free_port()}")
         from vmmkv.ipc import SymmetricRegion
