@@ -1,6 +1,6 @@
 // Fused KV stores: quantize each token once, write its bytes into every replica.
 //
-// One warp per token (grid-stride over tokens). Byte formats are DESIGN.md's "KV byte formats";
+// One warp per token (grid-stride over tokens). Byte formats are docs/design.md's "KV byte formats";
 // vmmkv/ops/reference.py is the pure-torch oracle the GPU tests compare against.
 // Host-side contract (checked by vmmkv/ops/kv.py before launch): bf16 inputs with unit inner
 // stride, 16-byte aligned rows for kv_c / k_pe and 8-byte aligned rows for k, 16-byte aligned

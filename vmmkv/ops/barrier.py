@@ -1,4 +1,4 @@
-"""Device-side system-scope barrier (DESIGN.md, "Barrier"; kernel in csrc/barrier.cu).
+"""Device-side system-scope barrier (docs/design.md, "Barrier"; kernel in csrc/barrier.cu).
 
 Contract:
 - ``sig_table``: int64 [world] device tensor of signal-region base addresses, own region at

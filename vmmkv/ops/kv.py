@@ -1,4 +1,4 @@
-"""Fused KV stores into every replica (DESIGN.md, "KV byte formats").
+"""Fused KV stores into every replica (docs/design.md, "KV byte formats").
 
 Contract:
 - A :class:`KVTarget` describes one layer view (kind, where it sits in every replica's region,
