@@ -8,21 +8,13 @@ import os
 import pytest
 import torch
 
+from tests.helpers import commit_random, fd_count, map_all_chunks
 from vmmkv.alloc import Chunk, UnmapError, VirtualRegion
 from vmmkv.alloc.host import HostError, reservations
 
 
 def _g() -> int:
     return os.sysconf("SC_PAGE_SIZE")
-
-
-def _fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def _random_bytes(n: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(1, 256, (n,), generator=gen, dtype=torch.uint8)
 
 
 def _mapped_offsets(base: int, size: int, g: int) -> set[int]:
@@ -57,9 +49,7 @@ def _fail_unmap_at(region, ptrs: set[int]):
 def test_a_decommit_whose_unmap_fails_in_the_middle_leaves_a_contiguous_prefix():
     g = _g()
     with VirtualRegion(8 * g, "cpu", backend="host", chunk_bytes=g) as r:
-        r.commit(6 * g)
-        data = _random_bytes(6 * g, 3)
-        r.tensor()[: 6 * g].copy_(data)
+        data = commit_random(r, 6 * g, 3)
         heal = _fail_unmap_at(r, {r.base_ptr + 4 * g})
         with pytest.raises(UnmapError, match="still mapped") as info:
             r.decommit(2 * g)  # drops 5, then fails at 4: 2 and 3 must stay
@@ -95,15 +85,8 @@ def test_commit_after_a_failed_decommit_starts_at_the_end_of_the_prefix():
 def test_a_peer_unmap_that_fails_in_the_middle_keeps_the_mapped_prefix_and_map_fd_extends_it():
     g = _g()
     with VirtualRegion(6 * g, "cpu", backend="host", chunk_bytes=g) as r, r.open_peer() as peer:
-        r.commit(6 * g)
-        data = _random_bytes(6 * g, 4)
-        r.tensor()[: 6 * g].copy_(data)
-        for c in r.chunks():
-            fd = r.export_chunk(c)
-            try:
-                peer.map_fd(fd, c)
-            finally:
-                os.close(fd)
+        data = commit_random(r, 6 * g, 4)
+        map_all_chunks(r, peer)
         heal = _fail_unmap_at(r, {peer.base_ptr + 3 * g})
         with pytest.raises(UnmapError, match="still mapped") as info:
             peer.unmap_from(g)
@@ -125,7 +108,7 @@ def test_a_peer_unmap_that_fails_in_the_middle_keeps_the_mapped_prefix_and_map_f
 
 def test_a_failed_commit_whose_rollback_also_fails_records_what_stays_mapped():
     g = _g()
-    before = _fd_count()
+    before = fd_count()
     with VirtualRegion(8 * g, "cpu", backend="host", chunk_bytes=g) as r:
         r.commit(2 * g)
         backend = r._backend
@@ -151,12 +134,12 @@ def test_a_failed_commit_whose_rollback_also_fails_records_what_stays_mapped():
         assert _mapped_offsets(r.base_ptr, 8 * g, g) == set()
         assert r.commit(8 * g) == [Chunk(o * g, g) for o in range(8)]
         assert int(r.tensor()[: 8 * g].count_nonzero()) == 0
-    assert _fd_count() == before
+    assert fd_count() == before
 
 
 def test_close_with_a_failing_unmap_raises_and_a_second_close_finishes_the_job():
     g = _g()
-    before = _fd_count()
+    before = fd_count()
     r = VirtualRegion(4 * g, "cpu", backend="host", chunk_bytes=g)
     r.commit(4 * g)
     base = r.base_ptr
@@ -170,5 +153,5 @@ def test_close_with_a_failing_unmap_raises_and_a_second_close_finishes_the_job()
     assert _mapped_offsets(base, 4 * g, g) == {1}
     r.close()
     assert base not in reservations()
-    assert _fd_count() == before
+    assert fd_count() == before
     r.close()  # idempotent once everything is released

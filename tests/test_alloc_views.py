@@ -18,36 +18,26 @@ import threading
 import pytest
 import torch
 
+from tests.helpers import commit_random, map_all_chunks
 from vmmkv.alloc import RegionClosedError, VirtualRegion, make_backend
 from vmmkv.alloc import reservation as reservation_mod
-from vmmkv.alloc.host import HostBackend, reservations
+from vmmkv.alloc.host import HostBackend, _mmap, _munmap, reservations
 
 _PROT_NONE = 0x0
 _MAP_PRIVATE = 0x02
 _MAP_ANONYMOUS = 0x20
 _MAP_FIXED_NOREPLACE = 0x100000
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
-
+# _mmap/_munmap: the host backend's typed libc bindings, reused; the probe mapping is our own
 def _range_is_free(ptr: int, size: int) -> bool:
     """True when nothing is mapped anywhere in [ptr, ptr + size): a probe mapping placed there
     with MAP_FIXED_NOREPLACE succeeds (and is removed again)."""
     flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE
-    got = _libc.mmap(ptr, size, _PROT_NONE, flags, -1, 0)
+    got = _mmap(ptr, size, _PROT_NONE, flags, -1, 0)
     if got is None or got == ctypes.c_void_p(-1).value:
         return False
-    _libc.munmap(got, size)
+    _munmap(got, size)
     if got != ptr:  # kernels before 4.17 ignore the flag and place the probe elsewhere
         pytest.skip("MAP_FIXED_NOREPLACE is not supported by this kernel")
     return True
@@ -57,15 +47,17 @@ def _g() -> int:
     return os.sysconf("SC_PAGE_SIZE")
 
 
-def _random_bytes(n: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(1, 256, (n,), generator=gen, dtype=torch.uint8)
+def _committed_host_region(pages: int) -> VirtualRegion:
+    """A host region of ``pages`` one-page chunks, all committed; the caller closes it."""
+    g = _g()
+    r = VirtualRegion(pages * g, "cpu", backend="host", chunk_bytes=g)
+    r.commit(pages * g)
+    return r
 
 
 def test_a_view_alive_at_close_keeps_its_addresses_out_of_the_next_reservation():
     g = _g()
-    a = VirtualRegion(64 * g, "cpu", backend="host", chunk_bytes=g)
-    a.commit(64 * g)
+    a = _committed_host_region(64)
     stale = a.tensor()[: 64 * g]
     a_base = a.base_ptr
     a.close()
@@ -124,8 +116,7 @@ def test_a_stale_write_after_close_faults_and_leaves_the_new_region_intact():
 
 def test_the_reservation_is_freed_once_the_last_view_is_gone():
     g = _g()
-    r = VirtualRegion(8 * g, "cpu", backend="host", chunk_bytes=g)
-    r.commit(8 * g)
+    r = _committed_host_region(8)
     base = r.base_ptr
     view = r.tensor(torch.int32)
     part = view[g:]  # a slice shares the storage: it holds the range as well
@@ -155,12 +146,7 @@ def test_a_peer_region_view_keeps_the_peer_range_reserved_after_close():
     with VirtualRegion(4 * g, "cpu", backend="host", chunk_bytes=g) as r:
         r.commit(2 * g)
         peer = r.open_peer()
-        for c in r.chunks():
-            fd = r.export_chunk(c)
-            try:
-                peer.map_fd(fd, c)
-            finally:
-                os.close(fd)
+        map_all_chunks(r, peer)
         pview = peer.tensor()
         pbase = peer.base_ptr
         peer.close()
@@ -173,9 +159,7 @@ def test_a_peer_region_view_keeps_the_peer_range_reserved_after_close():
 
 
 def test_the_last_view_may_die_on_another_thread():
-    g = _g()
-    r = VirtualRegion(4 * g, "cpu", backend="host", chunk_bytes=g)
-    r.commit(4 * g)
+    r = _committed_host_region(4)
     base = r.base_ptr
     box = [r.tensor()]
     r.close()
@@ -189,8 +173,7 @@ def test_the_last_view_may_die_on_another_thread():
 
 def test_views_made_and_dropped_on_many_threads_around_close_free_the_range_exactly_once():
     g = _g()
-    r = VirtualRegion(4 * g, "cpu", backend="host", chunk_bytes=g)
-    r.commit(4 * g)
+    r = _committed_host_region(4)
     base = r.base_ptr
     backend = r._backend
     real = backend.free_reservation
@@ -236,8 +219,7 @@ def test_a_backend_that_cannot_free_from_any_thread_defers_the_free_to_the_next_
     # capture), exercised on the host backend.
     monkeypatch.setattr(HostBackend, "frees_from_any_thread", False)
     g = _g()
-    r = VirtualRegion(4 * g, "cpu", backend="host", chunk_bytes=g)
-    r.commit(4 * g)
+    r = _committed_host_region(4)
     base = r.base_ptr
     view = r.tensor()
     r.close()
@@ -290,9 +272,7 @@ def test_views_alive_at_interpreter_exit_end_cleanly():
 def test_views_still_read_and_write_the_committed_prefix_while_the_region_is_open():
     g = _g()
     with VirtualRegion(4 * g, "cpu", backend="host", chunk_bytes=g) as r:
-        r.commit(2 * g)
-        data = _random_bytes(2 * g, 5)
-        r.tensor()[: 2 * g].copy_(data)
+        data = commit_random(r, 2 * g, 5)
         assert torch.equal(r.tensor()[: 2 * g], data)
 
 

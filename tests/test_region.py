@@ -5,6 +5,7 @@ Runs on the host backend everywhere and on the CUDA backend where a GPU is usabl
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -12,23 +13,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import commit_random, fd_count, map_all_chunks, random_bytes
 from vmmkv.alloc import Chunk, RegionClosedError, VirtualRegion, make_backend
 
 BACKENDS = ["host", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def _fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 def _gran(backend: str) -> int:
     return make_backend(backend=backend).granularity
-
-
-def _random_bytes(n: int, device, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    # 1..255: never zero, so an unwritten (zeroed) byte can never pass for a written one
-    return torch.randint(1, 256, (n,), generator=g, dtype=torch.uint8).to(device)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -53,7 +45,7 @@ def test_new_bytes_are_zero_and_kept_prefix_survives_shrink(backend):
     with VirtualRegion(4 * g, backend=backend, chunk_bytes=g) as r:
         r.commit(4 * g)
         t = r.tensor()
-        data = _random_bytes(4 * g, t.device, 1)
+        data = random_bytes(4 * g, 1, t.device)
         t.copy_(data)
         r.decommit(2 * g)
         assert torch.equal(t[: 2 * g].cpu(), data[: 2 * g].cpu())
@@ -75,17 +67,10 @@ def test_tensor_views_have_the_requested_dtype_device_and_size(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_exported_chunk_maps_into_a_peer_region_with_the_same_bytes(backend):
     g = _gran(backend)
-    before = _fd_count()
+    before = fd_count()
     with VirtualRegion(4 * g, backend=backend, chunk_bytes=g) as r, r.open_peer() as peer:
-        r.commit(2 * g)
-        data = _random_bytes(2 * g, r.device, 2)
-        r.tensor()[: 2 * g].copy_(data)
-        for c in r.chunks():
-            fd = r.export_chunk(c)
-            try:
-                peer.map_fd(fd, c)
-            finally:
-                os.close(fd)
+        data = commit_random(r, 2 * g, 2)
+        map_all_chunks(r, peer)
         assert peer.mapped_bytes == 2 * g and peer.base_ptr != r.base_ptr
         assert torch.equal(peer.tensor()[: 2 * g].cpu(), data.cpu())
         peer.tensor()[:16].fill_(3)  # writes through the peer mapping reach the owner
@@ -98,13 +83,13 @@ def test_exported_chunk_maps_into_a_peer_region_with_the_same_bytes(backend):
                 peer.map_fd(fd, Chunk(3 * g, g))
             finally:
                 os.close(fd)
-    assert _fd_count() == before
+    assert fd_count() == before
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_close_is_idempotent_and_every_method_fails_afterwards(backend):
     g = _gran(backend)
-    before = _fd_count()
+    before = fd_count()
     r = VirtualRegion(2 * g, backend=backend)
     r.commit(2 * g)
     r.close()
@@ -120,7 +105,7 @@ def test_close_is_idempotent_and_every_method_fails_afterwards(backend):
     ):
         with pytest.raises(RegionClosedError, match="closed"):
             op()
-    assert _fd_count() == before
+    assert fd_count() == before
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -166,15 +151,15 @@ def test_unknown_backend_and_device_are_rejected():
 
 def test_fd_count_returns_to_baseline_after_a_full_lifecycle_on_host():
     g = _gran("host")
-    before = _fd_count()
+    before = fd_count()
     for _ in range(3):
         r = VirtualRegion(16 * g, backend="host", chunk_bytes=g)
         r.commit(16 * g)
-        assert _fd_count() == before + 16  # one memfd kept per exportable chunk
+        assert fd_count() == before + 16  # one memfd kept per exportable chunk
         r.decommit(4 * g)
-        assert _fd_count() == before + 4
+        assert fd_count() == before + 4
         r.close()
-    assert _fd_count() == before
+    assert fd_count() == before
 
 
 _OPS = st.lists(
@@ -188,8 +173,11 @@ _OPS = st.lists(
 )
 
 
-def _model_check(backend: str, ops, unit: int, gran: int) -> None:
-    """Drive a region and a bytearray model with the same ops; compare after every step."""
+def _model_check(backend: str, ops) -> None:
+    """Drive a region and a bytearray model with the same ops; compare after every step. Ops
+    count in half granules; chunks are two granules."""
+    gran = _gran(backend)
+    unit = gran // 2
     chunk = 2 * gran
     cap = 6 * chunk
     model = bytearray()
@@ -211,7 +199,7 @@ def _model_check(backend: str, ops, unit: int, gran: int) -> None:
                     continue
                 off = (op[1] * unit // 64) % len(model)
                 ln = min(op[2], len(model) - off)
-                data = _random_bytes(ln, "cpu", step)
+                data = random_bytes(ln, step, "cpu")
                 t[off : off + ln].copy_(data.to(t.device))
                 model[off : off + ln] = bytes(data.tolist())
             assert r.committed_bytes == len(model)
@@ -223,16 +211,14 @@ def _model_check(backend: str, ops, unit: int, gran: int) -> None:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=_OPS)
 def test_commit_decommit_and_writes_match_a_bytearray_model_on_host(ops):
-    g = _gran("host")
-    _model_check("host", ops, unit=g // 2, gran=g)
+    _model_check("host", ops)
 
 
 @pytest.mark.gpu
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=_OPS)
 def test_commit_decommit_and_writes_match_a_bytearray_model_on_cuda(ops):
-    g = _gran("cuda")
-    _model_check("cuda", ops, unit=g // 2, gran=g)
+    _model_check("cuda", ops)
 
 
 # --------------------------------------------------------------------------------------------
@@ -256,12 +242,19 @@ def test_device_memory_returns_to_baseline_after_close():
     assert abs(after - base_used) < g
 
 
-@pytest.mark.gpu
-def test_commit_and_decommit_refuse_during_stream_capture():
+@contextlib.contextmanager
+def _cuda_region_with_one_chunk():
+    """A CUDA region of four one-granule chunks with the first committed: yields the
+    granularity, the region and its full-range tensor view; closes the region after."""
     g = _gran("cuda")
     with VirtualRegion(4 * g, backend="cuda", chunk_bytes=g) as r:
         r.commit(g)
-        t = r.tensor()
+        yield g, r, r.tensor()
+
+
+@pytest.mark.gpu
+def test_commit_and_decommit_refuse_during_stream_capture():
+    with _cuda_region_with_one_chunk() as (g, r, t):
         graph = torch.cuda.CUDAGraph()
         s = torch.cuda.Stream()
         with torch.cuda.stream(s):
@@ -279,12 +272,9 @@ def test_commit_and_decommit_refuse_during_stream_capture():
 
 @pytest.mark.gpu
 def test_graph_captured_over_uncommitted_addresses_replays_after_commit_and_recommit():
-    g = _gran("cuda")
-    with VirtualRegion(4 * g, backend="cuda", chunk_bytes=g) as r:
-        r.commit(g)
-        t = r.tensor()
+    with _cuda_region_with_one_chunk() as (g, r, t):
         n = 3 * g  # the captured copy spans two chunks that are not committed yet
-        src = _random_bytes(n, r.device, 7)
+        src = random_bytes(n, 7, r.device)
         graph = torch.cuda.CUDAGraph()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
