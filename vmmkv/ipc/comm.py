@@ -142,26 +142,22 @@ class StoreComm:
     def _join_tokens(self, keys: list[str], deadline: float, what: str) -> list[str]:
         """Every rank's live join token; PeerTimeoutError naming the ranks that never posted
         one (and those that gave up) at the deadline."""
-        pause = _POLL_MIN_S
-        while True:
-            present = self._check(keys, what)
-            if present:
-                values = self._get_all(keys, what)
-                if all(v != _GONE for v in values):
-                    return [v.decode() for v in values]
-            if time.monotonic() >= deadline:
-                gone, missing = [], []
-                for r, k in enumerate(keys):
-                    if not self._check([k], what):
-                        missing.append(r)
-                    elif self._get_all([k], what)[0] == _GONE:
-                        gone.append(r)
-                err = self._timeout_error(what, missing or gone, self.timeout)
-                if missing and gone:
-                    err = PeerTimeoutError(f"{err} (ranks {gone} gave up waiting)", missing)
-                raise err
-            time.sleep(pause)
-            pause = min(_POLL_MAX_S, pause * 2)
+
+        def live_tokens() -> list[str] | None:
+            if not self._check(keys, what):
+                return None
+            values = self._get_all(keys, what)
+            return None if _GONE in values else [v.decode() for v in values]
+
+        tokens = _poll(live_tokens, deadline)
+        if tokens is not None:
+            return tokens
+        missing = self._missing(keys, what)
+        gone = [r for r, k in enumerate(keys) if r not in missing and self._get(k, what) == _GONE]
+        err = self._timeout_error(what, missing or gone, self.timeout)
+        if missing and gone:
+            err = PeerTimeoutError(f"{err} (ranks {gone} gave up waiting)", missing)
+        raise err
 
     # -- collectives -----------------------------------------------------------------------
     def all_gather(
@@ -193,13 +189,13 @@ class StoreComm:
         outcome_key = self._key(step, "outcome")
         if abort is not None:
             record = {"by": self.rank, "why": str(abort)}
-            self._raise_outcome(self._settle(outcome_key, record, what), what, step)
+            self._raise_outcome(self._settle(outcome_key, record, what), what)
         self._set(keys[self.rank], json.dumps([what, obj]).encode(), what)
         missing = self._wait(keys, outcome_key, time.monotonic() + wait_s, what)
         proposal = None if not missing else {"by": self.rank, "missing": missing, "waited": wait_s}
         outcome = self._settle(outcome_key, proposal, what)
         if outcome != _OK:
-            self._raise_outcome(outcome, what, step)
+            self._raise_outcome(outcome, what)
         entries = [json.loads(v) for v in self._get_all(keys, what)]
         whats = [w for w, _ in entries]
         if any(w != what for w in whats):
@@ -225,7 +221,7 @@ class StoreComm:
         key = self._key(self._step, "outcome")
         if not self._check([key], "pending abort"):
             return ""
-        outcome = self._get_all([key], "pending abort")[0]
+        outcome = self._get(key, "pending abort")
         if not outcome.startswith(_ABORT):
             return ""
         record = json.loads(outcome[len(_ABORT) :])
@@ -262,29 +258,27 @@ class StoreComm:
     def _key(self, step: int, who: int | str) -> str:
         return f"{self._prefix}/{step}/{who}"
 
-    def _set(self, key: str, value: bytes, what: str) -> None:
+    def _call(self, what: str, doing: str, fn: Any, *args: Any) -> Any:
+        """One store operation; a store failure becomes a GroupError naming rank and step."""
         try:
-            self._store.set(key, value)
+            return fn(*args)
         except Exception as exc:
-            raise GroupError(
-                f"rank {self.rank}: {what}: the group's store is unreachable: {exc}"
-            ) from exc
+            raise GroupError(f"rank {self.rank}: {what}: {doing} failed: {exc}") from exc
+
+    def _set(self, key: str, value: bytes, what: str) -> None:
+        self._call(what, "writing to the group's store", self._store.set, key, value)
+
+    def _get(self, key: str, what: str) -> bytes:
+        return self._get_all([key], what)[0]
 
     def _get_all(self, keys: list[str], what: str) -> list[bytes]:
-        try:
-            return list(self._store.multi_get(keys))
-        except Exception as exc:
-            raise GroupError(
-                f"rank {self.rank}: {what}: reading the group's store failed: {exc}"
-            ) from exc
+        return list(self._call(what, "reading the group's store", self._store.multi_get, keys))
 
     def _check(self, keys: list[str], what: str) -> bool:
-        try:
-            return bool(self._store.check(keys))
-        except Exception as exc:
-            raise GroupError(
-                f"rank {self.rank}: {what}: the group's store is unreachable: {exc}"
-            ) from exc
+        return bool(self._call(what, "querying the group's store", self._store.check, keys))
+
+    def _missing(self, keys: list[str], what: str) -> list[int]:
+        return [r for r, k in enumerate(keys) if not self._check([k], what)]
 
     def _try_set(self, key: str, value: bytes) -> None:
         try:
@@ -302,41 +296,38 @@ class StoreComm:
         """[] once every key exists; None if the outcome was settled first (adopt it); else
         the missing ranks at the deadline. Polls, so that an abort is seen at once (a
         store ``wait`` cannot also watch the outcome key)."""
-        pause = _POLL_MIN_S
-        while True:
+
+        def settled() -> list[int] | None:
             if self._check(keys, what):
                 return []
             if outcome_key is not None and self._check([outcome_key], what):
-                return None
-            if time.monotonic() >= deadline:
-                return [r for r, k in enumerate(keys) if not self._check([k], what)] or None
-            time.sleep(pause)
-            pause = min(_POLL_MAX_S, pause * 2)
+                return [-1]  # adopt the stored outcome
+            return None
 
-    def _wait_or_raise(self, keys: list[str], outcome_key, deadline: float, what: str) -> None:
-        missing = self._wait(keys, outcome_key, deadline, what)
-        if missing:
-            raise self._timeout_error(what, missing, self.timeout)
+        state = _poll(settled, deadline)
+        if state is None:
+            return self._missing(keys, what) or None
+        return None if state == [-1] else state
 
     def _settle(self, outcome_key: str, proposal: dict | None, what: str) -> bytes:
         """Store ``ok`` (proposal None) or ``abort:<proposal>`` unless an outcome is already
         stored; return the stored outcome."""
         value = _OK if proposal is None else _ABORT + json.dumps(proposal).encode()
-        try:
-            return bytes(self._store.compare_set(outcome_key, "", value.decode()))
-        except Exception as exc:
-            raise GroupError(
-                f"rank {self.rank}: {what}: settling the step's outcome in the group's store "
-                f"failed: {exc}"
-            ) from exc
+        stored = self._call(
+            what, "settling the step's outcome", self._store.compare_set, outcome_key, "",
+            value.decode(),
+        )  # fmt: skip
+        return bytes(stored)
 
-    def _raise_outcome(self, outcome: bytes, what: str, step: int) -> None:
+    def _raise_outcome(self, outcome: bytes, what: str) -> None:
         if not outcome.startswith(_ABORT):
             raise GroupError(f"rank {self.rank}: {what}: unexpected step outcome {outcome!r}")
         record = json.loads(outcome[len(_ABORT) :])
         if "missing" in record:
             raise self._timeout_error(what, record["missing"], record["waited"], record["by"])
-        raise StepAborted(f"rank {self.rank}: {what}: aborted by rank {record['by']}: {record['why']}")
+        raise StepAborted(
+            f"rank {self.rank}: {what}: aborted by rank {record['by']}: {record['why']}"
+        )
 
     def _timeout_error(
         self, what: str, missing: list[int], waited: float, by: int | None = None
@@ -349,3 +340,14 @@ class StoreComm:
             missing,
         )
 
+
+def _poll(probe: Any, deadline: float) -> Any:
+    """``probe()``'s first result that is not None, polled with a growing pause (50 us to
+    2 ms); None once ``deadline`` (time.monotonic) has passed."""
+    pause = _POLL_MIN_S
+    while True:
+        result = probe()
+        if result is not None or time.monotonic() >= deadline:
+            return result
+        time.sleep(pause)
+        pause = min(_POLL_MAX_S, pause * 2)

@@ -144,7 +144,8 @@ def _host_problem(reqs: list[dict[str, Any]]) -> str:
         )
     elif len({r["pidns"] for r in reqs}) > 1:
         problems.append(
-            "ranks run in different PID namespaces (" + _by_value([r["pidns"] for r in reqs], "in")
+            "ranks run in different PID namespaces ("
+            + _by_value([r["pidns"] for r in reqs], "in")
             + "): the fd transport identifies senders by pid"
         )
     if len({r["netns"] for r in reqs}) > 1:
@@ -155,7 +156,8 @@ def _host_problem(reqs: list[dict[str, Any]]) -> str:
         )
     if len({r["uid"] for r in reqs}) > 1:
         problems.append(
-            "ranks run as different users (" + _by_value([r["uid"] for r in reqs], "have uid")
+            "ranks run as different users ("
+            + _by_value([r["uid"] for r in reqs], "have uid")
             + "): the fd transport only accepts its own uid"
         )
     return "; ".join(problems)
@@ -311,10 +313,6 @@ class PeerMap:
         return self._peers[rank].mapped_bytes
 
     # -- ipc-internal: used by vmmkv.ipc.symmetric ----------------------------------------
-    @property
-    def comm(self) -> StoreComm:
-        return self._comm
-
     def exchange_new(self, chunks: list[Chunk], nonce: str, local_error: Exception | None) -> None:
         """Between two collective points: pass the own new ``chunks`` to every peer and map
         theirs, or, with ``local_error``, tell every peer this rank cannot take part (see
@@ -466,9 +464,7 @@ def exchange_then_agree(
     except Exception as exc:
         error = exc
     try:
-        comm.agree(
-            error, what, abort=abort, timeout=max(1.0, deadline - time.monotonic())
-        )
+        comm.agree(error, what, abort=abort, timeout=max(1.0, deadline - time.monotonic()))
     except GroupError as exc:
         raise as_rendezvous_error(exc) from error
 
@@ -605,7 +601,9 @@ def gather_requests(
         ) from local_error
     problem = _validate_requests(reqs)
     if problem:
-        raise ConfigMismatch(f"rendezvous rejected (rank {comm.rank} of {comm.world_size}): {problem}")
+        raise ConfigMismatch(
+            f"rendezvous rejected (rank {comm.rank} of {comm.world_size}): {problem}"
+        )
     return reqs
 
 
@@ -615,7 +613,8 @@ def map_peers(comm: StoreComm, region: VirtualRegion, reqs: list[dict[str, Any]]
     rank) when it failed; nothing created here survives a failure."""
     rank, world = comm.rank, comm.world_size
     deadline = time.monotonic() + comm.timeout
-    problems = [_host_problem(reqs)] if _host_problem(reqs) else []
+    host_problem = _host_problem(reqs)
+    problems = [host_problem] if host_problem else []
     if not problems:
         try:
             problems = _p2p_problems(rank, reqs)
@@ -675,5 +674,3 @@ def _rollback(created: list[Any]) -> None:
             obj.close()
         except Exception as exc:
             log.error("vmmkv rollback: close of %r failed: %s", obj, exc)
-
-
