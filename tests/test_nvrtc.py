@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import struct_offset_checks
 from vmmkv.ops import build, launch
 
 ARCHS = ["sm_80", "sm_90", "sm_100"]
@@ -204,14 +205,9 @@ def test_host_kvdest_layout_matches_the_device_struct(cache):
         "reserved",
     ]  # fmt: skip
     sizes = [8] * 8 + [4] * 4
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     assert launch.KVDEST.size == sum(sizes) == 80
-    checks = "\n".join(
-        f'static_assert(__builtin_offsetof(vmmkv::KVDest, {f}) == {o}, "{f}");'
-        for f, o in zip(fields, offsets, strict=True)
-    )
     _, headers = build.read_source("kv_store.cu")
-    source = '#include "vmmkv_common.cuh"\n' + checks + "\n"
+    source = struct_offset_checks("KVDest", "vmmkv_common.cuh", fields, sizes)
     try:
         build._nvrtc_compile("layout.cu", source, headers, build.compile_options("sm_90", None))
     except build.BuildError as exc:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import vmmkv.ops  # noqa: F401  (registers the custom ops)
+from tests.helpers import struct_offset_checks
 from vmmkv.alloc import driver
 from vmmkv.ops import build, launch
 from vmmkv.ops.kv import KVTarget
@@ -196,14 +197,9 @@ def test_barrier_args_layout_matches_the_device_struct():
     fields = ["sig_table", "epochs", "arrivals", "diag", "timeout_ns", "lane", "rank", "world",
               "reserved"]  # fmt: skip
     sizes = [8] * 5 + [4] * 4
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     assert launch.BARRIER_ARGS.size == sum(sizes) == 56
-    checks = "\n".join(
-        f'static_assert(__builtin_offsetof(vmmkv::BarrierArgs, {f}) == {o}, "{f}");'
-        for f, o in zip(fields, offsets, strict=True)
-    )
     _, headers = build.read_source("kv_store.cu")
-    source = '#include "barrier.cuh"\n' + checks + "\n"
+    source = struct_offset_checks("BarrierArgs", "barrier.cuh", fields, sizes)
     build._nvrtc_compile("layout.cu", source, headers, build.compile_options("sm_90", None))
 
 

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from tests.helpers import fail_peer_mapping_on
 from vmmkv.testing.spawn import capture_logs, run_world, run_world_raw
 
 CASES = [
@@ -148,26 +149,28 @@ def _memory_baseline(rank, world):
     from vmmkv.ipc import SymmetricRegion
 
     g = _gran("cuda")
+
+    def settled_memory_in_use():
+        """Device memory in use once every rank has released what it freed (synchronize, empty
+        torch's cache, barrier: nobody measures before everyone released)."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        dist.barrier()
+        probe = VirtualRegion(g, "cuda:0", backend="cuda")
+        used = probe.memory_in_use()
+        probe.close()
+        return used
+
     # warm-up cycle: CUDA context, torch's allocator and lazily loaded modules on every rank
     warm = SymmetricRegion(4 * g, "cuda:0", chunk_bytes=2 * g, initial_bytes=4 * g, backend="cuda")
     warm.close()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    dist.barrier()  # every rank is warm before anyone measures
-    probe = VirtualRegion(g, "cuda:0", backend="cuda")
-    before = probe.memory_in_use()
-    probe.close()
+    before = settled_memory_in_use()  # every rank is warm before anyone measures
     dist.barrier()  # nobody allocates before everyone measured
     fds0 = _fds()
     sr = SymmetricRegion(32 * g, "cuda:0", chunk_bytes=4 * g, initial_bytes=16 * g, backend="cuda")
     sr.resize(32 * g)
     sr.close()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    dist.barrier()  # every rank has released before anyone measures
-    probe = VirtualRegion(g, "cuda:0", backend="cuda")
-    after = probe.memory_in_use()
-    probe.close()
+    after = settled_memory_in_use()  # every rank has released before anyone measures
     return before, after, fds0, _fds()
 
 
@@ -283,13 +286,45 @@ def _check_rolled_back_and_regrows(sr, world, kept, regrow):
         assert torch.equal(sr.view(r)[:kept], torch.full((kept,), r + 1, dtype=torch.uint8))
 
 
-def _injected_oom(rank, world):
-
-    from vmmkv.ipc import GroupError, SymmetricRegion
+def _region_with_kept_bytes(rank):
+    """A host SymmetricRegion of 16 granules with 2 committed, rank r's own 2 filled with r + 1
+    (what ``_check_rolled_back_and_regrows`` later expects intact); returns (granularity, it)."""
+    from vmmkv.ipc import SymmetricRegion
 
     g = _gran("host")
     sr = SymmetricRegion(16 * g, "cpu", backend="host", chunk_bytes=g, initial_bytes=2 * g)
     sr.view(rank)[: 2 * g].fill_(rank + 1)
+    return g, sr
+
+
+def _grow_fails_then_recovers(sr, world, kept, grow, undo, what):
+    """Grow to ``grow`` with a fault injected (``undo`` removes it, whatever happens): the grow
+    must raise GroupError on this rank; then the group is rolled back to ``kept`` and regrows.
+    Closes ``sr``; returns the error message."""
+    from vmmkv.ipc import GroupError
+
+    try:
+        sr.resize(grow)
+    except GroupError as exc:
+        msg = str(exc)
+    else:
+        raise AssertionError(f"grow succeeded despite the injected {what}")
+    finally:
+        undo()
+    _check_rolled_back_and_regrows(sr, world, kept, grow)
+    sr.close()
+    return msg
+
+
+def _every_rank_names_the_fault(worker, world, timeout, fault, culprit):
+    """Run ``worker`` (a failed grow returning its message) on ``world`` ranks: every rank's
+    message names the injected ``fault`` and the rank ``culprit`` it happened on."""
+    msgs = run_world(worker, world, timeout=timeout)
+    assert all(fault in m and f"ranks [{culprit}]" in m for m in msgs), msgs
+
+
+def _injected_oom(rank, world):
+    g, sr = _region_with_kept_bytes(rank)
     backend = sr.region._backend
     real = backend.create
     calls = {"n": 0}
@@ -301,23 +336,26 @@ def _injected_oom(rank, world):
         return real(size)
 
     backend.create = flaky
-    try:
-        sr.resize(8 * g)
-    except GroupError as exc:
-        msg = str(exc)
-    else:
-        raise AssertionError("grow succeeded despite the injected failure")
-    backend.create = real
-    _check_rolled_back_and_regrows(sr, world, 2 * g, 8 * g)
-    sr.close()
-    sr.close()
+    msg = _grow_fails_then_recovers(
+        sr, world, 2 * g, 8 * g, lambda: setattr(backend, "create", real), "failure"
+    )
+    sr.close()  # a second close is a no-op
     return msg
 
 
 @pytest.mark.timeout(60)
 def test_an_injected_oom_during_grow_rolls_back_every_rank_and_a_later_grow_succeeds():
-    msgs = run_world(_injected_oom, 3, timeout=40)
-    assert all("injected out of memory" in m and "ranks [2]" in m for m in msgs), msgs
+    _every_rank_names_the_fault(_injected_oom, 3, 40, "injected out of memory", culprit=2)
+
+
+def _message_of(call, error, what):
+    """The message of the ``error`` that ``call()`` must raise; AssertionError "<what> accepted"
+    when it returns instead."""
+    try:
+        call()
+    except error as exc:
+        return str(exc)
+    raise AssertionError(f"{what} accepted")
 
 
 def _resize_mismatch(rank, world):
@@ -325,11 +363,7 @@ def _resize_mismatch(rank, world):
 
     g = _gran("host")
     with SymmetricRegion(8 * g, "cpu", backend="host", chunk_bytes=g) as sr:
-        try:
-            sr.resize((rank + 1) * g)
-        except RendezvousError as exc:
-            return str(exc)
-    raise AssertionError("unequal resize accepted")
+        return _message_of(lambda: sr.resize((rank + 1) * g), RendezvousError, "unequal resize")
 
 
 @pytest.mark.timeout(60)
@@ -379,11 +413,9 @@ def _reject_nccl_like(rank, world):
     from vmmkv.ipc import SymmetricRegion
 
     with mock.patch("torch.distributed.get_backend", return_value="nccl"):
-        try:
-            SymmetricRegion(1 << 20, "cpu", backend="host")
-        except ValueError as exc:
-            return str(exc)
-    raise AssertionError("nccl group accepted")
+        return _message_of(
+            lambda: SymmetricRegion(1 << 20, "cpu", backend="host"), ValueError, "nccl group"
+        )
 
 
 @pytest.mark.timeout(60)
@@ -514,37 +546,16 @@ def test_the_fabric_probe_falls_back_to_posix_fds_and_logs_why():
 
 
 def _mapping_fails_on_one_rank(rank, world):
-
-    from vmmkv.alloc import CudaError, PeerRegion
-    from vmmkv.ipc import GroupError, SymmetricRegion
-
-    g = _gran("host")
-    sr = SymmetricRegion(16 * g, "cpu", backend="host", chunk_bytes=g, initial_bytes=2 * g)
-    sr.view(rank)[: 2 * g].fill_(rank + 1)
-    real = PeerRegion.map_fd
-    if rank == 1:
-
-        def fail(self, fd, chunk):
-            raise CudaError("cuMemMap", None, "injected mapping failure", {"rank": rank})
-
-        PeerRegion.map_fd = fail
-    try:
-        sr.resize(6 * g)
-    except GroupError as exc:
-        msg = str(exc)
-    else:
-        raise AssertionError("grow succeeded despite the injected mapping failure")
-    finally:
-        PeerRegion.map_fd = real
-    _check_rolled_back_and_regrows(sr, world, 2 * g, 6 * g)
-    sr.close()
-    return msg
+    g, sr = _region_with_kept_bytes(rank)
+    undo = fail_peer_mapping_on(1, rank)
+    return _grow_fails_then_recovers(sr, world, 2 * g, 6 * g, undo, "mapping failure")
 
 
 @pytest.mark.timeout(60)
 def test_a_peer_mapping_failure_on_one_rank_rolls_back_every_rank_and_keeps_them_in_step():
-    msgs = run_world(_mapping_fails_on_one_rank, 3, timeout=45)
-    assert all("injected mapping failure" in m and "ranks [1]" in m for m in msgs), msgs
+    _every_rank_names_the_fault(
+        _mapping_fails_on_one_rank, 3, 45, "injected mapping failure", culprit=1
+    )
 
 
 def _bad_request_on_one_rank(rank, world):
