@@ -139,12 +139,11 @@ struct TokenLoop {
     }
 };
 
-}  // namespace
-
-extern "C" __global__ void __launch_bounds__(256)
-vmmkv_store_ds_mla(KVDest dst, const u16* __restrict__ kv_c, i64 kv_c_stride,
-                   const u16* __restrict__ k_pe, i64 k_pe_stride, const void* __restrict__ slots,
-                   int slots_is_64, i64 num_tokens, i64 num_local_only) {
+// The token loop of each store, shared by its plain kernel and its `*_barrier` twin.
+__device__ __forceinline__ void ds_mla_tokens(const KVDest& dst, const u16* kv_c, i64 kv_c_stride,
+                                              const u16* k_pe, i64 k_pe_stride, const void* slots,
+                                              int slots_is_64, i64 num_tokens,
+                                              i64 num_local_only) {
     const TokenLoop t;
     for (i64 i = t.first; i < num_tokens; i += t.step) {
         const i64 slot = load_slot(slots, slots_is_64, i);
@@ -152,10 +151,9 @@ vmmkv_store_ds_mla(KVDest dst, const u16* __restrict__ kv_c, i64 kv_c_stride,
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-vmmkv_store_indexer_k(KVDest dst, const u16* __restrict__ k, i64 k_stride,
-                      const void* __restrict__ slots, int slots_is_64, i64 num_tokens,
-                      i64 num_local_only, int ue8m0) {
+__device__ __forceinline__ void indexer_k_tokens(const KVDest& dst, const u16* k, i64 k_stride,
+                                                 const void* slots, int slots_is_64,
+                                                 i64 num_tokens, i64 num_local_only, int ue8m0) {
     const TokenLoop t;
     for (i64 i = t.first; i < num_tokens; i += t.step) {
         const i64 slot = load_slot(slots, slots_is_64, i);
@@ -163,12 +161,12 @@ vmmkv_store_indexer_k(KVDest dst, const u16* __restrict__ k, i64 k_stride,
     }
 }
 
-// Both stores of one attention layer in one launch: same tokens, same slot mapping.
-extern "C" __global__ void __launch_bounds__(256)
-vmmkv_store_layer(KVDest mla, KVDest idx, const u16* __restrict__ kv_c, i64 kv_c_stride,
-                  const u16* __restrict__ k_pe, i64 k_pe_stride, const u16* __restrict__ k,
-                  i64 k_stride, const void* __restrict__ slots, int slots_is_64, i64 num_tokens,
-                  i64 num_local_only, int ue8m0) {
+// Both stores of one attention layer: same tokens, same slot mapping.
+__device__ __forceinline__ void layer_tokens(const KVDest& mla, const KVDest& idx, const u16* kv_c,
+                                             i64 kv_c_stride, const u16* k_pe, i64 k_pe_stride,
+                                             const u16* k, i64 k_stride, const void* slots,
+                                             int slots_is_64, i64 num_tokens, i64 num_local_only,
+                                             int ue8m0) {
     const TokenLoop t;
     for (i64 i = t.first; i < num_tokens; i += t.step) {
         const i64 slot = load_slot(slots, slots_is_64, i);
@@ -177,17 +175,51 @@ vmmkv_store_layer(KVDest mla, KVDest idx, const u16* __restrict__ kv_c, i64 kv_c
     }
 }
 
+__device__ __forceinline__ void rows_tokens(const KVDest& dst, const u8* rows, i64 row_stride,
+                                            i64 row_bytes, const void* slots, int slots_is_64,
+                                            i64 num_tokens, i64 num_local_only, int vec16) {
+    const TokenLoop t;
+    for (i64 i = t.first; i < num_tokens; i += t.step) {
+        const i64 slot = load_slot(slots, slots_is_64, i);
+        rows_token(dst, rows, row_stride, row_bytes, i, slot, num_local_only, vec16, t.lane);
+    }
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(256)
+vmmkv_store_ds_mla(KVDest dst, const u16* __restrict__ kv_c, i64 kv_c_stride,
+                   const u16* __restrict__ k_pe, i64 k_pe_stride, const void* __restrict__ slots,
+                   int slots_is_64, i64 num_tokens, i64 num_local_only) {
+    ds_mla_tokens(dst, kv_c, kv_c_stride, k_pe, k_pe_stride, slots, slots_is_64, num_tokens,
+                  num_local_only);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+vmmkv_store_indexer_k(KVDest dst, const u16* __restrict__ k, i64 k_stride,
+                      const void* __restrict__ slots, int slots_is_64, i64 num_tokens,
+                      i64 num_local_only, int ue8m0) {
+    indexer_k_tokens(dst, k, k_stride, slots, slots_is_64, num_tokens, num_local_only, ue8m0);
+}
+
+// Both stores of one attention layer in one launch.
+extern "C" __global__ void __launch_bounds__(256)
+vmmkv_store_layer(KVDest mla, KVDest idx, const u16* __restrict__ kv_c, i64 kv_c_stride,
+                  const u16* __restrict__ k_pe, i64 k_pe_stride, const u16* __restrict__ k,
+                  i64 k_stride, const void* __restrict__ slots, int slots_is_64, i64 num_tokens,
+                  i64 num_local_only, int ue8m0) {
+    layer_tokens(mla, idx, kv_c, kv_c_stride, k_pe, k_pe_stride, k, k_stride, slots, slots_is_64,
+                 num_tokens, num_local_only, ue8m0);
+}
+
 // Already formatted rows -> entry at block_base + o*entry_stride. `vec16` (decided on the host)
 // says rows, row stride, row bytes and every destination address are 16-byte aligned.
 extern "C" __global__ void __launch_bounds__(256)
 vmmkv_publish_rows(KVDest dst, const u8* __restrict__ rows, i64 row_stride, i64 row_bytes,
                    const void* __restrict__ slots, int slots_is_64, i64 num_tokens,
                    i64 num_local_only, int vec16) {
-    const TokenLoop t;
-    for (i64 i = t.first; i < num_tokens; i += t.step) {
-        const i64 slot = load_slot(slots, slots_is_64, i);
-        rows_token(dst, rows, row_stride, row_bytes, i, slot, num_local_only, vec16, t.lane);
-    }
+    rows_tokens(dst, rows, row_stride, row_bytes, slots, slots_is_64, num_tokens, num_local_only,
+                vec16);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -200,11 +232,8 @@ vmmkv_store_ds_mla_barrier(KVDest dst, const u16* __restrict__ kv_c, i64 kv_c_st
                            const u16* __restrict__ k_pe, i64 k_pe_stride,
                            const void* __restrict__ slots, int slots_is_64, i64 num_tokens,
                            i64 num_local_only, BarrierArgs bar) {
-    const TokenLoop t;
-    for (i64 i = t.first; i < num_tokens; i += t.step) {
-        const i64 slot = load_slot(slots, slots_is_64, i);
-        mla_token(dst, kv_c, kv_c_stride, k_pe, k_pe_stride, i, slot, num_local_only, t.lane);
-    }
+    ds_mla_tokens(dst, kv_c, kv_c_stride, k_pe, k_pe_stride, slots, slots_is_64, num_tokens,
+                  num_local_only);
     arrive_then_barrier(bar);
 }
 
@@ -212,11 +241,7 @@ extern "C" __global__ void __launch_bounds__(256)
 vmmkv_store_indexer_k_barrier(KVDest dst, const u16* __restrict__ k, i64 k_stride,
                               const void* __restrict__ slots, int slots_is_64, i64 num_tokens,
                               i64 num_local_only, int ue8m0, BarrierArgs bar) {
-    const TokenLoop t;
-    for (i64 i = t.first; i < num_tokens; i += t.step) {
-        const i64 slot = load_slot(slots, slots_is_64, i);
-        indexer_token(dst, k, k_stride, i, slot, num_local_only, ue8m0, t.lane);
-    }
+    indexer_k_tokens(dst, k, k_stride, slots, slots_is_64, num_tokens, num_local_only, ue8m0);
     arrive_then_barrier(bar);
 }
 
@@ -226,12 +251,8 @@ vmmkv_store_layer_barrier(KVDest mla, KVDest idx, const u16* __restrict__ kv_c, 
                           const u16* __restrict__ k, i64 k_stride,
                           const void* __restrict__ slots, int slots_is_64, i64 num_tokens,
                           i64 num_local_only, int ue8m0, BarrierArgs bar) {
-    const TokenLoop t;
-    for (i64 i = t.first; i < num_tokens; i += t.step) {
-        const i64 slot = load_slot(slots, slots_is_64, i);
-        mla_token(mla, kv_c, kv_c_stride, k_pe, k_pe_stride, i, slot, num_local_only, t.lane);
-        indexer_token(idx, k, k_stride, i, slot, num_local_only, ue8m0, t.lane);
-    }
+    layer_tokens(mla, idx, kv_c, kv_c_stride, k_pe, k_pe_stride, k, k_stride, slots, slots_is_64,
+                 num_tokens, num_local_only, ue8m0);
     arrive_then_barrier(bar);
 }
 
@@ -239,10 +260,7 @@ extern "C" __global__ void __launch_bounds__(256)
 vmmkv_publish_rows_barrier(KVDest dst, const u8* __restrict__ rows, i64 row_stride,
                            i64 row_bytes, const void* __restrict__ slots, int slots_is_64,
                            i64 num_tokens, i64 num_local_only, int vec16, BarrierArgs bar) {
-    const TokenLoop t;
-    for (i64 i = t.first; i < num_tokens; i += t.step) {
-        const i64 slot = load_slot(slots, slots_is_64, i);
-        rows_token(dst, rows, row_stride, row_bytes, i, slot, num_local_only, vec16, t.lane);
-    }
+    rows_tokens(dst, rows, row_stride, row_bytes, slots, slots_is_64, num_tokens, num_local_only,
+                vec16);
     arrive_then_barrier(bar);
 }
