@@ -325,6 +325,12 @@ def expect_idx(exp, lay, my_rank, k, slots, nlo=0, ue8m0=True, first_uncommitted
         R.insert_indexer_k(idx_view(buf[GUARD:-GUARD], lay), k.cpu()[start:], s[start:], ue8m0)
 
 
+def expect_layer(exp, lay, my_rank, kv_c, k_pe, k, slots, **kw):
+    """``expect_mla`` and ``expect_idx`` of one layer's tokens, with the same options."""
+    expect_mla(exp, lay, my_rank, kv_c, k_pe, slots, **kw)
+    expect_idx(exp, lay, my_rank, k, slots, **kw)
+
+
 def n_out_of_range(slots: torch.Tensor, num_blocks: int) -> int:
     return int((slots.cpu() >= num_blocks * BS).sum())
 
@@ -384,8 +390,7 @@ def test_store_layer_writes_both_views_in_one_launch(dev, slot_dtype):
     slots = make_slots(150, lay.num_blocks, seed=8, dtype=slot_dtype).to(dev)
     exp = rep.poison(9)
     store_layer(mla, idx, kv_c, k_pe, k, slots)
-    expect_mla(exp, lay, 0, kv_c, k_pe, slots)
-    expect_idx(exp, lay, 0, k, slots)
+    expect_layer(exp, lay, 0, kv_c, k_pe, k, slots)
     rep.assert_equal(exp)
     assert mla.error_counter.item() == idx.error_counter.item() == 2
 
@@ -399,8 +404,7 @@ def test_num_local_only_leading_tokens_reach_only_the_own_replica(dev):
     slots = make_slots(180, lay.num_blocks, seed=11, dtype=torch.int64).to(dev)
     exp = rep.poison(12)
     store_layer(mla, idx, kv_c, k_pe, k, slots, num_local_only=37)
-    expect_mla(exp, lay, 1, kv_c, k_pe, slots, nlo=37)
-    expect_idx(exp, lay, 1, k, slots, nlo=37)
+    expect_layer(exp, lay, 1, kv_c, k_pe, k, slots, nlo=37)
     rep.assert_equal(exp)
     exp = rep.poison(13)
     store_ds_mla(mla, kv_c, k_pe, slots, num_local_only=180)  # all local
@@ -482,8 +486,7 @@ def test_blocks_beyond_committed_bytes_are_skipped_counted_and_written_after_gro
     idx.error_counter.zero_()
     exp = rep.poison(22)
     store_layer(mla, idx, kv_c, k_pe, k, slots)
-    expect_mla(exp, lay, 0, kv_c, k_pe, slots)
-    expect_idx(exp, lay, 0, k, slots)
+    expect_layer(exp, lay, 0, kv_c, k_pe, k, slots)
     rep.assert_equal(exp)
     assert mla.error_counter.item() == idx.error_counter.item() == 2
 
@@ -528,8 +531,7 @@ def test_nonfinite_inputs_give_the_reference_bytes(dev):
     slots = torch.arange(16, dtype=torch.int64, device=dev)
     exp = rep.poison(25)
     store_layer(mla, idx, kv_c, k_pe, k, slots)
-    expect_mla(exp, lay, 0, kv_c, k_pe, slots)
-    expect_idx(exp, lay, 0, k, slots)
+    expect_layer(exp, lay, 0, kv_c, k_pe, k, slots)
     rep.assert_equal(exp)
 
 
@@ -575,17 +577,52 @@ def test_the_build_without_cuda_headers_gives_the_same_bytes(dev, tmp_path):
         print("BUILTIN-CONVERSION-OK")
         """
     )
-    env = dict(os.environ, VMMKV_CUDA_INCLUDE="none", PYTHONPATH=_pythonpath())
-    env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", str(dev.index))
-    run = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
+    run = _run_python(dev, script, VMMKV_CUDA_INCLUDE="none")
     assert run.returncode == 0 and "BUILTIN-CONVERSION-OK" in run.stdout, run.stdout + run.stderr
 
 
 def _pythonpath() -> str:
     return os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def _run_python(dev, script: str, **env) -> subprocess.CompletedProcess:
+    """Run ``script`` in a fresh interpreter from the repository root, on ``dev``'s GPU unless
+    CUDA_VISIBLE_DEVICES is already set, with ``env`` added; output captured, 300 s at most."""
+    env = dict(os.environ, PYTHONPATH=_pythonpath(), **env)
+    env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", str(dev.index))
+    return subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+
+
+# the end of a barrier-timeout script: two ranks' signals, then (after the script's own barrier
+# and launch) synchronize, report how that went and the barrier's diagnostic, and exit
+_TWO_RANK_SIGNALS = """
+sigs = [torch.zeros(2 * 2 * 2, dtype=torch.int32, device=dev) for _ in range(2)]
+table = torch.tensor([s.data_ptr() for s in sigs], dtype=torch.int64, device=dev)
+"""
+_SYNCHRONIZE_AND_REPORT = """
+try:
+    torch.cuda.synchronize()
+    print("SYNCHRONIZE-RETURNED", flush=True)
+except Exception as exc:
+    print("SYNCHRONIZE-FAILED", type(exc).__name__, flush=True)
+print("DIAG", bar.read_diagnostic(), flush=True)
+os._exit(3)
+"""
+
+
+def _barrier_timeout_output(dev, setup: str, launch: str) -> str:
+    """Run ``setup`` + the two ranks' signals + ``launch`` (which makes ``bar`` wait for a rank
+    that never comes) in a fresh process: synchronize must fail and the process must die.
+    Returns its output (with the barrier's diagnostic line)."""
+    script = textwrap.dedent(setup) + _TWO_RANK_SIGNALS + textwrap.dedent(launch)
+    run = _run_python(dev, script + _SYNCHRONIZE_AND_REPORT)
+    out = run.stdout + run.stderr
+    assert run.returncode != 0, out
+    assert "SYNCHRONIZE-FAILED" in out, out
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -634,8 +671,7 @@ def test_captured_stores_and_barrier_replay_byte_exact_and_follow_committed_grow
         mla.error_counter.zero_()
         exp = rep.poison(70 + round_)
         graph.replay()
-        expect_mla(exp, lay, 0, kv_c, k_pe, slots, first_uncommitted_block=limit)
-        expect_idx(exp, lay, 0, k, slots, first_uncommitted_block=limit)
+        expect_layer(exp, lay, 0, kv_c, k_pe, k, slots, first_uncommitted_block=limit)
         expect_mla(exp, lay, 0, kv_c2, k_pe2, slots2, first_uncommitted_block=limit)
         rep.assert_equal(exp)
         assert bar.epochs.tolist() == [2 + round_, 1 + round_]
@@ -740,33 +776,16 @@ def test_barrier_lanes_interleave_eagerly_and_in_captured_graphs(dev):
 
 @requires_gpu
 def test_a_missing_peer_times_out_with_a_diagnostic_and_kills_the_process(dev):
-    script = textwrap.dedent(
-        """
+    setup = """
         import os, torch
         from vmmkv.ops.barrier import DeviceBarrier
         dev = torch.device("cuda", 0)
-        sigs = [torch.zeros(2 * 2 * 2, dtype=torch.int32, device=dev) for _ in range(2)]
-        table = torch.tensor([s.data_ptr() for s in sigs], dtype=torch.int64, device=dev)
+        """
+    launch = """
         bar = DeviceBarrier(table, None, rank=0, world=2, lanes=2, device=dev, timeout_s=0.2)
         bar.arrive_and_wait(lane=1)  # rank 1 never arrives
-        try:
-            torch.cuda.synchronize()
-            print("SYNCHRONIZE-RETURNED", flush=True)
-        except Exception as exc:
-            print("SYNCHRONIZE-FAILED", type(exc).__name__, flush=True)
-        print("DIAG", bar.read_diagnostic(), flush=True)
-        os._exit(3)
         """
-    )
-    env = dict(os.environ, PYTHONPATH=_pythonpath())
-    env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", str(dev.index))
-    run = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    out = run.stdout + run.stderr
-    assert run.returncode != 0, out
-    assert "SYNCHRONIZE-FAILED" in out, out
+    out = _barrier_timeout_output(dev, setup, launch)
     assert "DIAG vmmkv barrier timeout: lane=1 rank=0 missing peer=1 epoch=1 observed=0" in out, out
 
 
@@ -960,8 +979,7 @@ def test_publish_over_thousands_of_ctas_resets_the_arrival_counter(dev):
                            padded=(3,), oob=(5,)).to(dev)  # fmt: skip
         exp = rep.poison(150 + round_)
         p.publish((kv_c, k_pe, k), slots, 0, bar, 0)
-        expect_mla(exp, lay, 0, kv_c, k_pe, slots)
-        expect_idx(exp, lay, 0, k, slots)
+        expect_layer(exp, lay, 0, kv_c, k_pe, k, slots)
         rep.assert_equal(exp)
         assert bar.epochs.tolist() == [round_ + 1] and bar.arrivals.tolist() == [0]
     bar.close()
@@ -1056,8 +1074,7 @@ def test_captured_publish_replays_byte_exact_and_advances_the_epoch_per_replay(d
         graph.replay()
         if round_ == 1:
             bar.arrive_and_wait(1)  # a stand-alone barrier between replays, same lane
-        expect_mla(exp, lay, 0, kv_c, k_pe, slots)
-        expect_idx(exp, lay, 0, k, slots)
+        expect_layer(exp, lay, 0, kv_c, k_pe, k, slots)
         expect_mla(exp, lay, 0, kv_c, k_pe, slots2)
         expect_idx(exp, lay, 0, k, slots2)
         rep.assert_equal(exp)
@@ -1132,34 +1149,17 @@ def test_two_ranks_see_each_others_rows_after_publish_mixing_fused_and_standalon
 
 @requires_gpu
 def test_a_missing_peer_times_out_in_the_fused_publish_with_a_diagnostic(dev):
-    script = textwrap.dedent(
-        """
+    setup = """
         import os, torch
         from vmmkv.ops import prepare
         from vmmkv.ops.barrier import DeviceBarrier
         from tests.test_kernels_gpu import _Case
         dev = torch.device("cuda", 0)
         case = _Case("layer", dev, tokens=64, seed=5)
-        sigs = [torch.zeros(2 * 2 * 2, dtype=torch.int32, device=dev) for _ in range(2)]
-        table = torch.tensor([s.data_ptr() for s in sigs], dtype=torch.int64, device=dev)
+        """
+    launch = """
         bar = DeviceBarrier(table, None, rank=1, world=2, lanes=2, device=dev, timeout_s=0.2)
         prepare(case.targets).publish(case.inputs, case.slots, 0, bar, 1)  # rank 0 never comes
-        try:
-            torch.cuda.synchronize()
-            print("SYNCHRONIZE-RETURNED", flush=True)
-        except Exception as exc:
-            print("SYNCHRONIZE-FAILED", type(exc).__name__, flush=True)
-        print("DIAG", bar.read_diagnostic(), flush=True)
-        os._exit(3)
         """
-    )
-    env = dict(os.environ, PYTHONPATH=_pythonpath())
-    env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", str(dev.index))
-    run = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    out = run.stdout + run.stderr
-    assert run.returncode != 0, out
-    assert "SYNCHRONIZE-FAILED" in out, out
+    out = _barrier_timeout_output(dev, setup, launch)
     assert "DIAG vmmkv barrier timeout: lane=1 rank=1 missing peer=0 epoch=1 observed=0" in out, out
