@@ -144,6 +144,18 @@ def _forge(
 # ----------------------------------------------------------------------------- workers
 
 
+def _send_to_rank0(rank, nonce, fds, pids):
+    """Send ``fds`` with this rank's payload to rank 0, expecting nothing back."""
+    return exchange_fds(
+        rank=rank,
+        nonce=nonce,
+        outgoing={0: (_payload(rank, 0), fds)},
+        expect_from=[],
+        pids=pids,
+        timeout=OK_TIMEOUT,
+    )
+
+
 def _full_exchange_worker(rank, world, rundir, nonce, fds_per_peer):
     pids = _gather_pids(rundir, rank, world)
     peers = [p for p in range(world) if p != rank]
@@ -238,14 +250,7 @@ def _forgery_worker(rank, world, rundir, nonce, case):
         elif case != "duplicate":
             _wait_for(rundir, "forged")
         fd = _memfd(_content(rank, 0, 0))
-        exchange_fds(
-            rank=rank,
-            nonce=nonce,
-            outgoing={0: (_payload(rank, 0), [fd])},
-            expect_from=[],
-            pids=group,
-            timeout=OK_TIMEOUT,
-        )
+        _send_to_rank0(rank, nonce, [fd], group)
         os.close(fd)
         if case == "duplicate":  # rank 1 delivered; a second message from it must be refused
             verdict = _forge(nonce, 0, claim_rank=1)
@@ -261,14 +266,7 @@ def _timeout_worker(rank, world, rundir, nonce, absent, timeout):
     baseline = _fd_count()
     if rank != 0:
         fds = [_memfd(_content(rank, 0, i)) for i in range(5)]
-        exchange_fds(
-            rank=rank,
-            nonce=nonce,
-            outgoing={0: (_payload(rank, 0), fds)},
-            expect_from=[],
-            pids=pids,
-            timeout=OK_TIMEOUT,
-        )
+        _send_to_rank0(rank, nonce, fds, pids)
         _close_all(fds)
         return {"leaked": _fd_count() - baseline}
     peers = list(range(1, world))
@@ -314,14 +312,7 @@ def _refused_sender_worker(rank, world, rundir, nonce):
     fd = _memfd(_content(rank, 0, 0))
     start = time.monotonic()
     try:
-        exchange_fds(
-            rank=rank,
-            nonce=nonce,
-            outgoing={0: (_payload(rank, 0), [fd])},
-            expect_from=[],
-            pids=pids,
-            timeout=OK_TIMEOUT,
-        )
+        _send_to_rank0(rank, nonce, [fd], pids)
         outcome = {"error": None}
     except FdExchangeError as exc:
         outcome = {"error": str(exc), "unreachable": exc.unreachable}
