@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+from tests.helpers import fail_peer_mapping_on
 from vmmkv.testing.spawn import free_port, run_world
 
 TIMEOUT = 3.0
@@ -60,6 +61,16 @@ def _replicas_intact(sr, world, kept):
     )
 
 
+def _regrow_and_close(sr, world):
+    """After an injected failure: grow to 8 granules again (its outcome), check that every rank's
+    first 2 granules (filled by ``_fill_own``) are intact in every replica, then close."""
+    g = _gran()
+    second = _outcome(lambda: sr.resize(8 * g))
+    intact = _replicas_intact(sr, world, 2 * g)
+    sr.close()
+    return second, intact
+
+
 def _stall_once(cls, name, rank_to_stall, rank, seconds):
     """Make ``cls.name`` sleep ``seconds`` once on ``rank_to_stall`` (a preempted rank)."""
     real = getattr(cls, name)
@@ -94,9 +105,7 @@ def _late_at_grow_agreement(rank, world):
     state = (sr.committed_bytes, int(sr.committed_table.item()))
     mapped = [sr.peers.mapped_bytes(r) for r in range(world)]
     time.sleep(TIMEOUT)  # the late rank raises ~2 s after the others
-    second = _outcome(lambda: sr.resize(8 * g))
-    intact = _replicas_intact(sr, world, 2 * g)
-    sr.close()
+    second, intact = _regrow_and_close(sr, world)
     return first, state, mapped, second, intact
 
 
@@ -231,9 +240,7 @@ def _export_fails(rank, world):
     if rank == world - 1:
         sr.region.export_chunk = real
     state = (sr.committed_bytes, [sr.peers.mapped_bytes(r) for r in range(world)])
-    second = _outcome(lambda: sr.resize(8 * g))
-    intact = _replicas_intact(sr, world, 2 * g)
-    sr.close()
+    second, intact = _regrow_and_close(sr, world)
     return first, elapsed, state, second, intact
 
 
@@ -367,19 +374,11 @@ def test_mismatched_modes_raise_the_same_error_on_every_rank_at_once(field):
 
 
 def _mapping_fails_auto(rank, world, mode):
-    from vmmkv.alloc import CudaError, PeerRegion
-
-    real = PeerRegion.map_fd
-    if rank == 1:
-
-        def fail(self, fd, chunk):
-            raise CudaError("cuMemMap", None, "injected mapping failure", {"rank": rank})
-
-        PeerRegion.map_fd = fail
+    undo = fail_peer_mapping_on(1, rank)
     try:
         res = _outcome(lambda: _region(peers=mode))
     finally:
-        PeerRegion.map_fd = real
+        undo()
     if res[0] == "raised":
         return res
     sr = res[1]
