@@ -251,13 +251,7 @@ def _register(bar: DeviceBarrier) -> int:
 
 def lookup(handle: int) -> DeviceBarrier:
     """The live barrier of ``handle`` (custom ops name barriers by handle, a graph constant)."""
-    bar = _barriers.get(handle)
-    if bar is None:
-        raise RuntimeError(
-            f"vmmkv: DeviceBarrier handle {handle} no longer exists (the barrier a compiled "
-            f"graph was traced with was garbage collected)"
-        )
-    return bar
+    return _launch.lookup_handle(_barriers, handle, "DeviceBarrier", "barrier")
 
 
 def _warn_unfenced() -> None:

@@ -41,9 +41,11 @@ from dataclasses import dataclass
 
 import torch
 
+from vmmkv._util import require_int
 from vmmkv.ops import launch as _launch
 from vmmkv.ops.barrier import DeviceBarrier
-from vmmkv.ops.reference import INDEXER_DIM, INDEXER_ENTRY_BYTES, MLA_ENTRY_BYTES
+from vmmkv.ops.formats import FORMATS, INDEXER_ENTRY_BYTES
+from vmmkv.ops.reference import check_slot_mapping, check_store_input
 
 __all__ = [
     "KINDS",
@@ -55,7 +57,7 @@ __all__ = [
     "store_layer",
 ]
 
-KINDS = ("fp8_ds_mla", "indexer_k", "rows")
+KINDS = tuple(FORMATS)  # ("fp8_ds_mla", "indexer_k", "rows")
 _WARPS_PER_CTA = 8
 _THREADS = 32 * _WARPS_PER_CTA
 _MAX_GRID = 65535
@@ -66,15 +68,6 @@ def _require_tensor(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     return t
-
-
-def _require_int(name: str, v: object, lo: int, hi: int | None = None) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
-    if v < lo or (hi is not None and v > hi):
-        want = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {want}, got {v}")
-    return v
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,17 +107,17 @@ class KVTarget:
                 f"ptr_table must be a contiguous 1-D int64 tensor with >= 1 entry, got "
                 f"{pt.dtype} shape {list(pt.shape)}"
             )
-        _require_int("my_rank", self.my_rank, 0, pt.numel() - 1)
-        _require_int("offset_bytes", self.offset_bytes, 0)
-        _require_int("num_blocks", self.num_blocks, 0)
-        _require_int("block_size", self.block_size, 1, 2**31 - 1)
-        _require_int("block_stride", self.block_stride, 0)
-        _require_int("entry_stride", self.entry_stride, 0)
-        _require_int("entry_bytes", self.entry_bytes, 1)
-        want_bytes = {"fp8_ds_mla": MLA_ENTRY_BYTES, "indexer_k": INDEXER_ENTRY_BYTES}
-        if self.kind in want_bytes and self.entry_bytes != want_bytes[self.kind]:
+        require_int("my_rank", self.my_rank, 0, pt.numel() - 1)
+        require_int("offset_bytes", self.offset_bytes, 0)
+        require_int("num_blocks", self.num_blocks, 0)
+        require_int("block_size", self.block_size, 1, 2**31 - 1)
+        require_int("block_stride", self.block_stride, 0)
+        require_int("entry_stride", self.entry_stride, 0)
+        require_int("entry_bytes", self.entry_bytes, 1)
+        fmt = FORMATS[self.kind]
+        if fmt.entry_bytes is not None and self.entry_bytes != fmt.entry_bytes:
             raise ValueError(
-                f"entry_bytes of a {self.kind} view must be {want_bytes[self.kind]}, "
+                f"entry_bytes of a {self.kind} view must be {fmt.entry_bytes}, "
                 f"got {self.entry_bytes}"
             )
         if self.kind != "indexer_k" and self.entry_stride < self.entry_bytes:
@@ -147,7 +140,7 @@ class KVTarget:
                 f"({self.num_blocks} - 1) * {self.block_stride} + block extent "
                 f"{self.block_extent}); it must end below 2**62"
             )
-        align = {"fp8_ds_mla": 16, "indexer_k": 4, "rows": 1}[self.kind]
+        align = fmt.align
         for name in ("offset_bytes", "block_stride") + (
             ("entry_stride",) if self.kind == "fp8_ds_mla" else ()
         ):
@@ -243,37 +236,56 @@ def _check_target(name: str, target: object, kind: str) -> KVTarget:
     return target
 
 
-def _check_input(name: str, t: object, dim: int, device: torch.device, tokens: int) -> None:
+def _check_input(
+    name: str, t: object, dtype: torch.dtype, width: int, device: torch.device, tokens: int
+) -> None:
     if (
         isinstance(t, torch.Tensor)
-        and t.dtype == torch.bfloat16
+        and t.dtype == dtype
         and t.dim() == 2
-        and t.shape[1] == dim
+        and t.shape[1] == width
         and t.shape[0] >= tokens
         and t.stride(1) == 1
         and t.device == device
     ):
-        return  # the common case, checked in one go; below only explains a failure
-    t = _require_tensor(name, t)
-    if t.dtype == torch.float16:
-        raise TypeError(f"{name} is float16; only bfloat16 inputs are supported")
-    if t.dtype != torch.bfloat16:
-        raise TypeError(f"{name} must be bfloat16, got {t.dtype}")
-    if t.dim() != 2 or t.shape[1] != dim:
-        raise ValueError(f"{name} must have shape [T, {dim}], got {list(t.shape)}")
-    if t.shape[0] < tokens:
-        raise ValueError(f"{name} has {t.shape[0]} tokens, fewer than slot_mapping's {tokens}")
-    if t.stride(1) != 1:
-        raise ValueError(f"{name} rows must be contiguous (stride(1) == 1), got {t.stride()}")
-    raise ValueError(f"{name} is on {t.device}, expected the target's device {device}")
+        return  # the common case, checked in one go; the shared check below explains a failure
+    check_store_input(name, t, dtype, width, tokens=tokens, contiguous_rows=True, device=device)
+    raise AssertionError(f"{name}: no reason found for a failed check")  # pragma: no cover
+
+
+def _check_call(
+    targets: tuple[KVTarget, ...],
+    inputs: tuple[object, ...],
+    slot_mapping: object,
+    num_local_only: object,
+    ue8m0: object = True,
+) -> tuple[int, int]:
+    """A store call's checks once its targets passed theirs (kinds, one device): the slots, each
+    input as ``vmmkv.ops.formats`` lists it for the targets' kinds, ``num_local_only``, ``ue8m0``.
+    Returns the token count and ``num_local_only``."""
+    device = targets[0].device
+    tokens = _check_slots(slot_mapping, device)
+    given = iter(inputs)
+    for t in targets:
+        for name, dtype, width in FORMATS[t.kind].inputs:
+            width = t.entry_bytes if width is None else width
+            _check_input(name, next(given), dtype, width, device, tokens)
+    nlo = require_int("num_local_only", num_local_only, 0, tokens)
+    if not isinstance(ue8m0, bool):
+        raise TypeError(f"ue8m0 must be a bool, got {type(ue8m0).__name__}")
+    return tokens, nlo
+
+
+def _check_layer(mla_target: object, idx_target: object) -> tuple[KVTarget, KVTarget]:
+    mla = _check_target("mla_target", mla_target, "fp8_ds_mla")
+    idx = _check_target("idx_target", idx_target, "indexer_k")
+    if idx.device != mla.device:
+        raise ValueError(f"idx_target is on {idx.device} but mla_target is on {mla.device}")
+    return mla, idx
 
 
 def _check_slots(slot_mapping: object, device: torch.device) -> int:
-    s = _require_tensor("slot_mapping", slot_mapping)
-    if s.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"slot_mapping must be int32 or int64, got {s.dtype}")
-    if s.dim() != 1:
-        raise ValueError(f"slot_mapping must be 1-D, got shape {list(s.shape)}")
+    s = check_slot_mapping(slot_mapping)
     n = s.shape[0]
     if n > 1 and s.stride(0) != 1:
         raise ValueError(f"slot_mapping must be contiguous, got stride {s.stride()}")
@@ -334,19 +346,24 @@ def _launch_indexer(t: KVTarget, k, slots, tokens: int, nlo: int, ue8m0: bool) -
     )  # fmt: skip
 
 
-def _launch_layer(mla: KVTarget, idx: KVTarget, kv_c, k_pe, k, slots, tokens, nlo, ue8m0):
-    ordinal = _check_cuda(mla.device)
+def _layer_params(mla: KVTarget, idx: KVTarget, kv_c, k_pe, k, slots, tokens, nlo, ue8m0):
+    """The parameters of vmmkv_store_layer (and of its _barrier twin, before the barrier's)."""
     _check_aligned("kv_c", kv_c, 16)
     _check_aligned("k_pe", k_pe, 16)
     _check_aligned("k", k, 8)
-    if tokens == 0:
-        return
-    _launch.STORE_LAYER.launch(
-        ordinal, _grid(tokens), _THREADS, mla._dest, idx._dest,
-        kv_c.data_ptr(), kv_c.stride(0), k_pe.data_ptr(), k_pe.stride(0),
+    return (
+        mla._dest, idx._dest, kv_c.data_ptr(), kv_c.stride(0), k_pe.data_ptr(), k_pe.stride(0),
         k.data_ptr(), k.stride(0), slots.data_ptr(), int(slots.dtype == torch.int64),
         tokens, nlo, int(ue8m0),
     )  # fmt: skip
+
+
+def _launch_layer(mla: KVTarget, idx: KVTarget, kv_c, k_pe, k, slots, tokens, nlo, ue8m0):
+    ordinal = _check_cuda(mla.device)
+    params = _layer_params(mla, idx, kv_c, k_pe, k, slots, tokens, nlo, ue8m0)
+    if tokens == 0:
+        return
+    _launch.STORE_LAYER.launch(ordinal, _grid(tokens), _THREADS, *params)
 
 
 def _launch_rows(t: KVTarget, rows: torch.Tensor, slots, tokens: int, nlo: int) -> None:
@@ -388,10 +405,7 @@ def store_ds_mla(
     """Quantize ``kv_c [T, 512]`` / ``k_pe [T, 64]`` (bf16) to fp8_ds_mla entries and store
     them into every replica of ``target``."""
     target = _check_target("target", target, "fp8_ds_mla")
-    tokens = _check_slots(slot_mapping, target.device)
-    _check_input("kv_c", kv_c, 512, target.device, tokens)
-    _check_input("k_pe", k_pe, 64, target.device, tokens)
-    nlo = _require_int("num_local_only", num_local_only, 0, tokens)
+    tokens, nlo = _check_call((target,), (kv_c, k_pe), slot_mapping, num_local_only)
     if _compiling():
         torch.ops.vmmkv.store_ds_mla(
             target.cache, target.error_counter, target.ptr_table, target.committed_bytes,
@@ -411,11 +425,7 @@ def store_indexer_k(
 ) -> None:
     """Quantize the indexer keys ``k [T, 128]`` (bf16) and store them into every replica."""
     target = _check_target("target", target, "indexer_k")
-    tokens = _check_slots(slot_mapping, target.device)
-    _check_input("k", k, INDEXER_DIM, target.device, tokens)
-    nlo = _require_int("num_local_only", num_local_only, 0, tokens)
-    if not isinstance(ue8m0, bool):
-        raise TypeError(f"ue8m0 must be a bool, got {type(ue8m0).__name__}")
+    tokens, nlo = _check_call((target,), (k,), slot_mapping, num_local_only, ue8m0)
     if _compiling():
         torch.ops.vmmkv.store_indexer_k(
             target.cache, target.error_counter, target.ptr_table, target.committed_bytes,
@@ -437,17 +447,8 @@ def store_layer(
     ue8m0: bool = True,
 ) -> None:
     """``store_ds_mla`` and ``store_indexer_k`` of one layer in a single launch."""
-    mla = _check_target("mla_target", mla_target, "fp8_ds_mla")
-    idx = _check_target("idx_target", idx_target, "indexer_k")
-    if idx.device != mla.device:
-        raise ValueError(f"idx_target is on {idx.device} but mla_target is on {mla.device}")
-    tokens = _check_slots(slot_mapping, mla.device)
-    _check_input("kv_c", kv_c, 512, mla.device, tokens)
-    _check_input("k_pe", k_pe, 64, mla.device, tokens)
-    _check_input("k", k, INDEXER_DIM, mla.device, tokens)
-    nlo = _require_int("num_local_only", num_local_only, 0, tokens)
-    if not isinstance(ue8m0, bool):
-        raise TypeError(f"ue8m0 must be a bool, got {type(ue8m0).__name__}")
+    mla, idx = _check_layer(mla_target, idx_target)
+    tokens, nlo = _check_call((mla, idx), (kv_c, k_pe, k), slot_mapping, num_local_only, ue8m0)
     if _compiling():
         torch.ops.vmmkv.store_layer(
             mla.cache, mla.error_counter, idx.cache, idx.error_counter,
@@ -477,17 +478,8 @@ def publish_layer(
     every rank calls it (zero tokens still run the barrier). Eager and CUDA-graph capture; under
     torch.compile use a prepared store (``vmmkv.ops.prepare((mla, idx)).publish``), which is
     also the cheaper call per step."""
-    mla = _check_target("mla_target", mla_target, "fp8_ds_mla")
-    idx = _check_target("idx_target", idx_target, "indexer_k")
-    if idx.device != mla.device:
-        raise ValueError(f"idx_target is on {idx.device} but mla_target is on {mla.device}")
-    tokens = _check_slots(slot_mapping, mla.device)
-    _check_input("kv_c", kv_c, 512, mla.device, tokens)
-    _check_input("k_pe", k_pe, 64, mla.device, tokens)
-    _check_input("k", k, INDEXER_DIM, mla.device, tokens)
-    nlo = _require_int("num_local_only", num_local_only, 0, tokens)
-    if not isinstance(ue8m0, bool):
-        raise TypeError(f"ue8m0 must be a bool, got {type(ue8m0).__name__}")
+    mla, idx = _check_layer(mla_target, idx_target)
+    tokens, nlo = _check_call((mla, idx), (kv_c, k_pe, k), slot_mapping, num_local_only, ue8m0)
     if not isinstance(barrier, DeviceBarrier):
         raise TypeError(f"barrier must be a vmmkv.ops.DeviceBarrier, got {type(barrier).__name__}")
     if _compiling():
@@ -499,15 +491,8 @@ def publish_layer(
     ordinal = _check_cuda(mla.device)
     if barrier.ordinal != ordinal:
         raise ValueError(f"barrier is on {barrier.device}, the targets on {mla.device}")
-    _check_aligned("kv_c", kv_c, 16)
-    _check_aligned("k_pe", k_pe, 16)
-    _check_aligned("k", k, 8)
-    _launch.STORE_LAYER_BARRIER.launch(
-        ordinal, _grid(tokens), _THREADS, mla._dest, idx._dest,
-        kv_c.data_ptr(), kv_c.stride(0), k_pe.data_ptr(), k_pe.stride(0),
-        k.data_ptr(), k.stride(0), slot_mapping.data_ptr(),
-        int(slot_mapping.dtype == torch.int64), tokens, nlo, int(ue8m0), bar_args,
-    )  # fmt: skip
+    params = _layer_params(mla, idx, kv_c, k_pe, k, slot_mapping, tokens, nlo, ue8m0)
+    _launch.STORE_LAYER_BARRIER.launch(ordinal, _grid(tokens), _THREADS, *params, bar_args)
 
 
 def publish_rows(
@@ -519,19 +504,7 @@ def publish_rows(
 ) -> None:
     """Copy already formatted rows ``[T, entry_bytes]`` (uint8) into every replica."""
     target = _check_target("target", target, "rows")
-    tokens = _check_slots(slot_mapping, target.device)
-    rows = _require_tensor("rows", rows)
-    if rows.dtype != torch.uint8:
-        raise TypeError(f"rows must be uint8, got {rows.dtype}")
-    if rows.dim() != 2 or rows.shape[1] != target.entry_bytes:
-        raise ValueError(f"rows must have shape [T, {target.entry_bytes}], got {list(rows.shape)}")
-    if rows.shape[0] < tokens:
-        raise ValueError(f"rows has {rows.shape[0]} tokens, fewer than slot_mapping's {tokens}")
-    if rows.stride(1) != 1:
-        raise ValueError(f"rows must be contiguous in dim 1, got strides {rows.stride()}")
-    if rows.device != target.device:
-        raise ValueError(f"rows is on {rows.device}, expected the target's device {target.device}")
-    nlo = _require_int("num_local_only", num_local_only, 0, tokens)
+    tokens, nlo = _check_call((target,), (rows,), slot_mapping, num_local_only)
     if _compiling():
         torch.ops.vmmkv.publish_rows(
             target.cache, target.error_counter, target.ptr_table, target.committed_bytes,

@@ -18,6 +18,7 @@ import ctypes
 import os
 import struct
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -25,7 +26,15 @@ import torch
 from vmmkv.alloc import driver
 from vmmkv.ops import build
 
-__all__ = ["BARRIER_ARGS", "KVDEST", "Kernel", "PreparedLaunch", "device_ordinal", "warm_up"]
+__all__ = [
+    "BARRIER_ARGS",
+    "KVDEST",
+    "Kernel",
+    "PreparedLaunch",
+    "device_ordinal",
+    "lookup_handle",
+    "warm_up",
+]
 
 # Host mirror of csrc/vmmkv_common.cuh `struct KVDest` (80 bytes, 8-byte aligned):
 # ptr_table, committed_bytes, error_counter, offset_bytes, block_stride, entry_stride,
@@ -227,6 +236,19 @@ def device_ordinal(device: torch.device) -> int:
     if device.type != "cuda":
         raise ValueError(f"expected a CUDA device, got {device}")
     return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def lookup_handle(live: Mapping[int, Any], handle: int, what: str, traced: str) -> Any:
+    """The object ``live`` holds under ``handle``: the custom ops name a barrier or a prepared
+    store by an int handle (a graph constant), registered in a weak dictionary by its module.
+    RuntimeError when it is gone (``what``: the handle's kind, ``traced``: the object's)."""
+    obj = live.get(handle)
+    if obj is None:
+        raise RuntimeError(
+            f"vmmkv: {what} handle {handle} no longer exists (the {traced} a compiled graph was "
+            f"traced with was garbage collected)"
+        )
+    return obj
 
 
 def warm_up(device: torch.device | int) -> None:

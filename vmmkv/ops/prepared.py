@@ -44,10 +44,12 @@ from typing import Any
 
 import torch
 
+from vmmkv._util import require_int
 from vmmkv.ops import barrier as _barrier
 from vmmkv.ops import kv as _kv
 from vmmkv.ops import launch as _launch
 from vmmkv.ops.formats import FORMATS, STORE_KINDS
+from vmmkv.ops.reference import check_store_input
 
 __all__ = ["HostPreparedStore", "PreparedStore", "lookup", "prepare"]
 
@@ -103,13 +105,7 @@ def prepare(
 
 def lookup(handle: int) -> PreparedStore:
     """The live prepared store of ``handle`` (how the custom ops name it)."""
-    p = _prepared.get(handle)
-    if p is None:
-        raise RuntimeError(
-            f"vmmkv: prepared store handle {handle} no longer exists (the PreparedStore a "
-            f"compiled graph was traced with was garbage collected)"
-        )
-    return p
+    return _launch.lookup_handle(_prepared, handle, "prepared store", "PreparedStore")
 
 
 def _unique(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -120,14 +116,23 @@ def _unique(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-class PreparedStore:
-    """Prepared stores into CUDA targets; made by :func:`prepare`."""
+class _Prepared:
+    """What every prepared store keeps: its targets (checked by :func:`prepare`), their kinds,
+    ``ue8m0``, the device and the names of the inputs, in the formats table's order."""
 
     def __init__(self, targets: tuple[_kv.KVTarget, ...], kinds: tuple[str, ...], ue8m0: bool):
         self.targets = targets
         self.kinds = kinds
         self.ue8m0 = ue8m0
         self.device = targets[0].device
+        self._names = tuple(n for t in targets for n, _, _ in FORMATS[t.kind].inputs)
+
+
+class PreparedStore(_Prepared):
+    """Prepared stores into CUDA targets; made by :func:`prepare`."""
+
+    def __init__(self, targets: tuple[_kv.KVTarget, ...], kinds: tuple[str, ...], ue8m0: bool):
+        super().__init__(targets, kinds, ue8m0)
         self.ordinal = _kv._check_cuda(self.device)
         # (name, dtype, width or None for the row size, alignment) per input, formats order
         specs = []
@@ -138,7 +143,6 @@ class PreparedStore:
         self._specs = tuple(
             (n, d, w, max(1, _INPUT_ALIGN[n] // d.itemsize), _INPUT_ALIGN[n]) for n, d, w in specs
         )
-        self._names = tuple(s[0] for s in specs)
         self._caches = _unique([t.cache for t in targets])
         self._counters = _unique([t.error_counter for t in targets])
         self._cache_ptrs = [c.data_ptr() for c in self._caches]
@@ -176,7 +180,7 @@ class PreparedStore:
             _kv._check_slots(s, self.device)  # raises with the reason
         tokens = s.shape[0]
         if type(nlo) is not int or not 0 <= nlo <= tokens:
-            _kv._require_int("num_local_only", nlo, 0, tokens)
+            require_int("num_local_only", nlo, 0, tokens)
         specs = self._specs
         if not isinstance(inputs, (tuple, list)) or len(inputs) != len(specs):
             raise TypeError(
@@ -279,33 +283,18 @@ def _input(t: Any, spec: tuple, tokens: int, ordinal: int, device: torch.device)
 
 def _explain_input(name, t, dtype, width, tokens, device, align) -> None:
     """Raise the TypeError/ValueError that says why ``t`` is not a valid input."""
-    if t.dtype != dtype:
-        if dtype is torch.bfloat16 and t.dtype == torch.float16:
-            raise TypeError(f"{name} is float16; only bfloat16 inputs are supported")
-        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
-    if t.dim() != 2 or t.shape[1] != width:
-        raise ValueError(f"{name} must have shape [T, {width}], got {list(t.shape)}")
-    if t.shape[0] < tokens:
-        raise ValueError(f"{name} has {t.shape[0]} tokens, fewer than slot_mapping's {tokens}")
-    if t.stride(1) != 1:
-        raise ValueError(f"{name} rows must be contiguous (stride(1) == 1), got {t.stride()}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected the target's device {device}")
+    check_store_input(name, t, dtype, width, tokens=tokens, contiguous_rows=True, device=device)
     _kv._check_aligned(name, t, align)
     raise AssertionError(f"{name}: no reason found for a failed check")  # pragma: no cover
 
 
-class HostPreparedStore:
+class HostPreparedStore(_Prepared):
     """Prepared stores into CPU targets (host backend) through ``vmmkv.ops.host``."""
 
     def __init__(self, targets: tuple[_kv.KVTarget, ...], kinds: tuple[str, ...], ue8m0: bool):
         from vmmkv.ops import host
 
-        self.targets = targets
-        self.kinds = kinds
-        self.ue8m0 = ue8m0
-        self.device = targets[0].device
-        self._names = tuple(n for t in targets for n, _, _ in FORMATS[t.kind].inputs)
+        super().__init__(targets, kinds, ue8m0)
         self._fn = {
             ("fp8_ds_mla",): host.store_ds_mla,
             ("indexer_k",): host.store_indexer_k,
