@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# One device-machine call: `tests` (the GPU suite + CLI on the GPU) and/or `bench` (every
-# benchmark). Logs and JSON go to $OUT (the folder whose files come back). Usage:
-#   bash benchmarks/gpu_session.sh tests|bench|all
+# One device-machine call. Logs and JSON go to $OUT (the folder whose files come back). Usage:
+#   bash benchmarks/gpu_session.sh tests|bench|all|ops-tests|ops-bench|ops
+# - tests: the GPU suite + CLI on the GPU; bench: every benchmark; all: both.
+# - ops-tests / ops-bench / ops (both): the ops layer alone (issue 12), everything also logged
+#   to $OUT/ops.log. ops-tests: the ops GPU and CPU tests. ops-bench: the host-cost breakdown and
+#   the PCP2 tables (eager host time 2 launches vs 1, graph time, barrier vs torch symmetric
+#   memory, publish vs peer copy); on 2 GPUs (nvidia-h200-x2) one rank per GPU, on 1 GPU
+#   (nvidia-h200) two processes share it and the 1/2/4/8-destination table is added.
 # The device machine runs its own packages. If it lacks the test extras (hypothesis,
 # pytest-timeout), unpack their wheels into .gpu-site/ here (ignored by git) and name .gpu-site
 # in the call's carry list; the path below puts it on PYTHONPATH.
@@ -12,7 +17,9 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/bench-out}
 mkdir -p "$OUT"
 what=${1:-all}
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+LOG=/dev/null
+case "$what" in ops*) LOG="$OUT/ops.log" ;; esac
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
 if [ "$what" = tests ] || [ "$what" = all ]; then
     python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
     {
@@ -29,4 +36,25 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
         python3 benchmarks/bench_region.py --out "$OUT/bench_region.json"
         python3 benchmarks/bench_rendezvous.py --out "$OUT/bench_rendezvous.json"
     } 2>&1 | tee "$OUT/bench.log" | grep -v " done$"
+fi
+if [ "$what" = ops-tests ] || [ "$what" = ops-bench ] || [ "$what" = ops ]; then
+    ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    echo "== GPUs: $ngpu  torch: $(python3 -c 'import torch; print(torch.__version__)')" | tee -a "$LOG"
+fi
+if [ "$what" = ops-tests ] || [ "$what" = ops ]; then
+    echo "== ops tests (GPU + CPU)" | tee -a "$LOG"
+    timeout 1500 python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernels_gpu.py \
+        tests/test_compile_gpu.py tests/test_ops_cpu.py tests/test_nvrtc.py 2>&1 \
+        | tee "$OUT/ops-tests.log" | tail -40 | tee -a "$LOG"
+fi
+if [ "$what" = ops-bench ] || [ "$what" = ops ]; then
+    echo "== host cost per call (one process)" | tee -a "$LOG"
+    timeout 300 python3 benchmarks/bench_store.py --host-cost --out "$OUT/host_cost.json" 2>&1 | tee -a "$LOG"
+    echo "== PCP2 publish (2 ranks)" | tee -a "$LOG"
+    timeout 900 python3 benchmarks/bench_store.py --pcp 2 --out "$OUT/pcp2.json" 2>&1 | tee -a "$LOG"
+    if [ "$ngpu" -eq 1 ]; then
+        echo "== one GPU: 1/2/4/8 destinations" | tee -a "$LOG"
+        timeout 900 python3 benchmarks/bench_store.py --out "$OUT/bench_store.json" 2>&1 \
+            | grep -v " done$" | tee -a "$LOG"
+    fi
 fi
