@@ -131,35 +131,30 @@ def _by_value(values: list[Any], verb: str) -> str:
     return ", ".join(f"ranks {rk} {verb} {v}" for v, rk in groups.items())
 
 
+# What fds need to travel, in the order checked: (request field, verb, what it is, why).
+# PID namespaces are compared only on one host (several hosts already rule fds out).
+_SAME_FOR_FDS = (
+    ("host", "on", "on several hosts", "POSIX fds only reach one host; cross-host mapping needs "
+     "fabric handles, which this version does not exchange"),
+    ("pidns", "in", "in different PID namespaces", "the fd transport identifies senders by pid"),
+    ("netns", "in", "in different network namespaces", "abstract Unix sockets do not cross them"),
+    ("uid", "have uid", "as different users", "the fd transport only accepts its own uid"),
+)  # fmt: skip
+
+
 def _host_problem(reqs: list[dict[str, Any]]) -> str:
     """'' when POSIX fds can travel between every pair of ranks (one host, one PID and one
     network namespace, one uid), else every reason, with the ranks on each side."""
     problems = []
-    hosts = [f"{r['host']} (boot {r['boot_id'][:8]})" for r in reqs]
-    if len(set(hosts)) > 1:
-        problems.append(
-            "ranks span several hosts and POSIX fds only reach one host ("
-            + _by_value(hosts, "on")
-            + "); cross-host mapping needs fabric handles, which this version does not exchange"
-        )
-    elif len({r["pidns"] for r in reqs}) > 1:
-        problems.append(
-            "ranks run in different PID namespaces ("
-            + _by_value([r["pidns"] for r in reqs], "in")
-            + "): the fd transport identifies senders by pid"
-        )
-    if len({r["netns"] for r in reqs}) > 1:
-        problems.append(
-            "ranks run in different network namespaces ("
-            + _by_value([r["netns"] for r in reqs], "in")
-            + "): abstract Unix sockets do not cross them"
-        )
-    if len({r["uid"] for r in reqs}) > 1:
-        problems.append(
-            "ranks run as different users ("
-            + _by_value([r["uid"] for r in reqs], "have uid")
-            + "): the fd transport only accepts its own uid"
-        )
+    for field, verb, what, why in _SAME_FOR_FDS:
+        if field == "host":
+            values = [f"{r['host']} (boot {r['boot_id'][:8]})" for r in reqs]
+        elif field == "pidns" and problems:
+            continue
+        else:
+            values = [r[field] for r in reqs]
+        if len(set(values)) > 1:
+            problems.append(f"ranks run {what} ({_by_value(values, verb)}): {why}")
     return "; ".join(problems)
 
 
