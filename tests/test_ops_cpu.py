@@ -4,7 +4,9 @@ cleanup of a failed ``load_module``, the custom ops' mutation schemas and their 
 
 from __future__ import annotations
 
+import ctypes
 import re
+import struct
 
 import pytest
 import torch
@@ -457,3 +459,280 @@ def test_inductor_runs_a_traced_publish_in_place_and_reads_after_it():
         for a, b in zip(got, _expected(kv_c, k_pe, k), strict=True):
             assert torch.equal(a, b), call
     assert bar.epochs.tolist() == [3]
+
+
+# ---------------------------------------------------------------------------------------------
+# Prepared launches on CPU: the validation of PreparedStore calls and the parameters that reach
+# cuLaunchKernel (issue 12 point 2). The driver is replaced by a recorder that decodes each
+# kernelParams[i] by the kernel's layout, as the driver reads them.
+
+_SCALAR = {"Q": "<Q", "q": "<q", "i": "<i"}
+_KERNELS = {k.name: k for k in vars(launch).values() if isinstance(k, launch.Kernel)}
+
+
+def _decode_params(kernel: launch.Kernel, params: int) -> list:
+    ptrs = (ctypes.c_void_p * len(kernel.layout)).from_address(params)
+    out: list = []
+    for code, ptr in zip(kernel.layout, ptrs, strict=True):
+        if code in "DB":
+            out.append(ctypes.string_at(ptr, 80 if code == "D" else 56))
+        else:
+            fmt = _SCALAR[code]
+            out.append(struct.unpack(fmt, ctypes.string_at(ptr, struct.calcsize(fmt)))[0])
+    return out
+
+
+class _Loaded:
+    def function(self, name: str) -> str:
+        return name
+
+
+@pytest.fixture
+def recorded_launches(monkeypatch):
+    """Launches of PreparedLaunch objects made from now on, as (kernel, grid, block, stream,
+    decoded parameters); CUDA targets stand in for CPU ones (device ordinal -1)."""
+    from vmmkv.ops import prepared
+
+    seen: list[tuple] = []
+
+    def cu_launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        assert (gy, gz, by, bz, smem, extra) == (1, 1, 1, 1, 0, 0)
+        seen.append((fn, gx, bx, stream, _decode_params(_KERNELS[fn], params)))
+        return (launch._CU_SUCCESS,)
+
+    monkeypatch.setenv("VMMKV_LAUNCH_API", "bindings")
+    monkeypatch.setattr(build, "load_module", lambda ordinal: _Loaded())
+    monkeypatch.setattr(launch, "_cu_launch", cu_launch)
+    monkeypatch.setattr(launch, "_stream_of", lambda ordinal: 0x5000 + ordinal)
+    monkeypatch.setattr(prepared._kv, "_check_cuda", lambda device: -1)
+    return seen
+
+
+def _cpu_prepared(targets, ue8m0=True):
+    from vmmkv.ops.prepared import PreparedStore
+
+    return PreparedStore(tuple(targets), tuple(t.kind for t in targets), ue8m0)
+
+
+def _cpu_barrier(lanes: int, rank: int = 1, world: int = 2):
+    """A DeviceBarrier's state without CUDA (what __init__ sets, on CPU tensors)."""
+    from vmmkv.ops.barrier import DeviceBarrier
+
+    bar = object.__new__(DeviceBarrier)
+    bar.sig_table = torch.zeros(world, dtype=torch.int64)
+    bar.epochs = torch.zeros(lanes, dtype=torch.int32)
+    bar.arrivals = torch.zeros(lanes, dtype=torch.int32)
+    bar.rank, bar.world, bar.lanes, bar.ordinal = rank, world, lanes, -1
+    bar.device = torch.device("cpu")
+    bar.timeout_ns, bar._diag_dev_ptr, bar._threads = 3 * 10**9, 0x7F00_1234_5000, 32
+    bar.fence, bar._fence_ptrs, bar._closed = [], [], False
+    bar._launches = [None] * lanes
+    bar._args = tuple(
+        launch.BARRIER_ARGS.pack(bar.sig_table.data_ptr(), bar.epochs.data_ptr(),
+                                 bar.arrivals.data_ptr(), bar._diag_dev_ptr, bar.timeout_ns,
+                                 lane, rank, world, 0)
+        for lane in range(lanes)
+    )  # fmt: skip
+    return bar
+
+
+def _layer_inputs(tokens: int, pad: int = 0, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    kv_c = torch.randn(tokens, 512 + pad, generator=g).bfloat16()[:, :512]
+    k_pe = torch.randn(tokens, 64 + pad, generator=g).bfloat16()[:, :64]
+    k = torch.randn(tokens, 128 + pad, generator=g).bfloat16()[:, :128]
+    return kv_c, k_pe, k
+
+
+def _with_dest(target: KVTarget, first: int) -> KVTarget:
+    """``target`` with a recognisable packed KVDest (CPU targets pack none)."""
+    object.__setattr__(target, "_dest", bytes(range(first, first + 80)))
+    return target
+
+
+def _layer_targets():
+    replicas = [torch.zeros(4 * 64 * (656 + 132), dtype=torch.uint8) for _ in range(2)]
+    mla, idx, _ = _host_layer(replicas, 4, my_rank=0)
+    return _with_dest(mla, 0), _with_dest(idx, 100)
+
+
+def test_a_stand_alone_barrier_launches_its_lanes_prepared_parameters_without_repacking(
+    recorded_launches,
+):
+    bar = _cpu_barrier(lanes=3)
+    for lane in (0, 2, 0):
+        bar.arrive_and_wait(lane)
+    sig, epochs = bar.sig_table.data_ptr(), bar.epochs.data_ptr()
+    expected = [
+        ("vmmkv_barrier", 1, 32, 0x5000 - 1, [sig, epochs, lane, 1, 2, 3 * 10**9, 0x7F00_1234_5000])
+        for lane in (0, 2, 0)
+    ]
+    assert recorded_launches == expected
+    assert bar._launches[1] is None  # one prepared launch per lane used, each with its buffer
+    assert bar._launches[0]._buf is not bar._launches[2]._buf
+
+
+def test_a_stand_alone_barrier_refuses_bad_lanes_and_a_closed_barrier_before_launching(
+    recorded_launches,
+):
+    bar = _cpu_barrier(lanes=2)
+    for lane in (2, -1, True, 1.0, None):
+        with pytest.raises(ValueError, match=r"lane must be an int in \[0, 2\), got"):
+            bar.arrive_and_wait(lane)
+    bar._closed = True
+    with pytest.raises(RuntimeError, match="closed"):
+        bar.arrive_and_wait(0)
+    with pytest.raises(RuntimeError, match="closed"):
+        bar.barrier_args(0)
+    assert recorded_launches == []
+
+
+def test_a_prepared_layer_publish_passes_the_kernel_its_inputs_slots_and_barrier_args(
+    recorded_launches,
+):
+    mla, idx = _layer_targets()
+    bar = _cpu_barrier(lanes=2)
+    for ue8m0 in (True, False):
+        p = _cpu_prepared((mla, idx), ue8m0=ue8m0)
+        for tokens, slot_dtype, pad, nlo in ((37, torch.int64, 0, 0), (9, torch.int32, 24, 4)):
+            recorded_launches.clear()
+            kv_c, k_pe, k = _layer_inputs(tokens, pad)
+            slots = torch.arange(tokens, dtype=slot_dtype)
+            p.publish((kv_c, k_pe, k), slots, nlo, bar, 1)
+            p.store([kv_c, k_pe, k], slots, nlo)
+            common = [
+                mla._dest, idx._dest, kv_c.data_ptr(), 512 + pad, k_pe.data_ptr(), 64 + pad,
+                k.data_ptr(), 128 + pad, slots.data_ptr(), int(slot_dtype == torch.int64),
+                tokens, nlo, int(ue8m0),
+            ]  # fmt: skip
+            grid = -(-tokens // 8)
+            assert recorded_launches == [
+                ("vmmkv_store_layer_barrier", grid, 256, 0x4FFF, [*common, bar._args[1]]),
+                ("vmmkv_store_layer", grid, 256, 0x4FFF, common),
+            ]
+
+
+def test_prepared_stores_of_every_kind_pass_their_kernel_layout(recorded_launches):
+    mla, idx = _layer_targets()
+    rows16 = _with_dest(_rows_target(), 20)
+    rows_odd = _with_dest(_rows_target(entry_bytes=1000), 40)
+    g = torch.Generator().manual_seed(3)
+    kv_c, k_pe, k = _layer_inputs(20, seed=4)
+    slots = torch.randperm(64, generator=g)[:20]
+    p = _cpu_prepared((mla,))
+    p.store((kv_c, k_pe), slots, 3)
+    p = _cpu_prepared((idx,))
+    p.store((k,), slots, 3)
+    rows = torch.zeros(21, 1040, dtype=torch.uint8)  # 16-byte aligned row stride
+    _cpu_prepared((rows16,)).store((rows[1:, :1024],), slots, 3)  # 16-byte vectors
+    _cpu_prepared((rows16,)).store((rows[:, 8:1032],), slots[:1])  # misaligned address
+    _cpu_prepared((rows_odd,)).store((rows[:, :1000],), slots, 3)  # 1000-byte rows
+    tail = [slots.data_ptr(), 1, 20, 3]
+    r = rows.data_ptr()
+    assert recorded_launches == [
+        ("vmmkv_store_ds_mla", 3, 256, 0x4FFF,
+         [mla._dest, kv_c.data_ptr(), 512, k_pe.data_ptr(), 64, *tail]),
+        ("vmmkv_store_indexer_k", 3, 256, 0x4FFF, [idx._dest, k.data_ptr(), 128, *tail, 1]),
+        ("vmmkv_publish_rows", 3, 256, 0x4FFF, [rows16._dest, r + 1040, 1040, 1024, *tail, 1]),
+        ("vmmkv_publish_rows", 1, 256, 0x4FFF,
+         [rows16._dest, r + 8, 1040, 1024, slots.data_ptr(), 1, 1, 0, 0]),
+        ("vmmkv_publish_rows", 3, 256, 0x4FFF, [rows_odd._dest, r, 1040, 1000, *tail, 0]),
+    ]  # fmt: skip
+
+
+def test_prepared_grids_cover_every_token_and_a_zero_token_publish_still_launches_one_cta(
+    recorded_launches,
+):
+    (idx,) = _layer_targets()[1:]
+    p = _cpu_prepared((idx,))
+    bar = _cpu_barrier(lanes=1)
+    k = torch.zeros(1, 128, dtype=torch.bfloat16).expand(65535 * 8 + 1, 128)  # one shared row
+    for tokens in (0, 1, 8, 9, 65535 * 8, 65535 * 8 + 1):
+        recorded_launches.clear()
+        slots = torch.zeros(tokens, dtype=torch.int32)
+        p.store((k,), slots)
+        p.publish((k,), slots, 0, bar, 0)
+        grids = [grid for _, grid, *_ in recorded_launches]
+        want = min(65535, -(-tokens // 8))
+        assert grids == ([want] if tokens else []) + [max(1, want)], tokens
+
+
+class _OnCuda1(torch.Tensor):
+    """A CPU tensor that reports device index 1 (prepared stores compare get_device())."""
+
+    def get_device(self) -> int:
+        return 1
+
+
+def test_prepared_calls_give_the_functional_apis_errors_and_launch_nothing(recorded_launches):
+    mla, idx = _layer_targets()
+    p = _cpu_prepared((mla, idx))
+    bar = _cpu_barrier(lanes=1)
+    kv_c, k_pe, k = _layer_inputs(48, seed=5)
+    s = torch.arange(48)
+    with pytest.raises(TypeError, match=r"3 tensors \('kv_c', 'k_pe', 'k'\)"):
+        p.store((kv_c, k_pe), s)
+    with pytest.raises(TypeError, match=r"3 tensors .*got dict"):
+        p.store({0: kv_c, 1: k_pe, 2: k}, s)
+    with pytest.raises(TypeError, match="k_pe must be a torch.Tensor, got ndarray"):
+        p.store((kv_c, k_pe.float().numpy(), k), s)
+    with pytest.raises(TypeError, match="only bfloat16"):
+        p.store((kv_c.half(), k_pe, k), s)
+    with pytest.raises(TypeError, match="k must be bfloat16, got torch.float32"):
+        p.store((kv_c, k_pe, k.float()), s)
+    with pytest.raises(ValueError, match=r"k must have shape \[T, 128\]"):
+        p.store((kv_c, k_pe, k[:, :64]), s)
+    with pytest.raises(ValueError, match=r"k_pe must have shape \[T, 64\], got \[48, 64, 1\]"):
+        p.store((kv_c, k_pe[..., None], k), s)
+    with pytest.raises(ValueError, match="fewer than slot_mapping's 48"):
+        p.store((kv_c[:5], k_pe, k), s)
+    with pytest.raises(ValueError, match=r"kv_c rows must be contiguous \(stride\(1\) == 1\)"):
+        p.store((torch.zeros(48, 1024, dtype=torch.bfloat16)[:, ::2], k_pe, k), s)
+    raw = torch.zeros(48, 584, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="kv_c rows must be 16-byte aligned"):
+        p.store((raw[:, 4:516], k_pe, k), s)
+    with pytest.raises(ValueError, match="k_pe rows must be 16-byte aligned.*row stride 136 "):
+        p.store((kv_c, torch.zeros(48, 68, dtype=torch.bfloat16)[:, :64], k), s)
+    with pytest.raises(ValueError, match="k rows must be 8-byte aligned.*row stride 260 bytes"):
+        p.store((kv_c, k_pe, torch.zeros(48, 130, dtype=torch.bfloat16)[:, :128]), s)
+    with pytest.raises(TypeError, match="slot_mapping must be a torch.Tensor, got list"):
+        p.store((kv_c, k_pe, k), list(range(48)))
+    with pytest.raises(TypeError, match="int32 or int64"):
+        p.store((kv_c, k_pe, k), s.float())
+    with pytest.raises(ValueError, match=r"slot_mapping must be 1-D, got shape \[48, 1\]"):
+        p.store((kv_c, k_pe, k), s[:, None])
+    with pytest.raises(ValueError, match="slot_mapping must be contiguous"):
+        p.store((kv_c, k_pe, k), torch.arange(96)[::2])
+    with pytest.raises(ValueError, match=r"num_local_only must be in \[0, 48\], got 49"):
+        p.store((kv_c, k_pe, k), s, 49)
+    with pytest.raises(TypeError, match="num_local_only must be an int, got bool"):
+        p.store((kv_c, k_pe, k), s, True)
+    with pytest.raises(TypeError, match="DeviceBarrier"):
+        p.publish((kv_c, k_pe, k), s, 0, object(), 0)
+    with pytest.raises(ValueError, match=r"lane must be an int in \[0, 1\), got 1"):
+        p.publish((kv_c, k_pe, k), s, 0, bar, 1)
+    with pytest.raises(ValueError, match="slot_mapping must be contiguous"):
+        p.publish((kv_c, k_pe, k), torch.arange(96)[::2], 0, bar, 0)
+    bar._closed = True
+    with pytest.raises(RuntimeError, match="closed"):
+        p.publish((kv_c, k_pe, k), s, 0, bar, 0)
+    assert recorded_launches == []
+
+
+def test_prepared_calls_compare_every_tensors_device_with_the_targets(recorded_launches):
+    mla, idx = _layer_targets()
+    p = _cpu_prepared((mla, idx))
+    p._prepare_checks(1, torch.device("cuda", 1))  # as if the targets were on cuda:1
+    kv_c, k_pe, k = _layer_inputs(16, seed=6)
+    s = torch.arange(16)
+    on1 = [t.as_subclass(_OnCuda1) for t in (kv_c, k_pe, k, s)]
+    with pytest.raises(ValueError, match="slot_mapping is on cpu, expected the target's device"):
+        p.store(on1[:3], s)
+    for i, name in enumerate(("kv_c", "k_pe", "k")):
+        inputs = list(on1[:3])
+        inputs[i] = (kv_c, k_pe, k)[i]
+        with pytest.raises(ValueError, match=f"^{name} is on cpu, expected .* cuda:1"):
+            p.store(inputs, on1[3])
+    assert recorded_launches == []
+    p.store(on1[:3], on1[3])
+    assert [params[2] for *_, params in recorded_launches] == [kv_c.data_ptr()]

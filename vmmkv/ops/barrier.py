@@ -181,6 +181,8 @@ class DeviceBarrier:
             )
             for lane in range(lanes)
         )  # fmt: skip
+        # the prepared launch of each lane's stand-alone barrier, made on its first use
+        self._launches: list[_launch.PreparedLaunch | None] = [None] * lanes
         self.handle = _register(self)
         # the zeroed epochs/arrivals must be in place before a kernel on any stream reads them
         torch.cuda.current_stream(dev).synchronize()
@@ -191,10 +193,8 @@ class DeviceBarrier:
 
     def arrive_and_wait(self, lane: int = 0) -> None:
         """Launch the barrier for ``lane`` on the current stream (see the module docstring)."""
-        if isinstance(lane, bool) or not isinstance(lane, int) or not 0 <= lane < self.lanes:
-            raise ValueError(f"lane must be an int in [0, {self.lanes}), got {lane!r}")
-        if self.closed:
-            raise RuntimeError("DeviceBarrier is closed")
+        if type(lane) is not int or not 0 <= lane < self.lanes or self._closed:
+            self._check_lane(lane)
         if torch.compiler.is_compiling():
             if not self.fence:
                 _warn_unfenced()
@@ -203,22 +203,33 @@ class DeviceBarrier:
                 self.timeout_ns, self._diag_dev_ptr, self._fence_ptrs,
             )  # fmt: skip
             return
-        self._launch(lane)
+        launch = self._launches[lane]
+        if launch is None:
+            launch = self._launches[lane] = self._lane_launch(lane)
+        launch.launch(1)
 
-    def _launch(self, lane: int) -> None:
-        _launch.BARRIER.launch(
-            self.ordinal, 1, self._threads, self.sig_table.data_ptr(), self.epochs.data_ptr(),
-            lane, self.rank, self.world, self.timeout_ns, self._diag_dev_ptr,
+    def _lane_launch(self, lane: int) -> _launch.PreparedLaunch:
+        """The barrier kernel of ``lane`` with every parameter packed once (its own buffer:
+        nothing is packed per call, so launches from several threads cannot mix parameters).
+        Loads the kernels on first use, as any launch does."""
+        fixed = (
+            self.sig_table.data_ptr(), self.epochs.data_ptr(), lane, self.rank, self.world,
+            self.timeout_ns, self._diag_dev_ptr,
         )  # fmt: skip
+        return _launch.PreparedLaunch(_launch.BARRIER, self.ordinal, self._threads, fixed)
+
+    def _check_lane(self, lane: object) -> None:
+        """ValueError for a lane out of range (or not an int), RuntimeError once closed."""
+        if isinstance(lane, bool) or not isinstance(lane, int) or not 0 <= lane < self.lanes:
+            raise ValueError(f"lane must be an int in [0, {self.lanes}), got {lane!r}")
+        if self._closed:
+            raise RuntimeError("DeviceBarrier is closed")
 
     def barrier_args(self, lane: int) -> bytes:
         """The packed ``BarrierArgs`` (csrc/barrier.cuh) of ``lane``, for the store kernels that
         end with this barrier. Raises like ``arrive_and_wait`` for a bad lane or a closed
         barrier."""
-        if isinstance(lane, bool) or not isinstance(lane, int) or not 0 <= lane < self.lanes:
-            raise ValueError(f"lane must be an int in [0, {self.lanes}), got {lane!r}")
-        if self._closed:
-            raise RuntimeError("DeviceBarrier is closed")
+        self._check_lane(lane)
         return self._args[lane]
 
     def read_diagnostic(self) -> BarrierTimeout | None:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import itertools
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -56,7 +56,7 @@ __all__ = ["HostPreparedStore", "PreparedStore", "lookup", "prepare"]
 log = logging.getLogger(__name__)
 
 _THREADS = _kv._THREADS
-_SLOT_DTYPES = (torch.int64, torch.int32)
+_DeviceBarrier = _barrier.DeviceBarrier
 # Row alignment the kernels need of each input (16-byte vector loads for fp8_ds_mla, 8 for k).
 _INPUT_ALIGN = {"kv_c": 16, "k_pe": 16, "k": 8, "rows": 1}
 _STORE = {
@@ -133,16 +133,7 @@ class PreparedStore(_Prepared):
 
     def __init__(self, targets: tuple[_kv.KVTarget, ...], kinds: tuple[str, ...], ue8m0: bool):
         super().__init__(targets, kinds, ue8m0)
-        self.ordinal = _kv._check_cuda(self.device)
-        # (name, dtype, width or None for the row size, alignment) per input, formats order
-        specs = []
-        for t in targets:
-            for name, dtype, width in FORMATS[t.kind].inputs:
-                specs.append((name, dtype, t.entry_bytes if width is None else width))
-        # (name, dtype, width, row alignment in elements, alignment in bytes)
-        self._specs = tuple(
-            (n, d, w, max(1, _INPUT_ALIGN[n] // d.itemsize), _INPUT_ALIGN[n]) for n, d, w in specs
-        )
+        self._prepare_checks(_kv._check_cuda(self.device), self.device)
         self._caches = _unique([t.cache for t in targets])
         self._counters = _unique([t.error_counter for t in targets])
         self._cache_ptrs = [c.data_ptr() for c in self._caches]
@@ -150,58 +141,36 @@ class PreparedStore(_Prepared):
         dests = tuple(t._dest for t in targets)
         self._store = _launch.PreparedLaunch(_STORE[kinds], self.ordinal, _THREADS, dests)
         self._publish = _launch.PreparedLaunch(_PUBLISH[kinds], self.ordinal, _THREADS, dests)
-        t0 = targets[0]
-        self._rows_fixed16 = kinds == ("rows",) and all(
+        self.handle = next(_next_handle)
+        _prepared[self.handle] = self
+
+    def _prepare_checks(self, ordinal: int, device: torch.device) -> None:
+        """What a call is checked against, fixed for the binding, and ``_values``. CPU tests
+        and benchmarks/bench_store.py call it with ``ordinal`` -1 and the CPU."""
+        self.ordinal = ordinal
+        self.device = device
+        # (name, dtype, width, row alignment in elements, alignment in bytes) per input
+        specs = []
+        for t in self.targets:
+            for name, dtype, width in FORMATS[t.kind].inputs:
+                w = t.entry_bytes if width is None else width
+                a = _INPUT_ALIGN[name]
+                specs.append((name, dtype, w, max(1, a // dtype.itemsize), a))
+        self._specs = tuple(specs)
+        t0 = self.targets[0]
+        self._rows_fixed16 = self.kinds == ("rows",) and all(
             v % 16 == 0
             for v in (t0.entry_bytes, t0.offset_bytes, t0.block_stride, t0.entry_stride,
                       t0._cache_ptr)
         )  # fmt: skip
-        self._row_bytes = t0.entry_bytes
-        self._ue8m0 = int(ue8m0)
-        self.handle = next(_next_handle)
-        _prepared[self.handle] = self
+        self._values = _compile_values(self)
 
     def __repr__(self) -> str:
         return f"PreparedStore(kinds={self.kinds}, device={self.device}, handle={self.handle})"
 
     # -- per call --------------------------------------------------------------------------
-    def _values(self, inputs: Any, slot_mapping: Any, nlo: Any) -> tuple[int, tuple]:
-        """Validate one call; return the token count and the kernel's per-call parameters
-        (without the barrier). Cheap checks first, explanations only on failure."""
-        s = slot_mapping
-        ordinal = self.ordinal
-        if not (
-            isinstance(s, torch.Tensor)
-            and s.dtype in _SLOT_DTYPES
-            and s.dim() == 1
-            and s.get_device() == ordinal
-            and (s.shape[0] <= 1 or s.stride(0) == 1)
-        ):
-            _kv._check_slots(s, self.device)  # raises with the reason
-        tokens = s.shape[0]
-        if type(nlo) is not int or not 0 <= nlo <= tokens:
-            require_int("num_local_only", nlo, 0, tokens)
-        specs = self._specs
-        if not isinstance(inputs, (tuple, list)) or len(inputs) != len(specs):
-            raise TypeError(
-                f"inputs must be a tuple of {len(specs)} tensors {self._names}, got "
-                f"{type(inputs).__name__} {inputs!r:.80}"
-            )
-        values: list[Any] = []
-        for t, spec in zip(inputs, specs, strict=True):
-            values += _input(t, spec, tokens, ordinal, self.device)
-        is64 = s.dtype is torch.int64
-        if self.kinds == ("rows",):
-            vec16 = (
-                self._rows_fixed16 and values[0] % 16 == 0 and (tokens <= 1 or values[1] % 16 == 0)
-            )
-            return tokens, (
-                values[0], values[1], self._row_bytes, s.data_ptr(), is64, tokens, nlo, vec16,
-            )  # fmt: skip
-        values += (s.data_ptr(), is64, tokens, nlo)
-        if self.kinds != ("fp8_ds_mla",):
-            values.append(self._ue8m0)
-        return tokens, values
+    # self._values(inputs, slot_mapping, num_local_only) -> (tokens, grid, parameters): made by
+    # _compile_values for this binding.
 
     def store(
         self, inputs: Sequence[torch.Tensor], slot_mapping: torch.Tensor, num_local_only: int = 0
@@ -213,9 +182,9 @@ class PreparedStore(_Prepared):
                 num_local_only,
             )  # fmt: skip
             return
-        tokens, values = self._values(inputs, slot_mapping, num_local_only)
+        tokens, grid, values = self._values(inputs, slot_mapping, num_local_only)
         if tokens:
-            self._store.launch(_kv._grid(tokens), *values)
+            self._store.launch(grid, *values)
 
     def publish(
         self,
@@ -234,13 +203,20 @@ class PreparedStore(_Prepared):
                 slot_mapping, self.handle, barrier.handle, lane, num_local_only,
             )  # fmt: skip
             return
-        if type(barrier) is not _barrier.DeviceBarrier:
+        if (
+            type(barrier) is _DeviceBarrier
+            and type(lane) is int
+            and 0 <= lane < barrier.lanes
+            and not barrier._closed
+        ):
+            bar_args = barrier._args[lane]  # what barrier_args(lane) returns, without its checks
+        else:
             self._check_barrier(barrier)
-        bar_args = barrier.barrier_args(lane)
+            bar_args = barrier.barrier_args(lane)  # raises for a bad lane or a closed barrier
         if barrier.ordinal != self.ordinal:
             raise ValueError(f"barrier is on {barrier.device}, the targets on {self.device}")
-        tokens, values = self._values(inputs, slot_mapping, num_local_only)
-        self._publish.launch(_kv._grid(tokens), *values, bar_args)
+        tokens, grid, values = self._values(inputs, slot_mapping, num_local_only)
+        self._publish.launch(grid, *values, bar_args)
 
     def _check_barrier(self, barrier: object) -> None:
         if not isinstance(barrier, _barrier.DeviceBarrier):
@@ -259,30 +235,100 @@ class PreparedStore(_Prepared):
             )
 
 
-def _input(t: Any, spec: tuple, tokens: int, ordinal: int, device: torch.device) -> tuple:
-    """(address, row stride) of a valid input; else the TypeError/ValueError saying why."""
-    name, dtype, width, row_align, align = spec
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    shape = t.shape
-    stride = t.stride()
-    ptr = t.data_ptr()
-    if (
-        t.dtype is not dtype
-        or len(shape) != 2
-        or shape[1] != width
-        or shape[0] < tokens
-        or stride[1] != 1
-        or t.get_device() != ordinal
-        or ptr % align
-        or (shape[0] > 1 and stride[0] % row_align)
-    ):
-        _explain_input(name, t, dtype, width, tokens, device, align)
-    return ptr, stride[0]
+def _compile_values(p: PreparedStore) -> Callable[[Any, Any, Any], tuple[int, int, tuple]]:
+    """``p._values(inputs, slot_mapping, num_local_only)``: validate one call and return the
+    token count, the grid and the kernel's per-call parameters (without the barrier's).
+
+    The function is generated for the binding (as ``dataclasses`` generates ``__init__``): each
+    input's checks are written out with its constants, which costs a quarter less than a loop
+    over ``p._specs``. Every tensor attribute is read once (dtype by identity, the device by
+    ``get_device()`` against ``p.ordinal``); on any failed check ``p._explain_*`` raise the
+    TypeError/ValueError of the functional API. The source holds only ints from the formats
+    table and the targets."""
+    n = len(p._specs)
+    src = [
+        "def _values(inputs, s, nlo):",
+        "    if not (",
+        "        isinstance(s, Tensor)",
+        "        and ((sdt := s.dtype) is I64 or sdt is I32)",
+        "        and len(sh := s.shape) == 1",
+        f"        and s.get_device() == {int(p.ordinal)}",
+        "        and (sh[0] <= 1 or s.stride()[0] == 1)",
+        "    ):",
+        "        explain_slots(s, device)",
+        "    tokens = sh[0]",
+        "    if type(nlo) is not int or not 0 <= nlo <= tokens:",
+        "        require_int('num_local_only', nlo, 0, tokens)",
+        f"    if not isinstance(inputs, (tuple, list)) or len(inputs) != {n}:",
+        "        explain_inputs(inputs, names)",
+        f"    {''.join(f'x{i}, ' for i in range(n))}= inputs",
+    ]
+    # no reference to p (the function is p's attribute: a cycle would outlive the last user)
+    env: dict[str, Any] = {
+        "Tensor": torch.Tensor, "I64": torch.int64, "I32": torch.int32, "device": p.device,
+        "names": p._names, "require_int": require_int, "explain_slots": _explain_slots,
+        "explain_inputs": _explain_inputs, "explain_input": _explain_input,
+    }  # fmt: skip
+    params = []
+    for i, spec in enumerate(p._specs):
+        _, dtype, width, row_align, align = spec
+        env[f"D{i}"], env[f"S{i}"] = dtype, spec
+        x, h, r, a = f"x{i}", f"h{i}", f"r{i}", f"a{i}"
+        checks = [
+            f"isinstance({x}, Tensor)",
+            f"{x}.dtype is D{i}",
+            f"len({h} := {x}.shape) == 2",
+            f"{h}[1] == {int(width)}",
+            f"{h}[0] >= tokens",
+            f"({r} := {x}.stride())[1] == 1",
+            f"{x}.get_device() == {int(p.ordinal)}",
+            f"not ({a} := {x}.data_ptr()) % {int(align)}",
+        ]
+        if row_align > 1:
+            checks.append(f"({h}[0] <= 1 or not {r}[0] % {int(row_align)})")
+        src += ["    if not (", "        " + "\n        and ".join(checks), "    ):"]
+        src.append(f"        explain_input(S{i}, {x}, tokens, device)")
+        params += [a, f"{r}[0]"]
+    # the grid of vmmkv.ops.kv._grid: one warp per token, at least one CTA (a publish of zero
+    # tokens still runs the barrier)
+    w, most = _kv._WARPS_PER_CTA, _kv._MAX_GRID
+    src += [
+        f"    grid = (tokens + {w - 1}) // {w}",
+        f"    if grid > {most}:",
+        f"        grid = {most}",
+        "    elif not grid:",
+        "        grid = 1",
+    ]
+    slots = ["s.data_ptr()", "sdt is I64", "tokens", "nlo"]
+    if p.kinds == ("rows",):  # row bytes before the slots; 16-byte vectors when all aligned
+        vec16 = "(a0 % 16 == 0 and (tokens <= 1 or r0[0] % 16 == 0))" if p._rows_fixed16 else "0"
+        params += [str(int(p.targets[0].entry_bytes)), *slots, vec16]
+    else:
+        params += slots
+        if p.kinds != ("fp8_ds_mla",):
+            params.append(str(int(p.ue8m0)))
+    src.append(f"    return tokens, grid, ({', '.join(params)},)")
+    exec("\n".join(src), env)  # noqa: S102 -- our own text, see the docstring
+    return env["_values"]
 
 
-def _explain_input(name, t, dtype, width, tokens, device, align) -> None:
-    """Raise the TypeError/ValueError that says why ``t`` is not a valid input."""
+# the reasons of a failed check in _compile_values' function (each raises)
+
+
+def _explain_slots(s: Any, device: torch.device) -> None:
+    _kv._check_slots(s, device)
+    raise AssertionError("slot_mapping: no reason found for a failed check")  # pragma: no cover
+
+
+def _explain_inputs(inputs: Any, names: tuple[str, ...]) -> None:
+    raise TypeError(
+        f"inputs must be a tuple of {len(names)} tensors {names}, got {type(inputs).__name__} "
+        f"{inputs!r:.80}"
+    )
+
+
+def _explain_input(spec: tuple, t: Any, tokens: int, device: torch.device) -> None:
+    name, dtype, width, _, align = spec
     check_store_input(name, t, dtype, width, tokens=tokens, contiguous_rows=True, device=device)
     _kv._check_aligned(name, t, align)
     raise AssertionError(f"{name}: no reason found for a failed check")  # pragma: no cover
