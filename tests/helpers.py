@@ -70,3 +70,223 @@ def fail_peer_mapping_on(rank_to_fail: int, rank: int):
 
         PeerRegion.map_fd = fail
     return lambda: setattr(PeerRegion, "map_fd", real)
+
+
+# --------------------------------------------------------------------------------------------
+# fault injection and leak accounting for multi-process fault tests (tests/test_faults.py)
+# --------------------------------------------------------------------------------------------
+
+
+def kill_self(marker: str | None = None, note: str = "") -> None:
+    """SIGKILL this process now; ``marker`` (a path) gets ``note`` appended just before, so that
+    a test can tell where the process died."""
+    import signal
+    import time
+
+    if marker is not None:
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.write(fd, note.encode())
+        finally:
+            os.close(fd)
+    os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)  # never reached: the signal is delivered before kill() returns
+
+
+def kill_at(owner, name: str, *, after: bool = False, marker: str | None = None):
+    """Make the next call of ``owner.name`` (a class's method or a module's function) SIGKILL
+    this process (``kill_self(marker, name)``): before the real call, or once it returned with
+    ``after=True``. Returns the undo (for a process that never reached the call)."""
+    real = getattr(owner, name)
+
+    def hook(*args, **kwargs):
+        if not after:
+            kill_self(marker, name)
+        out = real(*args, **kwargs)
+        kill_self(marker, name)
+        return out
+
+    setattr(owner, name, hook)
+    return lambda: setattr(owner, name, real)
+
+
+def process_gone(pid: int, timeout: float) -> bool:
+    """True once process ``pid`` has exited (a zombie, not yet reaped by its parent, counts:
+    the kernel released its files and memory at exit), polling up to ``timeout`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def fds_not_sockets() -> int:
+    """How many fds this process holds that are not sockets (memfds, exported handles, device
+    files, pipes): a leak check that a socket of the process group, which the kernel or gloo
+    may close when a peer dies, cannot disturb."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:  # the fd of the listing itself, closed meanwhile
+            pass
+    return n
+
+
+def device_memory_in_use(ordinals) -> dict[int, int]:
+    """Device memory in use (cuMemGetInfo: every process's) on each CUDA device of
+    ``ordinals``, after synchronizing them and emptying torch's cache. Creates the primary
+    context of a device on first use (measure once before the baseline, so that it counts)."""
+    for k in ordinals:
+        torch.cuda.synchronize(k)
+    torch.cuda.empty_cache()
+    out = {}
+    for k in ordinals:
+        free, total = torch.cuda.mem_get_info(k)
+        out[k] = total - free
+    return out
+
+
+def settled_device_memory(ordinals, ceiling: dict[int, int], timeout: float = 15.0):
+    """``device_memory_in_use(ordinals)`` once every device is at or below ``ceiling`` (the
+    driver releases a dead process's memory asynchronously), or the last sample at the
+    deadline."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        used = device_memory_in_use(ordinals)
+        if all(used[k] <= ceiling[k] for k in ordinals) or time.monotonic() >= deadline:
+            return used
+        time.sleep(0.1)
+
+
+# --------------------------------------------------------------------------------------------
+# a KV-cache step over a ReplicatedKVCache, and its oracle (tests/test_faults.py, test_soak.py)
+# --------------------------------------------------------------------------------------------
+
+
+class KVStep:
+    """``layers`` layer-interleaved KV layers (``vmmkv.testing.kv``) in one buffer allocated
+    from ``cache`` at its region's base, bound to the cache; static device inputs of
+    ``max_tokens`` rows (what a captured step reads), refilled by ``load``; ``step`` stores
+    every layer then runs the cache's barrier. ``expected`` is the pure-torch oracle."""
+
+    def __init__(self, cache, layers: int, max_tokens: int) -> None:
+        from vmmkv.ops.formats import get_format
+        from vmmkv.testing.kv import BLOCK_SIZE, block_stride, interleaved_views
+
+        self.cache, self.layers, self.max_tokens = cache, layers, max_tokens
+        self.stride = block_stride(layers)
+        self.num_blocks = cache.capacity_bytes // self.stride
+        self.block_size = BLOCK_SIZE
+        self.buf = cache.allocate(self.num_blocks * self.stride).view(torch.uint8)
+        if self.buf.data_ptr() != cache.region.base_ptr:
+            raise ValueError("KVStep needs the cache's first allocation (at the region's base)")
+        self.bound = [
+            (cache.bind(f"mla.{i}", m, "fp8_ds_mla"), cache.bind(f"idx.{i}", x, "indexer_k"))
+            for i, (m, x) in enumerate(interleaved_views(self.buf, layers, self.num_blocks))
+        ]
+        dev = cache.device
+        self.inputs = [
+            torch.zeros(max_tokens, width, dtype=dtype, device=dev)
+            for kind in ("fp8_ds_mla", "indexer_k")
+            for _, dtype, width in get_format(kind).inputs
+        ]
+        self.slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=dev)
+
+    def blocks(self, committed_bytes: int | None = None) -> int:
+        """How many whole blocks lie in the committed prefix (default: the cache's now)."""
+        n = self.cache.committed_bytes if committed_bytes is None else committed_bytes
+        return min(self.num_blocks, n // self.stride)
+
+    def slot_range(self, first_block: int, end_block: int) -> range:
+        return range(first_block * self.block_size, end_block * self.block_size)
+
+    @staticmethod
+    def spread(pool: range, world: int, per_rank: int, seed: int) -> list[torch.Tensor]:
+        """``per_rank`` distinct slots of ``pool`` for each rank (no two ranks share one)."""
+        if world * per_rank > len(pool):
+            raise ValueError(f"{world} x {per_rank} slots do not fit in {len(pool)}")
+        perm = torch.randperm(len(pool), generator=torch.Generator().manual_seed(seed))
+        picked = perm[: world * per_rank] + pool.start
+        return [picked[r * per_rank : (r + 1) * per_rank].clone() for r in range(world)]
+
+    @staticmethod
+    def batch(seed: int, slots: torch.Tensor):
+        """``(kv_c, k_pe, k, slots)`` on the CPU: random non-zero inputs for ``slots``."""
+        from vmmkv.testing.kv import layer_inputs
+
+        return (*layer_inputs(seed, slots.numel()), slots)
+
+    def load(self, batch) -> None:
+        """Copy ``batch`` into the static inputs; the rows after it become padding (slot -1)."""
+        n = batch[3].numel()
+        if n > self.max_tokens:
+            raise ValueError(f"{n} tokens exceed the {self.max_tokens} static rows")
+        self.slots.fill_(-1)
+        for dst, src in zip((*self.inputs, self.slots), batch, strict=True):
+            dst[:n].copy_(src.to(dst.device))
+
+    def step(self) -> None:
+        """Every layer's store of the static inputs, then the cache's barrier."""
+        kv_c, k_pe, k = self.inputs
+        for mla, idx in self.bound:
+            self.cache.store_layer(mla, idx, kv_c, k_pe, k, self.slots)
+        self.cache.barrier()
+
+    def capture(self):
+        """A CUDA graph of ``step`` (after one eager step, which every rank must also run)."""
+        dev = self.cache.device
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            graph.capture_begin()
+            self.step()
+            graph.capture_end()
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        return graph
+
+    def poison(self, start: int, end: int, seed: int) -> torch.Tensor:
+        """Fill own replica bytes ``[start, end)`` of the buffer with ``random_bytes``; returns
+        a CPU copy of the buffer's first ``end`` bytes as they are now (a copy also on the host
+        backend, where ``.cpu()`` would alias the region)."""
+        self.buf[start:end].copy_(random_bytes(end - start, seed, self.buf.device))
+        self.sync()
+        return self.buf[:end].to("cpu", copy=True)
+
+    def sync(self) -> None:
+        if self.cache.device.type == "cuda":
+            torch.cuda.synchronize(self.cache.device)
+
+    def expected(self, before: torch.Tensor, batches) -> torch.Tensor:
+        """The oracle: ``before`` (the first bytes of the buffer, on the CPU) after every batch
+        was stored into every layer, in order (slots must lie in ``before``'s whole blocks)."""
+        from vmmkv.testing.kv import expected_replica
+
+        blocks = before.numel() // self.stride
+        return expected_replica(
+            before[: blocks * self.stride], batches, layers=self.layers, num_blocks=blocks
+        )
+
+    def check(self, want: torch.Tensor, what: str) -> None:
+        """Own replica's first ``want.numel()`` bytes equal ``want`` (AssertionError naming the
+        rank, the step and where the first differences are)."""
+        self.sync()
+        got = self.buf[: want.numel()].to("cpu", copy=True)
+        if not torch.equal(got, want):
+            bad = (got != want).nonzero().flatten()
+            raise AssertionError(
+                f"rank {self.cache.rank}: {what}: {bad.numel()} bytes differ from the oracle, "
+                f"first at {bad[:4].tolist()}"
+            )

@@ -1,0 +1,429 @@
+"""Teardown and fault suite: a peer SIGKILLed at every step of the cache's protocols.
+
+Each scenario is written once and runs on two backends: ``host`` (memfd regions, CI) and
+``cuda`` (marker ``gpu``: one process per GPU when there are enough, else every rank on GPU 0).
+The last rank (never rank 0, which hosts the group's store) is the victim: a hook
+(``tests.helpers.kill_at``) makes it ``SIGKILL`` itself at a named protocol step, so the kill
+points are deterministic, not timing guesses; it records where it died in a marker file.
+
+What the survivors must show, every time:
+- the collective raises a ``GroupError`` naming the missing rank ("ranks [1]") within about one
+  configured timeout (at most ``2 * timeout + 3`` s: a peer lost inside the rendezvous' fd
+  exchange first makes ``auto`` mapping fall back, then the cache's setup agreement times out);
+- ``close()`` returns promptly, and afterwards nothing of vmmkv is left: fds (memfds and every
+  fd that is not a socket), host reservations and memfd mappings, and on CUDA the device memory
+  of every GPU the group used (the dead rank's exported chunks are freed when the survivor
+  unmaps them), measured from the survivor against a baseline taken after a warm-up of its own
+  (a one-rank cache cycle, an import of its own chunks and, with two GPUs, of chunks of the
+  victim's GPU), before the victim touched its device;
+- a new group on the same devices then builds a cache and publishes byte-exact replicas.
+
+A captured CUDA-graph replay of stores + barrier whose peer dies: the survivor's device barrier
+times out after ``barrier_timeout`` (2 s) with its diagnostic and traps; the survivor's own
+process records the failed synchronize and the diagnostic, then exits. On the host backend the
+same step's host barrier raises within the timeout naming the rank.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from tests.helpers import (
+    KVStep,
+    device_memory_in_use,
+    fds_not_sockets,
+    kill_at,
+    kill_self,
+    map_all_chunks,
+    process_gone,
+    settled_device_memory,
+)
+from tests.test_rendezvous import _maps, _memfds
+from vmmkv.testing.spawn import run_world, run_world_raw
+
+WORLD = 2
+VICTIM = WORLD - 1
+TIMEOUT = {"host": 3.0, "cuda": 5.0}  # the caches' collective timeout
+BARRIER_TIMEOUT = 2.0  # the device barrier's (CUDA)
+LAYERS = 2
+
+BACKENDS = [
+    pytest.param("host", id="host"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
+]
+
+# point -> (operation during which the victim dies, "module[:Class]", attribute, after the call)
+POINTS = {
+    "rendezvous-after-request": ("rendezvous", "vmmkv.ipc.symmetric", "gather_requests", True),
+    "rendezvous-before-exchange": ("rendezvous", "vmmkv.ipc.fdpass", "exchange_fds", False),
+    "rendezvous-after-exchange": ("rendezvous", "vmmkv.alloc:PeerRegion", "map_fd", False),
+    "grow-after-commit": ("grow", "vmmkv.alloc:VirtualRegion", "commit", True),
+    "grow-during-exchange": ("grow", "vmmkv.ipc.fdpass:_Exchange", "_on_ack", True),
+    "grow-after-mapping": ("grow", "vmmkv.ipc.peers:PeerMap", "exchange_new", True),
+    "shrink": ("shrink", "vmmkv.alloc:PeerRegion", "unmap_from", False),
+    "close": ("close", "vmmkv.alloc:VirtualRegion", "close", False),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# per-rank setup shared by the scenarios
+# --------------------------------------------------------------------------------------------
+
+
+def _ordinals(backend, world):
+    """The CUDA devices the group uses: one per rank when there are enough, else GPU 0."""
+    import torch
+
+    if backend == "host":
+        return []
+    return list(range(world)) if torch.cuda.device_count() >= world else [0]
+
+
+def _device(backend, rank, world):
+    import torch
+
+    if backend == "host":
+        return torch.device("cpu")
+    ordinals = _ordinals(backend, world)
+    dev = torch.device("cuda", ordinals[rank % len(ordinals)])
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def _chunk(backend):
+    """CUDA: four granules (8 MiB on an H200), so that a leaked chunk is larger than the memory
+    check's tolerance (one granule); host: 64 pages, so that two chunks hold a few KV blocks."""
+    return (4 if backend == "cuda" else 64) * _granularity(backend)
+
+
+def _granularity(backend):
+    from vmmkv.alloc import make_backend
+
+    return make_backend("cpu" if backend == "host" else "cuda:0", backend).granularity
+
+
+def _cache(backend, device, initial_chunks, group=None, **kw):
+    import torch.distributed as dist
+
+    from vmmkv import ReplicatedKVCache
+
+    chunk = _chunk(backend)
+    return ReplicatedKVCache(
+        group or dist.group.WORLD, 8 * chunk, device, chunk_bytes=chunk,
+        initial_bytes=initial_chunks * chunk, timeout=TIMEOUT[backend], direct=True,
+        backend=backend, **kw,
+    )  # fmt: skip
+
+
+def _warm_up_alone(backend, device, ordinals, solo):
+    """Everything a survivor's process keeps once it ran a cache, done without the peer: a
+    one-rank cache cycle (grow, store, barrier, shrink), an import of own exported chunks and,
+    with several GPUs, of chunks made on every other GPU used (the peer-device import path)."""
+    from vmmkv import ops
+    from vmmkv.alloc import VirtualRegion
+
+    with _cache(backend, device, 1, group=solo) as cache:
+        cache.grow(cache.capacity_bytes)
+        kv = KVStep(cache, LAYERS, 8)
+        kv.load(KVStep.batch(1, KVStep.spread(kv.slot_range(0, 1), 1, 8, 1)[0]))
+        kv.step()
+        kv.sync()
+        cache.shrink(_chunk(backend))
+    chunk = _chunk(backend)
+    for other in ordinals or ["cpu"]:
+        where = "cpu" if backend == "host" else f"cuda:{other}"
+        src = VirtualRegion(2 * chunk, where, chunk_bytes=chunk, backend=backend)
+        own = VirtualRegion(2 * chunk, device, chunk_bytes=chunk, backend=backend)
+        peer = own.open_peer()
+        src.commit(2 * chunk)
+        map_all_chunks(src, peer)
+        for obj in (peer, own, src):
+            obj.close()
+    if backend == "cuda":
+        ops.warm_up(device)
+
+
+def _resources(backend, ordinals, ceiling=None):
+    """What vmmkv could leak: fds, memfds, host reservations and memfd mappings, and the device
+    memory in use on every GPU used (with ``ceiling``: once it settled at or below it)."""
+    from tests.helpers import fd_count
+
+    out = {"fds": fd_count(), "not_sockets": fds_not_sockets(), "memfds": _memfds()}
+    out["memfd_maps"], out["reservations"] = _maps()
+    if ordinals:
+        out["memory"] = (
+            device_memory_in_use(ordinals)
+            if ceiling is None
+            else settled_device_memory(ordinals, ceiling)
+        )
+    return out
+
+
+def _start(rank, world, backend):
+    """Common prologue: (device, ordinals, pids, baseline). Survivors warm up alone and take
+    their baseline before the victim touches its device; then the victim loads its CUDA context
+    and kernels (so that no timed step waits for a first context creation)."""
+    import torch.distributed as dist
+
+    from vmmkv import ops
+
+    ordinals = _ordinals(backend, world)
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    solo = [dist.new_group([r], backend="gloo") for r in range(world)]  # collective: all ranks
+    device, baseline = None, None
+    if rank != VICTIM:
+        device = _device(backend, rank, world)
+        _warm_up_alone(backend, device, ordinals, solo[rank])
+        baseline = _resources(backend, ordinals)
+    dist.barrier()
+    if rank == VICTIM:
+        device = _device(backend, rank, world)
+        if backend == "cuda":
+            ops.warm_up(device)
+    dist.barrier()
+    return device, ordinals, pids, baseline
+
+
+def _finish(backend, ordinals, pids, baseline):
+    """A survivor's epilogue, after it closed everything: wait until the victim is gone, then
+    the resources once the device memory settled (at most one granule above the baseline)."""
+    gone = process_gone(pids[VICTIM], 30.0)
+    ceiling = None
+    if ordinals:
+        g = _granularity(backend)
+        ceiling = {k: baseline["memory"][k] + g for k in ordinals}
+    return gone, _resources(backend, ordinals, ceiling)
+
+
+def _assert_released(backend, baseline, after, where):
+    """Every vmmkv resource back to the baseline; sockets may only have gone (a dead peer's)."""
+    for key in ("not_sockets", "memfds", "memfd_maps", "reservations"):
+        assert after[key] == baseline[key], (where, key, baseline, after)
+    assert after["fds"] <= baseline["fds"], (where, baseline, after)
+    if backend == "cuda":
+        g = _granularity(backend)
+        for k, used in after["memory"].items():
+            assert used - baseline["memory"][k] < 2 * g, (where, f"cuda:{k}", baseline, after)
+
+
+# --------------------------------------------------------------------------------------------
+# afterwards: a new group on the same devices publishes correctly
+# --------------------------------------------------------------------------------------------
+
+
+def _publish_in_new_group(rank, world, backend):
+    """A fresh cache: every rank poisons its replica, stores its own tokens into the committed
+    blocks of every replica, and checks its replica against the oracle of every rank's tokens."""
+    import torch.distributed as dist
+
+    device = _device(backend, rank, world)
+    with _cache(backend, device, 2) as cache:
+        assert cache.direct, cache.why_not_direct
+        kv = KVStep(cache, LAYERS, 48)
+        before = kv.poison(0, cache.committed_bytes, seed=10 + rank)
+        dist.barrier()  # nobody writes into a replica before its owner poisoned it
+        slots = KVStep.spread(kv.slot_range(0, kv.blocks()), world, 48, seed=11)
+        batches = [KVStep.batch(100 * (r + 1), slots[r]) for r in range(world)]
+        kv.load(batches[rank])
+        kv.step()
+        kv.check(kv.expected(before, batches), "publish in a new group")
+        stats = cache.stats()
+        dist.barrier()
+    return stats["tokens_stored"], stats["out_of_range_slots"]
+
+
+def _assert_new_group_publishes(backend):
+    out = run_world(_publish_in_new_group, WORLD, args=(backend,), timeout=120)
+    assert out == [(48 * LAYERS, 0)] * WORLD
+
+
+# --------------------------------------------------------------------------------------------
+# a peer killed at each protocol step
+# --------------------------------------------------------------------------------------------
+
+
+def _owner(path):
+    module, _, cls = path.partition(":")
+    mod = importlib.import_module(module)
+    return getattr(mod, cls) if cls else mod
+
+
+def _killed_at(rank, world, backend, point, marker):
+    import torch.distributed as dist
+
+    from vmmkv.ipc import GroupError
+
+    device, ordinals, pids, baseline = _start(rank, world, backend)
+    op, owner, name, after = POINTS[point]
+    undo = [lambda: None]
+
+    def arm():
+        if rank == VICTIM:
+            undo[0] = kill_at(_owner(owner), name, after=after, marker=marker)
+
+    cache, error = None, None
+    try:
+        if op == "rendezvous":
+            arm()
+            t0 = time.monotonic()
+            cache = _cache(backend, device, 2)
+        else:
+            cache = _cache(backend, device, 4 if op == "shrink" else 2)
+            assert cache.direct, cache.why_not_direct
+            dist.barrier()  # every rank starts the step together
+            arm()
+            t0 = time.monotonic()
+            if op == "grow":
+                cache.grow(4 * _chunk(backend))
+            elif op == "shrink":
+                cache.shrink(2 * _chunk(backend))
+            else:
+                cache.close()
+    except GroupError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    elapsed = time.monotonic() - t0
+    undo[0]()
+    if rank == VICTIM:
+        raise AssertionError(f"rank {rank} passed its kill point {point} ({error})")
+    t1 = time.monotonic()
+    if cache is not None:
+        cache.close()
+    close_s = time.monotonic() - t1
+    del cache  # its own views of the region keep the (address) reservation until they go
+    gone, after = _finish(backend, ordinals, pids, baseline)
+    return error, elapsed, close_s, gone, baseline, after
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("point", list(POINTS))
+def test_a_peer_killed_at_a_protocol_step_is_named_by_the_survivor_which_releases_everything(
+    point, backend, tmp_path
+):
+    marker = tmp_path / "killed-at"
+    res = run_world_raw(_killed_at, WORLD, args=(backend, point, str(marker)), timeout=150)
+    victim = res[VICTIM]
+    assert victim.exitcode == -signal.SIGKILL, (victim.exitcode, victim.error)
+    assert marker.read_text() == POINTS[point][2]  # it died where the hook was
+    limit = 2 * TIMEOUT[backend] + 3
+    for r in res[:VICTIM]:
+        assert r.ok, r.error
+        error, elapsed, close_s, gone, baseline, after = r.value
+        if point == "close":
+            assert error is None and elapsed < 2.0, (error, elapsed)
+        else:
+            assert error is not None and f"ranks [{VICTIM}]" in error, error
+            assert elapsed < limit, (elapsed, error)
+        assert close_s < 2.0, close_s
+        assert gone, "the victim is still running"
+        _assert_released(backend, baseline, after, point)
+    _assert_new_group_publishes(backend)
+
+
+# --------------------------------------------------------------------------------------------
+# a peer that dies while a (captured) step of stores + barrier runs
+# --------------------------------------------------------------------------------------------
+
+
+def _killed_in_barrier(rank, world, backend, marker, out_dir):
+    import torch
+    import torch.distributed as dist
+
+    from vmmkv.direct import DirectPath
+    from vmmkv.ipc import GroupError
+
+    if backend == "cuda":  # the device printf of a trapped barrier goes to this process's fd 1
+        log = os.open(os.path.join(out_dir, f"rank{rank}.out"), os.O_WRONLY | os.O_CREAT, 0o600)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+    device, ordinals, pids, baseline = _start(rank, world, backend)
+    cache = _cache(backend, device, 2, barrier_timeout=BARRIER_TIMEOUT)
+    assert cache.direct, cache.why_not_direct
+    kv = KVStep(cache, LAYERS, 32)
+    kv.step()  # eager warm-up (only padding): loads the kernels, every rank's barrier once
+    graph = kv.capture() if backend == "cuda" else None
+    replay = graph.replay if graph is not None else kv.step
+    # one step with every rank alive lands byte-exact
+    before = kv.poison(0, cache.committed_bytes, seed=20 + rank)
+    dist.barrier()
+    slots = KVStep.spread(kv.slot_range(0, kv.blocks()), world, 32, seed=21)
+    batches = [KVStep.batch(200 * (r + 1), slots[r]) for r in range(world)]
+    kv.load(batches[rank])
+    replay()
+    kv.check(kv.expected(before, batches), "replay with every rank alive")
+    kv.load(KVStep.batch(300 * (rank + 1), slots[rank]))
+    dist.barrier()  # the last host collective: the victim dies during the next step
+    if rank == VICTIM:
+        if backend == "cuda":  # it never replays: the survivor's barrier waits for it
+            time.sleep(0.5)  # the survivor's replay is waiting in its barrier by now
+            kill_self(marker, "replay")
+        kill_at(DirectPath, "barrier", marker=marker)  # it stored, then dies in the barrier
+        kv.step()
+        raise AssertionError("the victim survived its step")
+    t0 = time.monotonic()
+    if backend == "cuda":
+        replay()
+        try:
+            torch.cuda.synchronize(device)
+            outcome = "synchronize returned"
+        except Exception as exc:
+            outcome = f"synchronize raised {type(exc).__name__}: {exc}"
+        diag = cache._path._barrier.read_diagnostic()
+        record = {"outcome": outcome, "elapsed": time.monotonic() - t0, "diag": str(diag)}
+        print("DIAG", json.dumps(record), flush=True)
+        os._exit(3)  # the trapped context is unusable: the process exits
+    try:
+        replay()
+        error = None
+    except GroupError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    elapsed = time.monotonic() - t0
+    cache.close()
+    del cache, kv, replay  # their views of the region keep the (address) reservation until they go
+    gone, after = _finish(backend, ordinals, pids, baseline)
+    return error, elapsed, gone, baseline, after
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_peer_killed_during_a_replayed_step_stops_the_survivor_barrier_with_a_diagnostic(
+    backend, tmp_path
+):
+    marker = tmp_path / "killed-at"
+    res = run_world_raw(
+        _killed_in_barrier, WORLD, args=(backend, str(marker), str(tmp_path)), timeout=150
+    )
+    victim = res[VICTIM]
+    assert victim.exitcode == -signal.SIGKILL, (victim.exitcode, victim.error)
+    if backend == "cuda":
+        assert marker.read_text() == "replay"
+        for r in res[:VICTIM]:
+            out = (tmp_path / f"rank{r.rank}.out").read_text()
+            assert r.exitcode == 3, (r.exitcode, r.error, out)
+            lines = [line for line in out.splitlines() if line.startswith("DIAG ")]
+            assert len(lines) == 1, out
+            record = json.loads(lines[0][5:])
+            assert record["outcome"].startswith("synchronize raised"), record
+            want = f"vmmkv barrier timeout: lane=0 rank={r.rank} missing peer={VICTIM}"
+            assert record["diag"].startswith(want), record
+            # the kernel waited for the barrier timeout, then trapped (not a hang, not at once)
+            assert BARRIER_TIMEOUT - 0.5 < record["elapsed"] < BARRIER_TIMEOUT + 8, record
+    else:
+        assert marker.read_text() == "barrier"
+        for r in res[:VICTIM]:
+            assert r.ok, r.error
+            error, elapsed, gone, baseline, after = r.value
+            assert error is not None and f"ranks [{VICTIM}]" in error, error
+            assert "cache barrier" in error, error
+            assert elapsed < 2 * TIMEOUT[backend] + 3, elapsed
+            assert gone
+            _assert_released(backend, baseline, after, "barrier")
+    _assert_new_group_publishes(backend)
