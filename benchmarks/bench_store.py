@@ -15,8 +15,9 @@ barrier in two launches vs ``publish`` in one; functional API vs ``vmmkv.ops.pre
 graph-replayed device time of both, the barrier vs torch symmetric memory's (eager, graph) and
 the publish bandwidth vs a peer copy of the same bytes through the same mapping.
 ``--host-cost`` (one process) breaks the host time of one prepared publish into its stages
-(perf_counter_ns) and compares the empty-kernel launch with torch's own launches.
-Medians after warm-up. Prints tables, writes JSON (``--out``). Needs CUDA.
+(perf_counter_ns) and compares the empty-kernel launch with torch's own launches;
+``--host-cost --cpu`` measures the same Python without a GPU (driver calls as no-ops).
+Medians after warm-up. Prints tables, writes JSON (``--out``). Needs CUDA (but ``--host-cost --cpu``).
 """
 
 from __future__ import annotations
@@ -495,19 +496,21 @@ def pcp(world, tokens, iters):
 # --host-cost: where the host time of one eager prepared publish goes
 
 
-def _per_call_ns(fn, n=200, reps=7):
+def _per_call_ns(fn, n=200, reps=7, sync="cuda"):
     """Median host ns per call of ``fn`` over ``reps`` loops of ``n`` calls (the device is
-    synchronized between loops, outside the measurement, so the launch queue never fills)."""
+    synchronized between loops, outside the measurement, so the launch queue never fills;
+    ``sync=None``: no device)."""
     import torch
 
+    wait = torch.cuda.synchronize if sync == "cuda" else (lambda: None)
     per = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        wait()
         t0 = time.perf_counter_ns()
         for _ in range(n):
             fn()
         per.append((time.perf_counter_ns() - t0) / n)
-    torch.cuda.synchronize()
+    wait()
     return median(per)
 
 
@@ -539,7 +542,7 @@ def host_cost(tokens=16):
     k = torch.randn(tokens, 128, device=dev).bfloat16()
     slots = torch.arange(tokens, device=dev)
     inputs = (kv_c, k_pe, k)
-    _, values = p._values(inputs, slots, 0)
+    _, _, values = p._values(inputs, slots, 0)
     args = bar.barrier_args(0)
     lp = p._publish
     grid = _grid(tokens)
@@ -553,8 +556,11 @@ def host_cost(tokens=16):
     print(f"host time per call, T={tokens} (median of loops of 200 calls):", flush=True)
     show("stage: torch.compiler.is_compiling()", _per_call_ns(torch.compiler.is_compiling))
     show(
-        "stage: validate + collect values (_values)",
+        "stage: validate + collect values + grid (_values)",
         _per_call_ns(lambda: p._values(inputs, slots, 0)),
+    )
+    show(
+        "  of which reading the tensors' attributes", _per_call_ns(_attribute_reads(inputs, slots))
     )
     show("stage: barrier.barrier_args(lane)", _per_call_ns(lambda: bar.barrier_args(0)))
     show(
@@ -606,6 +612,96 @@ def host_cost(tokens=16):
     return res
 
 
+def _attribute_reads(inputs, slots):
+    """What ``_values`` reads of every tensor (dtype, shape, stride, device index, address):
+    the floor of its cost in Python."""
+    tensors = (*inputs, slots)
+
+    def reads():
+        for t in tensors:
+            t.dtype, t.shape, t.stride(), t.get_device(), t.data_ptr()
+
+    return reads
+
+
+def host_cost_cpu(tokens=16):
+    """``--host-cost --cpu``: the Python around ``cuLaunchKernel`` without a GPU: a layer's
+    prepared store over CPU tensors (the targets' device index is patched to -1, the CPU's
+    ``get_device()``) and a stand-alone barrier, with kernel loading, the stream lookup and
+    the driver call replaced by no-ops. Measures this tree's Python only (validation, packing,
+    glue); the GPU run's stages add the driver's own time."""
+    from unittest import mock
+
+    import torch
+
+    from vmmkv.ops import barrier as barrier_mod
+    from vmmkv.ops import build, launch, prepared
+    from vmmkv.ops.kv import KVTarget
+
+    class Loaded:
+        def function(self, name):
+            return name
+
+    ok = launch._CU_SUCCESS
+    nb = 4
+    region = torch.zeros(nb * BS * (MLA + IDX), dtype=torch.uint8)
+    geo = dict(ptr_table=torch.tensor([region.data_ptr()]), my_rank=0, num_blocks=nb,
+               block_size=BS, committed_bytes=torch.tensor([region.numel()]),
+               error_counter=torch.zeros(1, dtype=torch.int32), cache=region)  # fmt: skip
+    mla_t = KVTarget(kind="fp8_ds_mla", offset_bytes=0, block_stride=BS * MLA, entry_stride=MLA,
+                     entry_bytes=MLA, **geo)  # fmt: skip
+    idx_t = KVTarget(kind="indexer_k", offset_bytes=nb * BS * MLA, block_stride=BS * IDX,
+                     entry_stride=IDX, entry_bytes=IDX, **geo)  # fmt: skip
+    kv_c = torch.randn(tokens, 512).bfloat16()
+    k_pe = torch.randn(tokens, 64).bfloat16()
+    k = torch.randn(tokens, 128).bfloat16()
+    slots = torch.arange(tokens)
+    inputs = (kv_c, k_pe, k)
+    res: dict = {"T": tokens}
+
+    def show(key, ns):
+        res[key] = ns / 1e3
+        print(f"  {key:<58} {ns / 1e3:8.2f} us", flush=True)
+
+    with (
+        mock.patch.object(build, "load_module", lambda ordinal: Loaded()),
+        mock.patch.object(launch, "_cu_launch", lambda *args: (ok,)),
+        mock.patch.object(launch, "_stream_of", lambda ordinal: 0),
+        mock.patch.object(prepared._kv, "_check_cuda", lambda device: -1),
+    ):
+        p = prepared.PreparedStore((mla_t, idx_t), ("fp8_ds_mla", "indexer_k"), True)
+        # a DeviceBarrier's state on CPU tensors (what __init__ sets; it needs CUDA)
+        bar = object.__new__(barrier_mod.DeviceBarrier)
+        bar.sig_table = torch.zeros(1, dtype=torch.int64)
+        bar.epochs = torch.zeros(1, dtype=torch.int32)
+        bar.rank, bar.world, bar.lanes, bar.ordinal = 0, 1, 1, -1
+        bar.timeout_ns, bar._diag_dev_ptr, bar._threads, bar._closed = 10**10, 0, 32, False
+        bar._launches, bar.fence = [None], []
+        bar._args = (launch.BARRIER_ARGS.pack(0, 0, 0, 0, 10**10, 0, 0, 1, 0),)
+        print(f"host time per call without the driver, T={tokens} (CPU tensors):", flush=True)
+        show(
+            "stage: validate + collect values + grid (_values)",
+            _per_call_ns(lambda: p._values(inputs, slots, 0), sync=None),
+        )
+        show(
+            "  of which reading the tensors' attributes",
+            _per_call_ns(_attribute_reads(inputs, slots), sync=None),
+        )
+        show(
+            "total: PreparedStore.publish, no-op driver",
+            _per_call_ns(lambda: p.publish(inputs, slots, 0, bar, 0), sync=None),
+        )
+        show(
+            "total: PreparedStore.store, no-op driver",
+            _per_call_ns(lambda: p.store(inputs, slots), sync=None),
+        )
+        show(
+            "total: DeviceBarrier.arrive_and_wait, no-op driver",
+            _per_call_ns(lambda: bar.arrive_and_wait(0), sync=None),
+        )
+    return res
+
+
 def main() -> None:
     ap = arguments(__doc__, "bench_store")
     ap.add_argument("--tokens", default="1,16,256,4096,16384,65536")
@@ -613,7 +709,11 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--pcp", type=int, default=0, help="run the N-rank publish benchmark only")
     ap.add_argument("--host-cost", action="store_true", help="host time breakdown only")
+    ap.add_argument("--cpu", action="store_true", help="with --host-cost: no GPU, no driver")
     a = ap.parse_args()
+    if a.host_cost and a.cpu:
+        write_json(a.out, "bench_store_host_cost_cpu", [host_cost_cpu(16), host_cost_cpu(2048)])
+        return
     if a.host_cost:
         write_json(a.out, "bench_store_host_cost", [host_cost(16), host_cost(2048)])
         return

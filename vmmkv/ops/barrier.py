@@ -20,7 +20,9 @@ Contract:
   ``vmmkv.ops.publish_layer``); they use the same epochs, signal slots, timeout and diagnostic,
   so stand-alone and fused barriers mix freely on one lane.
 - ``arrive_and_wait(lane)`` launches one CTA on torch's current stream: it publishes this rank's
-  arrival with a system-scope release and waits (acquire) for every rank. Stores issued earlier
+  arrival with a system-scope release and waits (acquire) for every rank. Each lane launches
+  through its own ``vmmkv.ops.launch.PreparedLaunch`` (every parameter packed at its first use,
+  nothing packed per call). Stores issued earlier
   on the stream are visible to every peer once all ranks passed. Capture-safe (the epoch
   advances on the device, so replays need no host update) once the kernels are loaded (the first
   barrier or ``vmmkv.ops.launch.warm_up`` before capture). Collective in effect: every rank must
