@@ -96,16 +96,18 @@ def _device(backend, rank, world):
     return dev
 
 
-def _chunk(backend):
+def _chunk(backend, device):
     """CUDA: four granules (8 MiB on an H200), so that a leaked chunk is larger than the memory
     check's tolerance (one granule); host: 64 pages, so that two chunks hold a few KV blocks."""
-    return (4 if backend == "cuda" else 64) * _granularity(backend)
+    return (4 if backend == "cuda" else 64) * _granularity(backend, device)
 
 
-def _granularity(backend):
+def _granularity(backend, device):
+    """The allocation granularity of ``device`` (asked in the rank's process: the parent of the
+    ranks never creates a CUDA context)."""
     from vmmkv.alloc import make_backend
 
-    return make_backend("cpu" if backend == "host" else "cuda:0", backend).granularity
+    return make_backend(device, backend).granularity
 
 
 def _cache(backend, device, initial_chunks, group=None, **kw):
@@ -113,7 +115,7 @@ def _cache(backend, device, initial_chunks, group=None, **kw):
 
     from vmmkv import ReplicatedKVCache
 
-    chunk = _chunk(backend)
+    chunk = _chunk(backend, device)
     return ReplicatedKVCache(
         group or dist.group.WORLD, 8 * chunk, device, chunk_bytes=chunk,
         initial_bytes=initial_chunks * chunk, timeout=TIMEOUT[backend], direct=True,
@@ -134,8 +136,8 @@ def _warm_up_alone(backend, device, ordinals, solo):
         kv.load(KVStep.batch(1, KVStep.spread(kv.slot_range(0, 1), 1, 8, 1)[0]))
         kv.step()
         kv.sync()
-        cache.shrink(_chunk(backend))
-    chunk = _chunk(backend)
+        cache.shrink(_chunk(backend, device))
+    chunk = _chunk(backend, device)
     for other in ordinals or ["cpu"]:
         where = "cpu" if backend == "host" else f"cuda:{other}"
         src = VirtualRegion(2 * chunk, where, chunk_bytes=chunk, backend=backend)
@@ -149,14 +151,19 @@ def _warm_up_alone(backend, device, ordinals, solo):
         ops.warm_up(device)
 
 
-def _resources(backend, ordinals, ceiling=None):
+def _resources(backend, device, ordinals, ceiling=None):
     """What vmmkv could leak: fds, memfds, host reservations and memfd mappings, and the device
-    memory in use on every GPU used (with ``ceiling``: once it settled at or below it)."""
+    memory in use on every GPU used (with ``ceiling``: once it settled at or below it), after a
+    garbage collection (objects of a failed constructor may sit in a reference cycle)."""
+    import gc
+
     from tests.helpers import fd_count
 
+    gc.collect()
     out = {"fds": fd_count(), "not_sockets": fds_not_sockets(), "memfds": _memfds()}
     out["memfd_maps"], out["reservations"] = _maps()
     if ordinals:
+        out["granularity"] = _granularity(backend, device)
         out["memory"] = (
             device_memory_in_use(ordinals)
             if ceiling is None
@@ -181,7 +188,7 @@ def _start(rank, world, backend):
     if rank != VICTIM:
         device = _device(backend, rank, world)
         _warm_up_alone(backend, device, ordinals, solo[rank])
-        baseline = _resources(backend, ordinals)
+        baseline = _resources(backend, device, ordinals)
     dist.barrier()
     if rank == VICTIM:
         device = _device(backend, rank, world)
@@ -191,15 +198,14 @@ def _start(rank, world, backend):
     return device, ordinals, pids, baseline
 
 
-def _finish(backend, ordinals, pids, baseline):
+def _finish(backend, device, ordinals, pids, baseline):
     """A survivor's epilogue, after it closed everything: wait until the victim is gone, then
     the resources once the device memory settled (at most one granule above the baseline)."""
     gone = process_gone(pids[VICTIM], 30.0)
     ceiling = None
     if ordinals:
-        g = _granularity(backend)
-        ceiling = {k: baseline["memory"][k] + g for k in ordinals}
-    return gone, _resources(backend, ordinals, ceiling)
+        ceiling = {k: baseline["memory"][k] + baseline["granularity"] for k in ordinals}
+    return gone, _resources(backend, device, ordinals, ceiling)
 
 
 def _assert_released(backend, baseline, after, where):
@@ -208,7 +214,7 @@ def _assert_released(backend, baseline, after, where):
         assert after[key] == baseline[key], (where, key, baseline, after)
     assert after["fds"] <= baseline["fds"], (where, baseline, after)
     if backend == "cuda":
-        g = _granularity(backend)
+        g = baseline["granularity"]
         for k, used in after["memory"].items():
             assert used - baseline["memory"][k] < 2 * g, (where, f"cuda:{k}", baseline, after)
 
@@ -281,9 +287,9 @@ def _killed_at(rank, world, backend, point, marker):
             arm()
             t0 = time.monotonic()
             if op == "grow":
-                cache.grow(4 * _chunk(backend))
+                cache.grow(4 * _chunk(backend, device))
             elif op == "shrink":
-                cache.shrink(2 * _chunk(backend))
+                cache.shrink(2 * _chunk(backend, device))
             else:
                 cache.close()
     except GroupError as exc:
@@ -297,7 +303,7 @@ def _killed_at(rank, world, backend, point, marker):
         cache.close()
     close_s = time.monotonic() - t1
     del cache  # its own views of the region keep the (address) reservation until they go
-    gone, after = _finish(backend, ordinals, pids, baseline)
+    gone, after = _finish(backend, device, ordinals, pids, baseline)
     return error, elapsed, close_s, gone, baseline, after
 
 
@@ -388,7 +394,7 @@ def _killed_in_barrier(rank, world, backend, marker, out_dir):
     elapsed = time.monotonic() - t0
     cache.close()
     del cache, kv, replay  # their views of the region keep the (address) reservation until they go
-    gone, after = _finish(backend, ordinals, pids, baseline)
+    gone, after = _finish(backend, device, ordinals, pids, baseline)
     return error, elapsed, gone, baseline, after
 
 
