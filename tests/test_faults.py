@@ -1,13 +1,14 @@
 """Teardown and fault suite: a peer SIGKILLed at every step of the cache's protocols.
 
-Each scenario is written once and runs on two backends: ``host`` (memfd regions, CI) and
-``cuda`` (marker ``gpu``: one process per GPU when there are enough, else every rank on GPU 0).
+Each scenario is written once and runs on two backends: ``host`` (memfd regions, CI; 2 and 3
+ranks) and ``cuda`` (marker ``gpu``, 2 ranks: one process per GPU when there are two, else both
+on GPU 0).
 The last rank (never rank 0, which hosts the group's store) is the victim: a hook
 (``tests.helpers.kill_at``) makes it ``SIGKILL`` itself at a named protocol step, so the kill
 points are deterministic, not timing guesses; it records where it died in a marker file.
 
 What the survivors must show, every time:
-- the collective raises a ``GroupError`` naming the missing rank ("ranks [1]") within about one
+- the collective raises a ``GroupError`` naming the missing rank ("ranks [k]") within about one
   configured timeout (at most ``2 * timeout + 3`` s: a peer lost inside the rendezvous' fd
   exchange first makes ``auto`` mapping fall back, then the cache's setup agreement times out);
 - ``close()`` returns promptly, and afterwards nothing of vmmkv is left: fds (memfds and every
@@ -47,8 +48,6 @@ from tests.helpers import (
 from tests.test_rendezvous import _maps, _memfds
 from vmmkv.testing.spawn import run_world, run_world_raw
 
-WORLD = 2
-VICTIM = WORLD - 1
 TIMEOUT = {"host": 3.0, "cuda": 5.0}  # the caches' collective timeout
 BARRIER_TIMEOUT = 2.0  # the device barrier's (CUDA)
 LAYERS = 2
@@ -57,6 +56,18 @@ BACKENDS = [
     pytest.param("host", id="host"),
     pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
 ]
+# (backend, world): two ranks everywhere, three on the host (two survivors)
+CASES = [
+    pytest.param("host", 2, id="host-2"),
+    pytest.param("host", 3, id="host-3"),
+    pytest.param("cuda", 2, id="cuda-2", marks=pytest.mark.gpu),
+]
+
+
+def _victim(world):
+    """The rank that dies: the last (rank 0 hosts the group's store, which must outlive it)."""
+    return world - 1
+
 
 # point -> (operation during which the victim dies, "module[:Class]", attribute, after the call)
 POINTS = {
@@ -185,12 +196,12 @@ def _start(rank, world, backend):
     dist.all_gather_object(pids, os.getpid())
     solo = [dist.new_group([r], backend="gloo") for r in range(world)]  # collective: all ranks
     device, baseline = None, None
-    if rank != VICTIM:
+    if rank != _victim(world):
         device = _device(backend, rank, world)
         _warm_up_alone(backend, device, ordinals, solo[rank])
         baseline = _resources(backend, device, ordinals)
     dist.barrier()
-    if rank == VICTIM:
+    if rank == _victim(world):
         device = _device(backend, rank, world)
         if backend == "cuda":
             ops.warm_up(device)
@@ -201,7 +212,7 @@ def _start(rank, world, backend):
 def _finish(backend, device, ordinals, pids, baseline):
     """A survivor's epilogue, after it closed everything: wait until the victim is gone, then
     the resources once the device memory settled (at most one granule above the baseline)."""
-    gone = process_gone(pids[VICTIM], 30.0)
+    gone = process_gone(pids[-1], 30.0)  # the victim's
     ceiling = None
     if ordinals:
         ceiling = {k: baseline["memory"][k] + baseline["granularity"] for k in ordinals}
@@ -245,9 +256,9 @@ def _publish_in_new_group(rank, world, backend):
     return stats["tokens_stored"], stats["out_of_range_slots"]
 
 
-def _assert_new_group_publishes(backend):
-    out = run_world(_publish_in_new_group, WORLD, args=(backend,), timeout=120)
-    assert out == [(48 * LAYERS, 0)] * WORLD
+def _assert_new_group_publishes(backend, world):
+    out = run_world(_publish_in_new_group, world, args=(backend,), timeout=120)
+    assert out == [(48 * LAYERS, 0)] * world
 
 
 # --------------------------------------------------------------------------------------------
@@ -271,7 +282,7 @@ def _killed_at(rank, world, backend, point, marker):
     undo = [lambda: None]
 
     def arm():
-        if rank == VICTIM:
+        if rank == _victim(world):
             undo[0] = kill_at(_owner(owner), name, after=after, marker=marker)
 
     cache, error = None, None
@@ -296,7 +307,7 @@ def _killed_at(rank, world, backend, point, marker):
         error = f"{type(exc).__name__}: {exc}"
     elapsed = time.monotonic() - t0
     undo[0]()
-    if rank == VICTIM:
+    if rank == _victim(world):
         raise AssertionError(f"rank {rank} passed its kill point {point} ({error})")
     t1 = time.monotonic()
     if cache is not None:
@@ -308,29 +319,29 @@ def _killed_at(rank, world, backend, point, marker):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,world", CASES)
 @pytest.mark.parametrize("point", list(POINTS))
-def test_a_peer_killed_at_a_protocol_step_is_named_by_the_survivor_which_releases_everything(
-    point, backend, tmp_path
+def test_a_peer_killed_at_a_protocol_step_is_named_by_the_survivors_which_release_everything(
+    point, backend, world, tmp_path
 ):
     marker = tmp_path / "killed-at"
-    res = run_world_raw(_killed_at, WORLD, args=(backend, point, str(marker)), timeout=150)
-    victim = res[VICTIM]
+    res = run_world_raw(_killed_at, world, args=(backend, point, str(marker)), timeout=150)
+    victim = res[_victim(world)]
     assert victim.exitcode == -signal.SIGKILL, (victim.exitcode, victim.error)
     assert marker.read_text() == POINTS[point][2]  # it died where the hook was
     limit = 2 * TIMEOUT[backend] + 3
-    for r in res[:VICTIM]:
+    for r in res[: victim.rank]:
         assert r.ok, r.error
         error, elapsed, close_s, gone, baseline, after = r.value
         if point == "close":
             assert error is None and elapsed < 2.0, (error, elapsed)
         else:
-            assert error is not None and f"ranks [{VICTIM}]" in error, error
+            assert error is not None and f"ranks [{victim.rank}]" in error, error
             assert elapsed < limit, (elapsed, error)
         assert close_s < 2.0, close_s
         assert gone, "the victim is still running"
         _assert_released(backend, baseline, after, point)
-    _assert_new_group_publishes(backend)
+    _assert_new_group_publishes(backend, world)
 
 
 # --------------------------------------------------------------------------------------------
@@ -367,7 +378,7 @@ def _killed_in_barrier(rank, world, backend, marker, out_dir):
     kv.check(kv.expected(before, batches), "replay with every rank alive")
     kv.load(KVStep.batch(300 * (rank + 1), slots[rank]))
     dist.barrier()  # the last host collective: the victim dies during the next step
-    if rank == VICTIM:
+    if rank == _victim(world):
         if backend == "cuda":  # it never replays: the survivor's barrier waits for it
             time.sleep(0.5)  # the survivor's replay is waiting in its barrier by now
             kill_self(marker, "replay")
@@ -399,37 +410,37 @@ def _killed_in_barrier(rank, world, backend, marker, out_dir):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_peer_killed_during_a_replayed_step_stops_the_survivor_barrier_with_a_diagnostic(
-    backend, tmp_path
+@pytest.mark.parametrize("backend,world", CASES)
+def test_a_peer_killed_during_a_replayed_step_stops_the_survivors_barrier_with_a_diagnostic(
+    backend, world, tmp_path
 ):
     marker = tmp_path / "killed-at"
     res = run_world_raw(
-        _killed_in_barrier, WORLD, args=(backend, str(marker), str(tmp_path)), timeout=150
+        _killed_in_barrier, world, args=(backend, str(marker), str(tmp_path)), timeout=150
     )
-    victim = res[VICTIM]
+    victim = res[_victim(world)]
     assert victim.exitcode == -signal.SIGKILL, (victim.exitcode, victim.error)
     if backend == "cuda":
         assert marker.read_text() == "replay"
-        for r in res[:VICTIM]:
+        for r in res[: victim.rank]:
             out = (tmp_path / f"rank{r.rank}.out").read_text()
             assert r.exitcode == 3, (r.exitcode, r.error, out)
             lines = [line for line in out.splitlines() if line.startswith("DIAG ")]
             assert len(lines) == 1, out
             record = json.loads(lines[0][5:])
             assert record["outcome"].startswith("synchronize raised"), record
-            want = f"vmmkv barrier timeout: lane=0 rank={r.rank} missing peer={VICTIM}"
+            want = f"vmmkv barrier timeout: lane=0 rank={r.rank} missing peer={victim.rank}"
             assert record["diag"].startswith(want), record
             # the kernel waited for the barrier timeout, then trapped (not a hang, not at once)
             assert BARRIER_TIMEOUT - 0.5 < record["elapsed"] < BARRIER_TIMEOUT + 8, record
     else:
         assert marker.read_text() == "barrier"
-        for r in res[:VICTIM]:
+        for r in res[: victim.rank]:
             assert r.ok, r.error
             error, elapsed, gone, baseline, after = r.value
-            assert error is not None and f"ranks [{VICTIM}]" in error, error
+            assert error is not None and f"ranks [{victim.rank}]" in error, error
             assert "cache barrier" in error, error
             assert elapsed < 2 * TIMEOUT[backend] + 3, elapsed
             assert gone
             _assert_released(backend, baseline, after, "barrier")
-    _assert_new_group_publishes(backend)
+    _assert_new_group_publishes(backend, world)
