@@ -8,9 +8,8 @@ The last rank (never rank 0, which hosts the group's store) is the victim: a hoo
 points are deterministic, not timing guesses; it records where it died in a marker file.
 
 What the survivors must show, every time:
-- the collective raises a ``GroupError`` naming the missing rank ("ranks [k]") within about one
-  configured timeout (at most ``2 * timeout + 3`` s: a peer lost inside the rendezvous' fd
-  exchange first makes ``auto`` mapping fall back, then the cache's setup agreement times out);
+- the collective raises a ``GroupError`` naming the missing rank ("ranks [k]") within one
+  configured timeout (plus 3 s of slack for process start-up and polling);
 - ``close()`` returns promptly, and afterwards nothing of vmmkv is left: fds (memfds and every
   fd that is not a socket), host reservations and memfd mappings, and on CUDA the device memory
   of every GPU the group used (the dead rank's exported chunks are freed when the survivor
@@ -329,7 +328,7 @@ def test_a_peer_killed_at_a_protocol_step_is_named_by_the_survivors_which_releas
     victim = res[_victim(world)]
     assert victim.exitcode == -signal.SIGKILL, (victim.exitcode, victim.error)
     assert marker.read_text() == POINTS[point][2]  # it died where the hook was
-    limit = 2 * TIMEOUT[backend] + 3
+    limit = TIMEOUT[backend] + 3
     for r in res[: victim.rank]:
         assert r.ok, r.error
         error, elapsed, close_s, gone, baseline, after = r.value
@@ -440,7 +439,7 @@ def test_a_peer_killed_during_a_replayed_step_stops_the_survivors_barrier_with_a
             error, elapsed, gone, baseline, after = r.value
             assert error is not None and f"ranks [{victim.rank}]" in error, error
             assert "cache barrier" in error, error
-            assert elapsed < 2 * TIMEOUT[backend] + 3, elapsed
+            assert elapsed < TIMEOUT[backend] + 3, elapsed
             assert gone
             _assert_released(backend, baseline, after, "barrier")
     _assert_new_group_publishes(backend, world)

@@ -392,6 +392,9 @@ class ReplicatedKVCache:
         steps = [] if finalizing() else [self._sync]
         steps += [self._gather.close] + ([self._direct.close] if self._direct else [])
         run_all([*steps, self._sr.close])
+        # The whole-region view holds the address range reserved (alloc's view rule); bindings
+        # the engine still holds keep it until they go too.
+        self._fence = None
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -167,6 +167,7 @@ class StoreComm:
         *,
         timeout: float | None = None,
         abort: str | None = None,
+        missing: Sequence[int] = (),
     ) -> list[Any]:
         """Every rank's ``obj`` (JSON-serializable) in rank order, once the step's outcome is
         ``ok``. ``what`` names the step in errors and must be the same on every rank.
@@ -174,7 +175,8 @@ class StoreComm:
         ``timeout`` (seconds, at most the object's) bounds this step's wait. ``abort``: this
         rank knows the step cannot succeed (e.g. a peer vanished during an fd exchange); the
         step is settled as aborted at once and every rank raises :class:`StepAborted` with the
-        reason. Raises :class:`PeerTimeoutError` when ranks did not arrive in time (on every
+        reason, or, when ``missing`` names the ranks this rank lost (a peer that vanished),
+        :class:`PeerTimeoutError` naming them. Raises :class:`PeerTimeoutError` when ranks did not arrive in time (on every
         rank, the late ones included); :class:`GroupError` when ranks are found at different
         steps, after which this object refuses every call."""
         if self._broken:
@@ -188,7 +190,9 @@ class StoreComm:
         keys = [self._key(step, r) for r in range(self.world_size)]
         outcome_key = self._key(step, "outcome")
         if abort is not None:
-            record = {"by": self.rank, "why": str(abort)}
+            record: dict[str, Any] = {"by": self.rank, "why": str(abort)}
+            if missing:
+                record.update(missing=sorted(missing), waited=wait_s)
             self._raise_outcome(self._settle(outcome_key, record, what), what)
         self._set(keys[self.rank], json.dumps([what, obj]).encode(), what)
         missing = self._wait(keys, outcome_key, time.monotonic() + wait_s, what)
@@ -238,12 +242,17 @@ class StoreComm:
         *,
         timeout: float | None = None,
         abort: str | None = None,
+        missing: Sequence[int] = (),
     ) -> None:
         """Collective status: raises the same :class:`GroupError` on every rank if any rank
         passes an error (the local error is chained on the rank that had it)."""
         try:
             statuses = self.all_gather(
-                None if error is None else repr(error), what, timeout=timeout, abort=abort
+                None if error is None else repr(error),
+                what,
+                timeout=timeout,
+                abort=abort,
+                missing=missing,
             )
         except GroupError as exc:
             if error is not None and exc.__cause__ is None:
@@ -324,19 +333,26 @@ class StoreComm:
             raise GroupError(f"rank {self.rank}: {what}: unexpected step outcome {outcome!r}")
         record = json.loads(outcome[len(_ABORT) :])
         if "missing" in record:
-            raise self._timeout_error(what, record["missing"], record["waited"], record["by"])
+            raise self._timeout_error(
+                what, record["missing"], record["waited"], record["by"], record.get("why")
+            )
         raise StepAborted(
             f"rank {self.rank}: {what}: aborted by rank {record['by']}: {record['why']}"
         )
 
     def _timeout_error(
-        self, what: str, missing: list[int], waited: float, by: int | None = None
+        self,
+        what: str,
+        missing: list[int],
+        waited: float,
+        by: int | None = None,
+        why: str | None = None,
     ) -> PeerTimeoutError:
         seen = "" if by is None or by == self.rank else f" (seen by rank {by})"
         return PeerTimeoutError(
             f"rank {self.rank}: {what}: group ranks {missing} (global ranks "
             f"{[self.global_ranks[m] for m in missing]}) did not arrive within "
-            f"{waited:.1f} s{seen}",
+            f"{waited:.1f} s{seen}" + (f": {why}" if why else ""),
             missing,
         )
 

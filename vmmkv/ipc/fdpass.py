@@ -85,14 +85,22 @@ _RETRYABLE_CONNECT = frozenset({errno.ECONNREFUSED, errno.ENOENT, errno.EAGAIN})
 
 class FdExchangeError(RuntimeError):
     """The exchange did not complete. ``missing_from``: ranks whose message never arrived;
-    ``unreachable``: peers that did not acknowledge our message. Both sorted."""
+    ``unreachable``: peers that did not acknowledge our message. Both sorted. ``peers_lost``:
+    the peers to blame when the exchange timed out or a peer's connection failed (a vanished
+    peer); empty when the cause is local (socket limits, a squatted name) or a cancel."""
 
     def __init__(
-        self, message: str, *, missing_from: Iterable[int] = (), unreachable: Iterable[int] = ()
+        self,
+        message: str,
+        *,
+        missing_from: Iterable[int] = (),
+        unreachable: Iterable[int] = (),
+        peers_lost: Iterable[int] = (),
     ) -> None:
         super().__init__(message)
         self.missing_from: list[int] = sorted(missing_from)
         self.unreachable: list[int] = sorted(unreachable)
+        self.peers_lost: list[int] = sorted(peers_lost)
 
     def __reduce__(self):  # keep the fields when the error crosses a process boundary
         return (type(self), (str(self),), dict(self.__dict__))
@@ -376,7 +384,7 @@ class _Exchange:
             while not self._settled():
                 now = time.monotonic()
                 if now >= self.deadline:
-                    raise self._error(f"timed out after {self.timeout:g}s")
+                    raise self._error(f"timed out after {self.timeout:g}s", peers=True)
                 if self.cancel is not None and now >= self.next_cancel_check:
                     self.next_cancel_check = now + _CANCEL_POLL_S
                     reason = self.cancel()
@@ -396,7 +404,7 @@ class _Exchange:
                 for key, _mask in self.sel.select(max(0.0, wake - time.monotonic())):
                     key.data()
             if any(out.state == "failed" for out in self.outgoing.values()):
-                raise self._error("failed")
+                raise self._error("failed", peers=True)
             succeeded = True
             return dict(self.received)
         except OSError as exc:  # a local socket failure (EMFILE, ENOBUFS, ...)
@@ -409,7 +417,7 @@ class _Exchange:
             out.state in ("done", "failed") for out in self.outgoing.values()
         )
 
-    def _error(self, what: str) -> FdExchangeError:
+    def _error(self, what: str, *, peers: bool = False) -> FdExchangeError:
         missing = sorted(self.expect - self.received.keys())
         undelivered = sorted(p for p, out in self.outgoing.items() if out.state != "done")
         message = (
@@ -422,7 +430,13 @@ class _Exchange:
         notes = [f"rank {r}: {self.dropped[r]}" for r in missing if r in self.dropped]
         if notes:
             message += f"; dropped incoming messages ({'; '.join(notes)})"
-        return FdExchangeError(message, missing_from=missing, unreachable=undelivered)
+        # blame the ranks whose message never came and those our connection failed to; a peer
+        # that merely had not acknowledged yet (it gave up at the same deadline) is not lost
+        failed = {p for p, out in self.outgoing.items() if out.state == "failed"}
+        lost = sorted(set(missing) | failed) if peers else []
+        return FdExchangeError(
+            message, missing_from=missing, unreachable=undelivered, peers_lost=lost
+        )
 
     def _close_all(self, *, keep_received: bool) -> None:
         for conn in self.incoming:

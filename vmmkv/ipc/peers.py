@@ -445,21 +445,24 @@ def exchange_then_agree(
 ) -> None:
     """Run ``exchange(local_error)`` then the step's agreement, on every rank whatever
     happened: local failures become the agreed error (every rank raises naming the cause); a
-    transport failure (a peer vanished) aborts the agreement at once, so no rank waits a
-    second timeout. The agreement waits at most until ``deadline`` (at least one second).
+    transport failure (a peer vanished) settles the agreement at once as a timeout naming the
+    lost ranks, so no rank waits a second timeout (and ``peers="auto"`` does not fall back
+    over a dead peer). The agreement waits at most until ``deadline`` (at least one second).
     Raises :class:`RendezvousError` (:class:`RendezvousTimeout` for missing ranks)."""
     error: BaseException | None = local_error
-    abort = None
+    abort, lost = None, []
     try:
         exchange(local_error)
-    except fdpass.FdExchangeError as exc:
-        abort = str(exc)
+    except fdpass.FdExchangeError as exc:  # lost peers make it a timeout naming them
+        abort, lost = str(exc), exc.peers_lost
     except PeerAborted:
         pass  # the aborting ranks name their cause in the agreement, which then fails
     except Exception as exc:
         error = exc
     try:
-        comm.agree(error, what, abort=abort, timeout=max(1.0, deadline - time.monotonic()))
+        comm.agree(
+            error, what, abort=abort, missing=lost, timeout=max(1.0, deadline - time.monotonic())
+        )
     except GroupError as exc:
         raise as_rendezvous_error(exc) from error
 
