@@ -210,11 +210,13 @@ def test_the_fused_kernels_release_their_stores_before_arriving_and_run_the_barr
     for entry in build.KERNELS["kv_store.cu"]:
         body = re.search(rf"\.entry {entry}\((.*?)\n}}\n", ptx, re.S).group(1)
         fused = entry.endswith("_barrier")
-        for op in ("fence.acq_rel.sys", "st.release.sys.global", "ld.acquire.sys.global",
+        for op in ("fence.acq_rel.gpu", "st.release.sys.global", "ld.acquire.sys.global",
                    "%globaltimer", "trap"):  # fmt: skip
             assert (op in body) == fused, (entry, op)
-        if fused:  # the release fence comes before the arrival count, the signals after it
-            fence = body.index("fence.acq_rel.sys")
+        # the system-scope release is the signal store itself (no extra sys fence per CTA)
+        assert "fence.acq_rel.sys" not in body, entry
+        if fused:  # the gpu-scope release comes before the arrival count, the signals after it
+            fence = body.index("fence.acq_rel.gpu")
             arrive = body.index("atom.global.add.u32", fence)
             assert arrive < body.index("st.release.sys.global"), entry
 
