@@ -77,12 +77,21 @@ def test_exported_chunk_maps_into_a_peer_region_with_the_same_bytes(backend):
         r.synchronize()
         assert r.tensor()[:16].cpu().tolist() == [3] * 16
         assert peer.unmap_from(g) == [Chunk(g, g)]
-        with pytest.raises(ValueError, match="does not extend"):
-            fd = r.export_chunk(r.chunks()[0])
-            try:
-                peer.map_fd(fd, Chunk(3 * g, g))
-            finally:
-                os.close(fd)
+        # peer mappings are a chunk set: a mapping over a mapped chunk or past the capacity is
+        # refused, one past a hole is taken (the same memory seen at a second place)
+        fd = r.export_chunk(r.chunks()[0])
+        try:
+            with pytest.raises(ValueError, match="overlaps the mapped"):
+                peer.map_fd(fd, Chunk(0, g))
+            with pytest.raises(ValueError, match="outside capacity"):
+                peer.map_fd(fd, Chunk(4 * g, g))
+            peer.map_fd(fd, Chunk(3 * g, g))
+        finally:
+            os.close(fd)
+        assert peer.chunks() == [Chunk(0, g), Chunk(3 * g, g)] and peer.mapped_bytes == 2 * g
+        assert torch.equal(peer.tensor()[3 * g : 4 * g].cpu(), peer.tensor()[:g].cpu())
+        assert peer.unmap_outside([(3 * g, 3 * g + 1)]) == [Chunk(0, g)]
+        assert peer.unmap_from(0) == [Chunk(3 * g, g)]
     assert fd_count() == before
 
 

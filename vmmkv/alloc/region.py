@@ -1,20 +1,32 @@
-"""``VirtualRegion``: a stable virtual address range with a growable committed prefix.
+"""``VirtualRegion``: a stable virtual address range whose committed memory is a set of chunks.
 
 Contract:
 - The full capacity is reserved once; ``base_ptr`` never changes for the life of the object, so
   kernels and CUDA graphs captured over the range stay valid while it grows and shrinks.
-- ``commit(n)`` grows the committed prefix to ``n`` rounded up to ``chunk_bytes``; new bytes are
-  zero on return. ``decommit(n)`` shrinks it to ``n`` rounded up to ``chunk_bytes`` after a device
-  synchronize. Both are local (not collective) and refuse during a CUDA stream capture on the
-  calling thread (see ``CudaBackend.is_capturing`` for captures on other threads).
-- The committed chunks are always a contiguous prefix, and ``committed_bytes`` is its end. A
-  failing ``commit`` unmaps what it mapped and leaves the region as it was. If an unmap fails
-  part-way (``decommit``, ``PeerRegion.unmap_from``, the rollback of a failed ``commit``), the
-  unmapping stops at the failing chunk: that chunk and every chunk below it stay mapped and
-  committed (no hole), ``decommit``/``unmap_from`` raise :class:`UnmapError` naming what is still
-  mapped, and a later call retries. Chunks a failed rollback could not unmap stay committed, with
-  unspecified contents (the commit's own error is raised, the rest logged).
-- ``tensor(dtype)`` is a view over the whole capacity; only the committed prefix may be touched.
+- The range is cut into a fixed grid of chunks: chunk ``k`` spans
+  ``[k * chunk_bytes, min((k + 1) * chunk_bytes, capacity))``. The committed memory is a set of
+  grid chunks, kept on the books in address order. Two ways to change it, both local (not
+  collective) and refused during a CUDA stream capture on the calling thread (see
+  ``CudaBackend.is_capturing`` for captures on other threads):
+  - by ranges: ``commit_ranges(ranges)`` commits every grid chunk that overlaps one of the
+    byte ranges ``[(start, end), ...]`` (empty ranges cover nothing); new bytes are zero on
+    return. ``decommit_outside(ranges)`` decommits every committed chunk that overlaps none of
+    them, after a device synchronize. So a chunk two ranges share stays while either needs it.
+  - by prefix (a particular chunk set, the API of every existing caller): ``commit(n)`` is
+    ``commit_ranges([(0, n)])`` (the prefix grows to ``n`` rounded up to ``chunk_bytes``),
+    ``decommit(n)`` is ``decommit_outside([(0, n)])`` (it shrinks to ``n`` rounded up).
+  ``covering_chunks`` / ``VirtualRegion.chunks_covering`` give the chunk set of some ranges
+  without committing anything. ``committed_bytes`` is the committed total (for a prefix: its
+  end).
+- Failure rules (every way of changing the set): a failing commit unmaps what it mapped and
+  leaves the region as it was. An unmap that fails (``decommit``, ``decommit_outside``,
+  ``PeerRegion.unmap_from``/``unmap_outside``, the rollback of a failed commit) stops at the
+  failing chunk: chunks are unmapped last first, so that chunk and every doomed chunk below it
+  stay mapped and on the books (a prefix stays a prefix: no hole), the call raises
+  :class:`UnmapError` naming what is still mapped, and a later call retries. Chunks a failed
+  rollback could not unmap stay committed, with unspecified contents (the commit's own error is
+  raised, the rest logged).
+- ``tensor(dtype)`` is a view over the whole capacity; only committed chunks may be touched.
   A CUDA graph may be captured over uncommitted addresses with kernels (they touch memory only
   when they run); a memcpy/memset node is validated against the range at capture time and fails
   there.
@@ -34,7 +46,9 @@ Contract:
   :class:`RegionClosedError`.
 - ``PeerRegion`` is the importing side: a reservation of a peer's full capacity into which the
   peer's exported chunks are mapped at their offsets (the ipc layer builds peer maps from it).
-  Its views, its mapped prefix and its ``close()`` follow the same rules.
+  ``map_fd`` maps a chunk anywhere it overlaps no mapped chunk; ``unmap_from(offset)`` (prefix)
+  and ``unmap_outside(ranges)`` (chunk set) unmap whole mappings. Its views and its ``close()``
+  follow the same rules.
 
 Ownership: a region owns its reservation (shared with its views, see ``reservation.py``) and its
 mappings; physical handles are released right after mapping (the mapping keeps the memory
@@ -44,6 +58,7 @@ fd it is given.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 from collections.abc import Callable
@@ -66,6 +81,7 @@ __all__ = [
     "RegionClosedError",
     "UnmapError",
     "VirtualRegion",
+    "covering_chunks",
     "make_backend",
     "run_all",
 ]
@@ -164,17 +180,81 @@ def _require_granular(name: str, value: int, granularity: int) -> int:
     return value
 
 
+Range = tuple[int, int]  # [start, end) in bytes from a region's base
+
+
+def _check_ranges(op: str, ranges: Any, capacity: int) -> list[Range]:
+    """``ranges`` as a list of ``(start, end)`` int pairs with ``0 <= start <= end <=
+    capacity``; TypeError/ValueError naming ``op``, the value got and what was expected."""
+    if isinstance(ranges, (str, bytes)) or not hasattr(ranges, "__iter__"):
+        raise TypeError(
+            f"{op}: ranges must be a sequence of (start, end) pairs, got {type(ranges).__name__}"
+        )
+    out: list[Range] = []
+    for i, r in enumerate(ranges):
+        if not isinstance(r, (tuple, list)) or len(r) != 2:
+            raise TypeError(f"{op}: ranges[{i}] must be a (start, end) pair, got {r!r}")
+        start, end = r
+        require_int(f"{op}: ranges[{i}] start", start)
+        require_int(f"{op}: ranges[{i}] end", end)
+        if not 0 <= start <= end <= capacity:
+            raise ValueError(
+                f"{op}: ranges[{i}] = ({start}, {end}) is not inside [0, capacity={capacity}] "
+                "with start <= end"
+            )
+        out.append((start, end))
+    return out
+
+
+def _merged(ranges: list[Range]) -> list[Range]:
+    """The union of ``ranges`` as sorted, disjoint, non-empty ranges."""
+    out: list[Range] = []
+    for start, end in sorted(r for r in ranges if r[0] < r[1]):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _overlaps(merged: list[Range], offset: int, size: int) -> bool:
+    """Whether ``[offset, offset + size)`` overlaps one of the ``merged`` ranges."""
+    i = bisect.bisect_left(merged, offset + size, key=lambda r: r[0]) - 1
+    return i >= 0 and merged[i][1] > offset
+
+
+def covering_chunks(ranges: Any, chunk_bytes: int, capacity: int) -> list[Chunk]:
+    """The chunks of the grid ``chunk_bytes`` over ``[0, capacity)`` (chunk ``k`` at ``k *
+    chunk_bytes``, the last one cut at the capacity) that overlap one of ``ranges`` (``(start,
+    end)`` byte pairs; empty ones cover nothing), in address order. Pure geometry."""
+    _require_positive("chunk_bytes", chunk_bytes)
+    _require_positive("capacity", capacity)
+    out: list[Chunk] = []
+    last = -1
+    for start, end in _merged(_check_ranges("covering_chunks", ranges, capacity)):
+        first = max(start // chunk_bytes, last + 1)
+        last = ceil_div(end, chunk_bytes) - 1
+        for k in range(first, last + 1):
+            offset = k * chunk_bytes
+            out.append(Chunk(offset, min(chunk_bytes, capacity - offset)))
+    return out
+
+
+def _offset_key(c: Chunk) -> int:
+    return c.offset
+
+
 class _MappedRange:
-    """What ``VirtualRegion`` and ``PeerRegion`` share: a reservation (held by the views), a
-    contiguous prefix of mapped chunks on the books, the read-only properties, views, teardown.
-    """
+    """What ``VirtualRegion`` and ``PeerRegion`` share: a reservation (held by the views), a set
+    of mapped chunks on the books (address order), the read-only properties, views, unmapping
+    and teardown."""
 
     _what = "object"
 
     def __init__(self, backend: Backend, capacity_bytes: int) -> None:
         self._backend: Backend = backend
         self._capacity = capacity_bytes
-        self._chunks: list[Chunk] = []  # always a contiguous prefix, in address order
+        self._chunks: list[Chunk] = []  # disjoint, in address order
         self._lock = threading.RLock()
         self._closed = False
         self._settled = False  # close() has run every step without an error
@@ -211,8 +291,8 @@ class _MappedRange:
     def closed(self) -> bool:
         return self._closed
 
-    def _prefix_end(self) -> int:
-        return self._chunks[-1].offset + self._chunks[-1].size if self._chunks else 0
+    def _mapped_total(self) -> int:
+        return sum(c.size for c in self._chunks)
 
     def chunks(self) -> list[Chunk]:
         """The mapped chunks in address order (a copy)."""
@@ -222,9 +302,24 @@ class _MappedRange:
     def device_uuid(self) -> str:
         return self._backend.device_uuid()
 
+    # -- the books ---------------------------------------------------------------------------
+    def _index(self, books: list[Chunk], chunk: Chunk) -> int:
+        """Where ``chunk`` is in ``books`` (address order), or -1."""
+        i = bisect.bisect_left(books, chunk.offset, key=_offset_key)
+        return i if i < len(books) and books[i] == chunk else -1
+
+    def _overlaps_mapped(self, chunk: Chunk) -> Chunk | None:
+        """A mapped chunk that overlaps ``chunk``, or None."""
+        i = bisect.bisect_left(self._chunks, chunk.offset + chunk.size, key=_offset_key) - 1
+        if i >= 0:
+            c = self._chunks[i]
+            if c.offset + c.size > chunk.offset:
+                return c
+        return None
+
     # -- views -----------------------------------------------------------------------------
     def tensor(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        """1-D view over the full capacity (only the mapped prefix may be touched). The view
+        """1-D view over the full capacity (only mapped chunks may be touched). The view
         keeps the address range reserved after ``close()`` (see the module doc)."""
         with self._lock:  # close() cannot release the reservation in between
             self._check_open()
@@ -233,24 +328,27 @@ class _MappedRange:
             )
 
     # -- unmapping -------------------------------------------------------------------------
-    def _unmap_tail(self, books: list[Chunk], offset: int) -> list[Chunk]:
-        """Unmap the chunks of ``books`` at or beyond ``offset``, last first; each leaves
-        ``books`` once its own unmap succeeded. Stops at the first failure, so ``books`` stays a
-        contiguous prefix (the failed chunk and those below it stay, for a retry), and raises
+    def _unmap_chunks(self, books: list[Chunk], doomed: list[Chunk]) -> list[Chunk]:
+        """Unmap ``doomed`` (chunks of ``books``, address order), last first; each leaves
+        ``books`` once its own unmap succeeded. Stops at the first failure, so the failed chunk
+        and every doomed chunk below it stay on the books (a prefix stays a prefix), and raises
         :class:`UnmapError`. Returns the unmapped chunks in address order."""
         done: list[Chunk] = []
-        while books and books[-1].offset >= offset:
-            c = books[-1]
+        for n, c in enumerate(reversed(doomed)):
             try:
                 self._backend.unmap(self._base + c.offset, c.size)
             except Exception as exc:
-                still = [k for k in books if k.offset >= offset]
+                still = doomed[: len(doomed) - n]
                 raise UnmapError(
                     self._unmap_failed(c, exc, still), unmapped=done[::-1], still_mapped=still
                 ) from exc
-            books.pop()
+            del books[self._index(books, c)]
             done.append(c)
         return done[::-1]
+
+    def _unmap_if(self, keep: Callable[[Chunk], bool]) -> list[Chunk]:
+        """Unmap every chunk on the books that ``keep`` rejects (see ``_unmap_chunks``)."""
+        return self._unmap_chunks(self._chunks, [c for c in self._chunks if not keep(c)])
 
     def _unmap_every(self) -> None:
         """close(): try every chunk, last first, so all the memory that can go goes now; the
@@ -263,7 +361,7 @@ class _MappedRange:
             except Exception as exc:
                 failed.append((c, exc))
                 continue
-            self._chunks.remove(c)
+            del self._chunks[self._index(self._chunks, c)]
             done.append(c)
         if failed:
             c, exc = failed[0]
@@ -277,7 +375,8 @@ class _MappedRange:
             f"{self._what} on {self._backend.describe()}: unmapping the chunk at offset "
             f"{chunk.offset} ({chunk.size} bytes) failed: {exc}; chunks at offsets "
             f"{[k.offset for k in still]} are still mapped and stay on the books "
-            f"(mapped prefix now {self._prefix_end()} bytes); a later call retries them"
+            f"({self._mapped_total()} bytes in {len(self._chunks)} chunks mapped now); a later "
+            "call retries them"
         )
 
     # -- teardown --------------------------------------------------------------------------
@@ -313,7 +412,8 @@ class _MappedRange:
 
 
 class VirtualRegion(_MappedRange):
-    """Reserved VA of ``capacity_bytes`` on ``device`` with a committed prefix (see module doc)."""
+    """Reserved VA of ``capacity_bytes`` on ``device`` whose committed memory is a set of grid
+    chunks (a prefix for the prefix API); see the module doc."""
 
     _what = "VirtualRegion"
 
@@ -347,8 +447,8 @@ class VirtualRegion(_MappedRange):
 
     @property
     def committed_bytes(self) -> int:
-        """The end of the committed (contiguous) prefix."""
-        return self._prefix_end()
+        """Bytes committed: the sum of the committed chunks (for a prefix: its end)."""
+        return self._mapped_total()
 
     def memory_in_use(self) -> int:
         """Device memory in use on this region's device (0 on the host backend)."""
@@ -366,75 +466,119 @@ class VirtualRegion(_MappedRange):
         """``nbytes`` rounded up to a whole number of chunks, capped at the capacity."""
         return min(_round_up(nbytes, self._chunk), self._capacity)
 
-    def _target(self, op: str, nbytes: Any) -> int:
-        require_int(f"{op}: nbytes", nbytes)
-        if not 0 <= nbytes <= self._capacity:
-            raise ValueError(f"{op}: nbytes={nbytes} outside [0, capacity={self._capacity}]")
+    def chunks_covering(self, ranges: Any) -> list[Chunk]:
+        """The grid chunks that overlap ``ranges`` (committed or not), in address order."""
+        return covering_chunks(ranges, self._chunk, self._capacity)
+
+    def _refuse_during_capture(self, op: str) -> None:
         if self._backend.is_capturing():
             raise RuntimeError(
                 f"{op} refused during CUDA stream capture: the region's mappings must not change "
                 "while a graph is being captured (grow/shrink before or after capture)"
             )
+
+    def _target(self, op: str, nbytes: Any) -> int:
+        require_int(f"{op}: nbytes", nbytes)
+        if not 0 <= nbytes <= self._capacity:
+            raise ValueError(f"{op}: nbytes={nbytes} outside [0, capacity={self._capacity}]")
+        self._refuse_during_capture(op)
         return self.round_up(nbytes)
 
+    def _ranges(self, op: str, ranges: Any) -> list[Range]:
+        checked = _check_ranges(op, ranges, self._capacity)
+        self._refuse_during_capture(op)
+        return checked
+
+    # -- commit ----------------------------------------------------------------------------
     def commit(self, nbytes: int) -> list[Chunk]:
         """Grow the committed prefix to cover ``nbytes``; returns the chunks added (zeroed)."""
         with self._lock:
             self._check_open()
             target = self._target("commit", nbytes)
-            added: list[Chunk] = []
-            try:
-                with self._backend.context():
-                    self._commit_chunks(target, added)
-            except BaseException:
-                self._roll_back(added)
-                raise
-            self._chunks.extend(added)
-            return added
+            return self._commit(self.chunks_covering([(0, target)]))
 
-    def _commit_chunks(self, target: int, added: list[Chunk]) -> None:
-        """Create, map and zero chunks up to ``target``, recording each in ``added`` as soon
-        as it is mapped (so the caller can roll back exactly what exists)."""
-        offset = self.committed_bytes
-        while offset < target:
-            size = min(self._chunk, self._capacity - offset)
-            handle = self._backend.create(size)
-            self._backend.map(self._base + offset, size, handle, exportable=True)
-            added.append(Chunk(offset, size))
-            offset += size
-        if added:
-            start = added[0].offset
-            self._backend.zero(self._base + start, offset - start)
+    def commit_ranges(self, ranges: Any) -> list[Chunk]:
+        """Commit every grid chunk that overlaps one of ``ranges`` (``(start, end)`` byte
+        pairs) and is not committed yet; returns the chunks added (zeroed), address order."""
+        with self._lock:
+            self._check_open()
+            checked = self._ranges("commit_ranges", ranges)
+            return self._commit(self.chunks_covering(checked))
+
+    def _commit(self, wanted: list[Chunk]) -> list[Chunk]:
+        new = [c for c in wanted if self._index(self._chunks, c) < 0]
+        added: list[Chunk] = []
+        try:
+            with self._backend.context():
+                self._map_new(new, added)
+        except BaseException:
+            self._roll_back(added)
+            raise
+        for c in added:
+            bisect.insort(self._chunks, c, key=_offset_key)
+        return added
+
+    def _map_new(self, new: list[Chunk], added: list[Chunk]) -> None:
+        """Create, map and zero the chunks ``new`` (address order), recording each in ``added``
+        as soon as it is mapped (so the caller can roll back exactly what exists). Zeroes each
+        contiguous run of new chunks with one call."""
+        for c in new:
+            handle = self._backend.create(c.size)
+            self._backend.map(self._base + c.offset, c.size, handle, exportable=True)
+            added.append(c)
+        run_start = None
+        for i, c in enumerate(added):
+            if run_start is None:
+                run_start = c.offset
+            end = c.offset + c.size
+            if i + 1 == len(added) or added[i + 1].offset != end:
+                self._backend.zero(self._base + run_start, end - run_start)
+                run_start = None
 
     def _roll_back(self, added: list[Chunk]) -> None:
-        """Unmap a failed commit's chunks. Those an unmap failure leaves mapped extend the
-        committed prefix (contiguously: ``added`` starts at its end) so a later decommit or
-        close handles them; errors are logged, the commit's own error is the one raised."""
+        """Unmap a failed commit's chunks. Those an unmap failure leaves mapped join the books
+        (for a prefix: contiguously, ``added`` starts at its end) so a later decommit or close
+        handles them; errors are logged, the commit's own error is the one raised."""
         try:
-            self._unmap_tail(added, 0)
+            self._unmap_chunks(added, list(added))
         except Exception as exc:
             log.error("%r: rolling back a failed commit: %s", self, exc)
         finally:
-            self._chunks.extend(added)
+            for c in added:
+                bisect.insort(self._chunks, c, key=_offset_key)
 
+    # -- decommit --------------------------------------------------------------------------
     def decommit(self, nbytes: int) -> list[Chunk]:
-        """Shrink the committed prefix to ``nbytes`` rounded up to chunks; returns the dropped
-        chunks in address order. Synchronizes the device first so no queued kernel touches what
-        goes away. Raises :class:`UnmapError` when an unmap fails (see the module doc)."""
+        """Shrink the committed prefix to ``nbytes`` rounded up to chunks (every chunk at or
+        beyond it goes); returns the dropped chunks in address order. Synchronizes the device
+        first so no queued kernel touches what goes away. Raises :class:`UnmapError` when an
+        unmap fails (see the module doc)."""
         with self._lock:
             self._check_open()
             target = self._target("decommit", nbytes)
-            if self.committed_bytes <= target:
-                return []
-            self._backend.synchronize()
-            return self._unmap_tail(self._chunks, target)
+            return self._decommit(lambda c: c.offset < target)
+
+    def decommit_outside(self, ranges: Any) -> list[Chunk]:
+        """Decommit every committed chunk that overlaps none of ``ranges`` (a chunk two ranges
+        share stays while either needs it); returns the dropped chunks in address order.
+        Synchronizes first; :class:`UnmapError` as ``decommit``."""
+        with self._lock:
+            self._check_open()
+            merged = _merged(self._ranges("decommit_outside", ranges))
+            return self._decommit(lambda c: _overlaps(merged, c.offset, c.size))
+
+    def _decommit(self, keep: Callable[[Chunk], bool]) -> list[Chunk]:
+        if all(keep(c) for c in self._chunks):
+            return []
+        self._backend.synchronize()
+        return self._unmap_if(keep)
 
     # -- sharing ---------------------------------------------------------------------------
     def export_chunk(self, chunk: Chunk) -> int:
         """A new fd for a committed chunk; the caller owns it and closes it exactly once."""
         with self._lock:
             self._check_open()
-            if chunk not in self._chunks:
+            if not isinstance(chunk, Chunk) or self._index(self._chunks, chunk) < 0:
                 raise ValueError(f"export_chunk: {chunk} is not committed in {self!r}")
             return self._backend.export(self._base + chunk.offset, chunk.size)
 
@@ -462,26 +606,25 @@ class PeerRegion(_MappedRange):
 
     @property
     def mapped_bytes(self) -> int:
-        """The end of the mapped (contiguous) prefix."""
-        return self._prefix_end()
+        """Bytes mapped: the sum of the mapped chunks (for a prefix: its end)."""
+        return self._mapped_total()
 
     def map_fd(self, fd: int, chunk: Chunk) -> None:
-        """Import ``fd`` and map it at ``chunk.offset``; chunks must arrive in address order.
-        The fd stays the caller's to close."""
+        """Import ``fd`` and map it at ``chunk.offset``: anywhere inside the capacity that no
+        mapped chunk overlaps (a prefix grows by mapping at its end). The fd stays the caller's
+        to close."""
         if not isinstance(chunk, Chunk):
             raise TypeError(f"map_fd: chunk must be a Chunk, got {type(chunk).__name__}")
         with self._lock:
             self._check_open()
-            if chunk.offset != self.mapped_bytes:
-                raise ValueError(
-                    f"map_fd: chunk at offset {chunk.offset} does not extend the mapped prefix "
-                    f"({self.mapped_bytes} bytes)"
-                )
-            if chunk.size <= 0 or chunk.offset + chunk.size > self._capacity:
+            if chunk.size <= 0 or chunk.offset < 0 or chunk.offset + chunk.size > self._capacity:
                 raise ValueError(f"map_fd: {chunk} outside capacity {self._capacity}")
+            other = self._overlaps_mapped(chunk)
+            if other is not None:
+                raise ValueError(f"map_fd: {chunk} overlaps the mapped {other}")
             handle = self._backend.import_fd(fd, chunk.size)
             self._backend.map(self._base + chunk.offset, chunk.size, handle)
-            self._chunks.append(chunk)
+            bisect.insort(self._chunks, chunk, key=_offset_key)
 
     def unmap_from(self, offset: int) -> list[Chunk]:
         """Unmap every chunk at or beyond ``offset`` (whole mappings only); returns them in
@@ -489,4 +632,12 @@ class PeerRegion(_MappedRange):
         require_int("unmap_from: offset", offset, lo=0)
         with self._lock:
             self._check_open()
-            return self._unmap_tail(self._chunks, offset)
+            return self._unmap_if(lambda c: c.offset < offset)
+
+    def unmap_outside(self, ranges: Any) -> list[Chunk]:
+        """Unmap every chunk that overlaps none of ``ranges`` (whole mappings only); returns
+        them in address order. :class:`UnmapError` as ``unmap_from``."""
+        with self._lock:
+            self._check_open()
+            merged = _merged(_check_ranges("unmap_outside", ranges, self._capacity))
+            return self._unmap_if(lambda c: _overlaps(merged, c.offset, c.size))
