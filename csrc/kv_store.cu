@@ -7,6 +7,8 @@
 // ds_mla views and 4-byte aligned indexer views in every region.
 // The `*_barrier` kernels store like their plain twins, then run the barrier of barrier.cuh in
 // the same launch (the last CTA to finish, after every CTA released its stores).
+// The kernels that write an indexer cache exist once per scale encoding (see the end of the
+// file): fp32 scales (indexer_k) and four UE8M0 bytes (the `_mxfp8` entry points).
 #include "barrier.cuh"
 #include "vmmkv_common.cuh"
 
@@ -76,7 +78,10 @@ __device__ __forceinline__ void mla_token(const KVDest& dst, const u16* __restri
 }
 
 // indexer_k: lane l owns k elements [4 l, 4 l + 4); one scale for the whole 128-wide row.
-// Block layout: fp8 values of token o at o*128, its fp32 scale at block_size*128 + 4*o.
+// Block layout: fp8 values of token o at o*128, its 4-byte scale at block_size*128 + 4*o.
+// kMx (indexer_k_mxfp8, a compile-time variant): the scale is always rounded to a power of two
+// and stored as four equal UE8M0 bytes instead of an fp32.
+template <bool kMx>
 __device__ __forceinline__ void indexer_token(const KVDest& dst, const u16* __restrict__ k,
                                               i64 k_stride, i64 i, i64 slot,
                                               i64 num_local_only, int ue8m0, int lane) {
@@ -89,8 +94,9 @@ __device__ __forceinline__ void indexer_token(const KVDest& dst, const u16* __re
     float amax = fmaxf(fmaxf(fabsf(x0), fabsf(x1)), fmaxf(fabsf(x2), fabsf(x3)));
     amax = warp_max(amax, 32);
     float s = fmaxf(amax, kIndexerAmaxFloor) / kFp8Max;
-    if (ue8m0) s = exp2f(ceilf(log2f(s)));
+    if (kMx || ue8m0) s = exp2f(ceilf(log2f(s)));
     const u32 q = e4m3x4(x0 / s, x1 / s, x2 / s, x3 / s);
+    const u32 scale_word = kMx ? ue8m0_x4(s) : f32_bits(s);
 
     int first, end;
     dest_range(dst, i, num_local_only, &first, &end);
@@ -99,7 +105,7 @@ __device__ __forceinline__ void indexer_token(const KVDest& dst, const u16* __re
     for (int r = first; r < end; ++r) {
         u8* block = region_base(dst, r) + block_off;
         *reinterpret_cast<u32*>(block + value_off) = q;
-        if (lane == 0) *reinterpret_cast<float*>(block + scale_off) = s;
+        if (lane == 0) *reinterpret_cast<u32*>(block + scale_off) = scale_word;
     }
 }
 
@@ -151,17 +157,19 @@ __device__ __forceinline__ void ds_mla_tokens(const KVDest& dst, const u16* kv_c
     }
 }
 
+template <bool kMx>
 __device__ __forceinline__ void indexer_k_tokens(const KVDest& dst, const u16* k, i64 k_stride,
                                                  const void* slots, int slots_is_64,
                                                  i64 num_tokens, i64 num_local_only, int ue8m0) {
     const TokenLoop t;
     for (i64 i = t.first; i < num_tokens; i += t.step) {
         const i64 slot = load_slot(slots, slots_is_64, i);
-        indexer_token(dst, k, k_stride, i, slot, num_local_only, ue8m0, t.lane);
+        indexer_token<kMx>(dst, k, k_stride, i, slot, num_local_only, ue8m0, t.lane);
     }
 }
 
 // Both stores of one attention layer: same tokens, same slot mapping.
+template <bool kMx>
 __device__ __forceinline__ void layer_tokens(const KVDest& mla, const KVDest& idx, const u16* kv_c,
                                              i64 kv_c_stride, const u16* k_pe, i64 k_pe_stride,
                                              const u16* k, i64 k_stride, const void* slots,
@@ -171,7 +179,7 @@ __device__ __forceinline__ void layer_tokens(const KVDest& mla, const KVDest& id
     for (i64 i = t.first; i < num_tokens; i += t.step) {
         const i64 slot = load_slot(slots, slots_is_64, i);
         mla_token(mla, kv_c, kv_c_stride, k_pe, k_pe_stride, i, slot, num_local_only, t.lane);
-        indexer_token(idx, k, k_stride, i, slot, num_local_only, ue8m0, t.lane);
+        indexer_token<kMx>(idx, k, k_stride, i, slot, num_local_only, ue8m0, t.lane);
     }
 }
 
@@ -193,23 +201,6 @@ vmmkv_store_ds_mla(KVDest dst, const u16* __restrict__ kv_c, i64 kv_c_stride,
                    int slots_is_64, i64 num_tokens, i64 num_local_only) {
     ds_mla_tokens(dst, kv_c, kv_c_stride, k_pe, k_pe_stride, slots, slots_is_64, num_tokens,
                   num_local_only);
-}
-
-extern "C" __global__ void __launch_bounds__(256)
-vmmkv_store_indexer_k(KVDest dst, const u16* __restrict__ k, i64 k_stride,
-                      const void* __restrict__ slots, int slots_is_64, i64 num_tokens,
-                      i64 num_local_only, int ue8m0) {
-    indexer_k_tokens(dst, k, k_stride, slots, slots_is_64, num_tokens, num_local_only, ue8m0);
-}
-
-// Both stores of one attention layer in one launch.
-extern "C" __global__ void __launch_bounds__(256)
-vmmkv_store_layer(KVDest mla, KVDest idx, const u16* __restrict__ kv_c, i64 kv_c_stride,
-                  const u16* __restrict__ k_pe, i64 k_pe_stride, const u16* __restrict__ k,
-                  i64 k_stride, const void* __restrict__ slots, int slots_is_64, i64 num_tokens,
-                  i64 num_local_only, int ue8m0) {
-    layer_tokens(mla, idx, kv_c, kv_c_stride, k_pe, k_pe_stride, k, k_stride, slots, slots_is_64,
-                 num_tokens, num_local_only, ue8m0);
 }
 
 // Already formatted rows -> entry at block_base + o*entry_stride. `vec16` (decided on the host)
@@ -238,25 +229,6 @@ vmmkv_store_ds_mla_barrier(KVDest dst, const u16* __restrict__ kv_c, i64 kv_c_st
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-vmmkv_store_indexer_k_barrier(KVDest dst, const u16* __restrict__ k, i64 k_stride,
-                              const void* __restrict__ slots, int slots_is_64, i64 num_tokens,
-                              i64 num_local_only, int ue8m0, BarrierArgs bar) {
-    indexer_k_tokens(dst, k, k_stride, slots, slots_is_64, num_tokens, num_local_only, ue8m0);
-    arrive_then_barrier(bar);
-}
-
-extern "C" __global__ void __launch_bounds__(256)
-vmmkv_store_layer_barrier(KVDest mla, KVDest idx, const u16* __restrict__ kv_c, i64 kv_c_stride,
-                          const u16* __restrict__ k_pe, i64 k_pe_stride,
-                          const u16* __restrict__ k, i64 k_stride,
-                          const void* __restrict__ slots, int slots_is_64, i64 num_tokens,
-                          i64 num_local_only, int ue8m0, BarrierArgs bar) {
-    layer_tokens(mla, idx, kv_c, kv_c_stride, k_pe, k_pe_stride, k, k_stride, slots, slots_is_64,
-                 num_tokens, num_local_only, ue8m0);
-    arrive_then_barrier(bar);
-}
-
-extern "C" __global__ void __launch_bounds__(256)
 vmmkv_publish_rows_barrier(KVDest dst, const u8* __restrict__ rows, i64 row_stride,
                            i64 row_bytes, const void* __restrict__ slots, int slots_is_64,
                            i64 num_tokens, i64 num_local_only, int vec16, BarrierArgs bar) {
@@ -264,3 +236,44 @@ vmmkv_publish_rows_barrier(KVDest dst, const u8* __restrict__ rows, i64 row_stri
                 vec16);
     arrive_then_barrier(bar);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The stores that write an indexer cache, plain and fused with the barrier, once per scale
+// encoding: `vmmkv_store_indexer_k`, `vmmkv_store_layer` (+ `_barrier`) write fp32 scales
+// (indexer_k); the `_mxfp8` entry points write four UE8M0 bytes (indexer_k_mxfp8). Same
+// parameters; the variant is a template argument, so the token loop has no extra branch.
+#define VMMKV_INDEXER_STORES(SUFFIX, MX)                                                        \
+    extern "C" __global__ void __launch_bounds__(256) vmmkv_store_indexer_k##SUFFIX(             \
+        KVDest dst, const u16* __restrict__ k, i64 k_stride, const void* __restrict__ slots,     \
+        int slots_is_64, i64 num_tokens, i64 num_local_only, int ue8m0) {                        \
+        indexer_k_tokens<MX>(dst, k, k_stride, slots, slots_is_64, num_tokens, num_local_only,   \
+                             ue8m0);                                                             \
+    }                                                                                            \
+    /* Both stores of one attention layer in one launch. */                                      \
+    extern "C" __global__ void __launch_bounds__(256) vmmkv_store_layer##SUFFIX(                 \
+        KVDest mla, KVDest idx, const u16* __restrict__ kv_c, i64 kv_c_stride,                   \
+        const u16* __restrict__ k_pe, i64 k_pe_stride, const u16* __restrict__ k, i64 k_stride, \
+        const void* __restrict__ slots, int slots_is_64, i64 num_tokens, i64 num_local_only,     \
+        int ue8m0) {                                                                             \
+        layer_tokens<MX>(mla, idx, kv_c, kv_c_stride, k_pe, k_pe_stride, k, k_stride, slots,     \
+                         slots_is_64, num_tokens, num_local_only, ue8m0);                        \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) vmmkv_store_indexer_k##SUFFIX##_barrier(   \
+        KVDest dst, const u16* __restrict__ k, i64 k_stride, const void* __restrict__ slots,     \
+        int slots_is_64, i64 num_tokens, i64 num_local_only, int ue8m0, BarrierArgs bar) {       \
+        indexer_k_tokens<MX>(dst, k, k_stride, slots, slots_is_64, num_tokens, num_local_only,   \
+                             ue8m0);                                                             \
+        arrive_then_barrier(bar);                                                                \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) vmmkv_store_layer##SUFFIX##_barrier(       \
+        KVDest mla, KVDest idx, const u16* __restrict__ kv_c, i64 kv_c_stride,                   \
+        const u16* __restrict__ k_pe, i64 k_pe_stride, const u16* __restrict__ k, i64 k_stride, \
+        const void* __restrict__ slots, int slots_is_64, i64 num_tokens, i64 num_local_only,     \
+        int ue8m0, BarrierArgs bar) {                                                            \
+        layer_tokens<MX>(mla, idx, kv_c, kv_c_stride, k_pe, k_pe_stride, k, k_stride, slots,     \
+                         slots_is_64, num_tokens, num_local_only, ue8m0);                        \
+        arrive_then_barrier(bar);                                                                \
+    }
+
+VMMKV_INDEXER_STORES(, false)
+VMMKV_INDEXER_STORES(_mxfp8, true)

@@ -102,6 +102,10 @@ VMMKV_CVT u32 e4m3_satfinite_soft(float x) {
     return sign | q;
 }
 
+// A power-of-two scale as four equal UE8M0 bytes (the indexer_k_mxfp8 scale): its biased
+// exponent byte, bits 30..23, in every byte of the word (1.0 -> 0x7f7f7f7f, inf -> 0xffffffff).
+VMMKV_CVT u32 ue8m0_x4(float s) { return ((f32_bits(s) >> 23) & 0xffu) * 0x01010101u; }
+
 // Two values -> two e4m3 bytes: `lo` in bits 0..7, `hi` in bits 8..15.
 VMMKV_CVT u32 e4m3x2(float lo, float hi) {
 #if defined(VMMKV_HAVE_CUDA_FP8_H) && !defined(VMMKV_HOST_TEST)

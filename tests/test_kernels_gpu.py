@@ -248,7 +248,9 @@ class Replicas:
                 )
 
 
-def targets(rep: Replicas, lay: Layout, my_rank: int) -> tuple[KVTarget, KVTarget]:
+def targets(
+    rep: Replicas, lay: Layout, my_rank: int, idx_kind: str = "indexer_k"
+) -> tuple[KVTarget, KVTarget]:
     dev = rep.ptr_table.device
     region = rep.regions[my_rank]
     mla = KVTarget(
@@ -257,7 +259,7 @@ def targets(rep: Replicas, lay: Layout, my_rank: int) -> tuple[KVTarget, KVTarge
         mla_view(region, lay),
     )  # fmt: skip
     idx = KVTarget(
-        "indexer_k", rep.ptr_table, my_rank, lay.idx_offset, lay.num_blocks, BS, lay.idx_stride,
+        idx_kind, rep.ptr_table, my_rank, lay.idx_offset, lay.num_blocks, BS, lay.idx_stride,
         IDX, IDX, rep.committed, torch.zeros(1, dtype=torch.int32, device=dev),
         idx_view(region, lay),
     )  # fmt: skip
@@ -316,19 +318,23 @@ def expect_mla(exp, lay, my_rank, kv_c, k_pe, slots, nlo=0, first_uncommitted_bl
         R.insert_ds_mla(mla_view(region, lay), kv_c.cpu()[start:], k_pe.cpu()[start:], s[start:])
 
 
-def expect_idx(exp, lay, my_rank, k, slots, nlo=0, ue8m0=True, first_uncommitted_block=None):
+def expect_idx(exp, lay, my_rank, k, slots, nlo=0, ue8m0=True, first_uncommitted_block=None,
+               kind="indexer_k"):  # fmt: skip
     s = slots.cpu().long().clone()
     if first_uncommitted_block is not None:
         s[s >= first_uncommitted_block * BS] = -1
     for r, buf in enumerate(exp):
         start = 0 if r == my_rank else nlo
-        R.insert_indexer_k(idx_view(buf[GUARD:-GUARD], lay), k.cpu()[start:], s[start:], ue8m0)
+        R.insert_indexer_k(
+            idx_view(buf[GUARD:-GUARD], lay), k.cpu()[start:], s[start:], ue8m0, kind=kind
+        )
 
 
-def expect_layer(exp, lay, my_rank, kv_c, k_pe, k, slots, **kw):
-    """``expect_mla`` and ``expect_idx`` of one layer's tokens, with the same options."""
+def expect_layer(exp, lay, my_rank, kv_c, k_pe, k, slots, kind="indexer_k", **kw):
+    """``expect_mla`` and ``expect_idx`` (of the indexer ``kind``) of one layer's tokens, with
+    the same options."""
     expect_mla(exp, lay, my_rank, kv_c, k_pe, slots, **kw)
-    expect_idx(exp, lay, my_rank, k, slots, **kw)
+    expect_idx(exp, lay, my_rank, k, slots, kind=kind, **kw)
 
 
 def n_out_of_range(slots: torch.Tensor, num_blocks: int) -> int:
@@ -393,6 +399,106 @@ def test_store_layer_writes_both_views_in_one_launch(dev, slot_dtype):
     expect_layer(exp, lay, 0, kv_c, k_pe, k, slots)
     rep.assert_equal(exp)
     assert mla.error_counter.item() == idx.error_counter.item() == 2
+
+
+MX = "indexer_k_mxfp8"
+
+
+def _scale_words(region: torch.Tensor, lay: Layout, slots: torch.Tensor) -> torch.Tensor:
+    """The 4 scale bytes ``[n, 4]`` of every in-range slot's token in one replica's indexer view."""
+    s = slots.cpu().long()
+    s = s[(s >= 0) & (s < lay.num_blocks * BS)]
+    scales = idx_view(region.cpu(), lay)[:, BS * 128 :].reshape(lay.num_blocks, BS, 4)
+    return scales[s // BS, s % BS]
+
+
+@requires_gpu
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_store_indexer_k_mxfp8_writes_four_ue8m0_bytes_per_scale_into_every_replica(dev, layout):
+    lay = LAYOUTS[layout]
+    rep = Replicas(3, lay.region_bytes, dev)
+    _, idx = targets(rep, lay, my_rank=1, idx_kind=MX)
+    _, _, k = make_inputs(200, seed=50, device=dev)
+    k[10, 3] = float("nan")  # ignored by amax
+    k[11, 5] = -float("inf")  # inf scale: 0xff bytes
+    slots = make_slots(195, lay.num_blocks, seed=51, dtype=torch.int64).to(dev)
+    exp = rep.poison(52)
+    store_indexer_k(idx, k, slots)
+    expect_idx(exp, lay, 1, k, slots, kind=MX)
+    rep.assert_equal(exp)
+    assert idx.error_counter.item() == 2
+    for region in rep.regions:  # the bytes themselves: one exponent byte, four times
+        words = _scale_words(region, lay, slots[:195])
+        assert words.shape[0] == 195 - 4 and (words == words[:, :1]).all()
+        assert (words[:, 0] >= 0x69).all()  # no scale below the 1e-4 floor's 2^-22
+    assert _scale_words(rep.regions[0], lay, slots[11:12]).tolist() == [[0xFF] * 4]
+
+
+@requires_gpu
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_store_layer_mxfp8_writes_both_views_in_one_launch(dev, slot_dtype):
+    lay = interleaved(5)
+    rep = Replicas(2, lay.region_bytes, dev)
+    mla, idx = targets(rep, lay, my_rank=0, idx_kind=MX)
+    kv_c, k_pe, k = make_inputs(150, seed=53, device=dev)
+    slots = make_slots(150, lay.num_blocks, seed=54, dtype=slot_dtype).to(dev)
+    exp = rep.poison(55)
+    store_layer(mla, idx, kv_c, k_pe, k, slots, num_local_only=9)
+    expect_layer(exp, lay, 0, kv_c, k_pe, k, slots, kind=MX, nlo=9)
+    rep.assert_equal(exp)
+    assert mla.error_counter.item() == idx.error_counter.item() == 2
+    with pytest.raises(ValueError, match="ue8m0=False is not possible"):
+        store_layer(mla, idx, kv_c, k_pe, k, slots, ue8m0=False)
+
+
+@requires_gpu
+def test_publish_layer_mxfp8_is_byte_equal_to_store_layer_mxfp8_then_barrier(dev):
+    from vmmkv.ops import publish_layer
+
+    lay = packed(5)
+    reps = [Replicas(2, lay.region_bytes, dev) for _ in range(2)]
+    bars = [_one_rank_barrier(dev, lanes=1) for _ in range(2)]
+    kv_c, k_pe, k = make_inputs(150, seed=56, device=dev)
+    slots = make_slots(150, lay.num_blocks, seed=57, dtype=torch.int64).to(dev)
+    exps = [rep.poison(58) for rep in reps]
+    mla, idx = targets(reps[0], lay, my_rank=1, idx_kind=MX)
+    store_layer(mla, idx, kv_c, k_pe, k, slots, num_local_only=4)
+    bars[0].arrive_and_wait(0)
+    mla1, idx1 = targets(reps[1], lay, my_rank=1, idx_kind=MX)
+    publish_layer(mla1, idx1, kv_c, k_pe, k, slots, barrier=bars[1], lane=0, num_local_only=4)
+    torch.cuda.synchronize()
+    for a, b in zip(reps[0].bufs, reps[1].bufs, strict=True):
+        assert torch.equal(a, b)
+    expect_layer(exps[1], lay, 1, kv_c, k_pe, k, slots, kind=MX, nlo=4)
+    reps[1].assert_equal(exps[1])
+    assert bars[0].epochs.tolist() == bars[1].epochs.tolist() == [1]
+    assert mla1.error_counter.item() == idx1.error_counter.item() == 2
+    for b in bars:
+        b.close()
+
+
+@requires_gpu
+def test_the_indexer_custom_ops_run_the_mxfp8_variant_eagerly(dev):
+    lay = packed(3)
+    rep = Replicas(2, lay.region_bytes, dev)
+    mla, idx = targets(rep, lay, my_rank=1, idx_kind=MX)
+    kv_c, k_pe, k = make_inputs(60, seed=59, device=dev)
+    slots = make_slots(60, lay.num_blocks, seed=60, dtype=torch.int64).to(dev)
+    exp = rep.poison(61)
+    torch.ops.vmmkv.store_indexer_k(
+        idx.cache, idx.error_counter, idx.ptr_table, idx.committed_bytes, k, slots, idx._layout(),
+        5, True, MX,
+    )  # fmt: skip
+    expect_idx(exp, lay, 1, k, slots, nlo=5, kind=MX)
+    rep.assert_equal(exp)
+    exp = rep.poison(62)
+    torch.ops.vmmkv.store_layer(
+        mla.cache, mla.error_counter, idx.cache, idx.error_counter, mla.ptr_table,
+        mla.committed_bytes, idx.ptr_table, idx.committed_bytes, kv_c, k_pe, k, slots,
+        mla._layout(), idx._layout(), 0, True, MX,
+    )  # fmt: skip
+    expect_layer(exp, lay, 1, kv_c, k_pe, k, slots, kind=MX)
+    rep.assert_equal(exp)
 
 
 @requires_gpu
@@ -574,6 +680,13 @@ def test_the_build_without_cuda_headers_gives_the_same_bytes(dev, tmp_path):
         expect_mla(exp, lay, 0, kv_c, k_pe, slots)
         expect_idx(exp, lay, 0, k, slots)
         rep.assert_equal(exp)
+        rep2 = Replicas(2, lay.region_bytes, dev)
+        mla2, idx2 = targets(rep2, lay, my_rank=1, idx_kind="indexer_k_mxfp8")
+        exp2 = rep2.poison(32)
+        store_layer(mla2, idx2, kv_c, k_pe, k, slots)
+        expect_mla(exp2, lay, 1, kv_c, k_pe, slots)
+        expect_idx(exp2, lay, 1, k, slots, kind="indexer_k_mxfp8")
+        rep2.assert_equal(exp2)
         print("BUILTIN-CONVERSION-OK")
         """
     )
@@ -878,12 +991,15 @@ class _Case:
             self.lay = interleaved(5)
             self.nb = self.lay.num_blocks
             self.rep = Replicas(dests, self.lay.region_bytes, dev)
-            mla, idx = targets(self.rep, self.lay, my_rank=my_rank)
+            self.idx_kind = "indexer_k_mxfp8" if kind.endswith("mxfp8") else "indexer_k"
+            mla, idx = targets(self.rep, self.lay, my_rank=my_rank, idx_kind=self.idx_kind)
             kv_c, k_pe, k = make_inputs(tokens + 3, seed=seed, device=dev)
             self.targets, self.inputs = {
                 "fp8_ds_mla": ((mla,), (kv_c, k_pe)),
                 "indexer_k": ((idx,), (k,)),
                 "layer": ((mla, idx), (kv_c, k_pe, k)),
+                "indexer_k_mxfp8": ((idx,), (k,)),
+                "layer_mxfp8": ((mla, idx), (kv_c, k_pe, k)),
             }[kind]
         self.slots = make_slots(tokens, self.nb, seed=seed + 1, dtype=slot_dtype).to(dev)
 
@@ -891,16 +1007,16 @@ class _Case:
         ins, s, r, nlo = self.inputs, self.slots, self.my_rank, self.nlo
         if self.kind == "rows":
             _expect_rows(exp, self.nb, r, ins[0], s, nlo)
-        if self.kind in ("fp8_ds_mla", "layer"):
+        if self.kind in ("fp8_ds_mla", "layer", "layer_mxfp8"):
             expect_mla(exp, self.lay, r, ins[0], ins[1], s, nlo=nlo)
-        if self.kind in ("indexer_k", "layer"):
-            expect_idx(exp, self.lay, r, ins[-1], s, nlo=nlo)
+        if self.kind in ("indexer_k", "layer", "indexer_k_mxfp8", "layer_mxfp8"):
+            expect_idx(exp, self.lay, r, ins[-1], s, nlo=nlo, kind=self.idx_kind)
 
     def counters_ok(self) -> bool:
         return all(t.error_counter.item() == 2 for t in self.targets)
 
 
-KINDS_UNDER_TEST = ["fp8_ds_mla", "indexer_k", "layer", "rows"]
+KINDS_UNDER_TEST = ["fp8_ds_mla", "indexer_k", "layer", "rows", "indexer_k_mxfp8", "layer_mxfp8"]
 
 
 @requires_gpu

@@ -271,3 +271,33 @@ def test_builtin_e4m3_conversion_equals_cuda_fp8_header_on_every_fp8_range_float
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert ", 0 mismatches" in run.stdout
+
+
+_INDEXER_STORES = {  # entry point -> index of its ue8m0 parameter
+    "vmmkv_store_indexer_k": 7,
+    "vmmkv_store_layer": 12,
+    "vmmkv_store_indexer_k_barrier": 7,
+    "vmmkv_store_layer_barrier": 12,
+}
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_the_mxfp8_indexer_variants_compile_for_hopper_and_blackwell_as_compile_time_twins(
+    arch, cache
+):
+    cubin = build.compile_source("kv_store.cu", arch)
+    ptx = build.compile_ptx("kv_store.cu", arch, build.cuda_include_dir())
+    for plain, ue8m0_param in _INDEXER_STORES.items():
+        mx = plain.replace("_indexer_k", "_indexer_k_mxfp8").replace("_layer", "_layer_mxfp8")
+        assert mx.encode() in cubin, (mx, arch)
+        bodies = {}
+        for entry in (plain, mx):
+            m = re.search(rf"\.entry {entry}\((.*?)\n}}\n", ptx, re.S)
+            assert m is not None, (entry, arch)
+            bodies[entry] = m.group(1)
+        reads = rf"ld\.param\.\w+\s+%\w+, \[{{}}_param_{ue8m0_param}\]"
+        # the plain kernel reads ue8m0 and stores the fp32 scale; the mxfp8 twin has the
+        # rounding built in (no ue8m0 read) and replicates the exponent byte (x 0x01010101)
+        assert re.search(reads.format(plain), bodies[plain]), (plain, arch)
+        assert not re.search(reads.format(mx), bodies[mx]), (mx, arch)
+        assert "16843009" not in bodies[plain] and "16843009" in bodies[mx], (mx, arch)

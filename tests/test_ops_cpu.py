@@ -738,3 +738,32 @@ def test_prepared_calls_compare_every_tensors_device_with_the_targets(recorded_l
     assert recorded_launches == []
     p.store(on1[:3], on1[3])
     assert [params[2] for *_, params in recorded_launches] == [kv_c.data_ptr()]
+
+
+def test_prepared_mxfp8_stores_launch_their_own_kernel_variants_with_the_same_parameters(
+    recorded_launches,
+):
+    import dataclasses
+
+    mla, idx = _layer_targets()
+    mx = _with_dest(dataclasses.replace(idx, kind="indexer_k_mxfp8"), 100)
+    bar = _cpu_barrier(lanes=1)
+    kv_c, k_pe, k = _layer_inputs(20, seed=8)
+    slots = torch.arange(20, dtype=torch.int32)
+    _cpu_prepared((mx,)).store((k,), slots, 2)
+    _cpu_prepared((mx,)).publish((k,), slots, 2, bar, 0)
+    p = _cpu_prepared((mla, mx))
+    p.store((kv_c, k_pe, k), slots, 2)
+    p.publish((kv_c, k_pe, k), slots, 2, bar, 0)
+    tail = [slots.data_ptr(), 0, 20, 2, 1]  # int32 slots, 20 tokens, nlo 2, ue8m0 1
+    idx_params = [mx._dest, k.data_ptr(), 128, *tail]
+    layer = [mla._dest, mx._dest, kv_c.data_ptr(), 512, k_pe.data_ptr(), 64, k.data_ptr(), 128,
+             *tail]  # fmt: skip
+    assert recorded_launches == [
+        ("vmmkv_store_indexer_k_mxfp8", 3, 256, 0x4FFF, idx_params),
+        ("vmmkv_store_indexer_k_mxfp8_barrier", 3, 256, 0x4FFF, [*idx_params, bar._args[0]]),
+        ("vmmkv_store_layer_mxfp8", 3, 256, 0x4FFF, layer),
+        ("vmmkv_store_layer_mxfp8_barrier", 3, 256, 0x4FFF, [*layer, bar._args[0]]),
+    ]
+    with pytest.raises(ValueError, match="ue8m0=False is not possible for a 'indexer_k_mxfp8'"):
+        vmmkv.ops.prepare((mla, mx), ue8m0=False)

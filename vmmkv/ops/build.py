@@ -71,6 +71,11 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "vmmkv_store_indexer_k_barrier",
         "vmmkv_store_layer_barrier",
         "vmmkv_publish_rows_barrier",
+        # the indexer_k_mxfp8 variants (UE8M0 x4 scales) of the stores that write an indexer
+        "vmmkv_store_indexer_k_mxfp8",
+        "vmmkv_store_layer_mxfp8",
+        "vmmkv_store_indexer_k_mxfp8_barrier",
+        "vmmkv_store_layer_mxfp8_barrier",
     ),
     "barrier.cu": ("vmmkv_barrier", "vmmkv_noop"),
 }

@@ -1,9 +1,35 @@
 """The KV byte formats, in one table: entry bytes, the inputs a store takes (dtype, width),
-the alignment the kernels need, and how a block is laid out. Every other module (kernel
-wrappers, reference, host stores, the cache, tools, tests) reads these facts from here.
+the alignment the kernels need, how a block is laid out and how scales are encoded. Every other
+module (kernel wrappers, reference, host stores, the cache, tools, tests) reads these facts from
+here.
 
 The byte layouts themselves are described in docs/design.md ("KV byte formats"); the pure-torch
 reference (``vmmkv.ops.reference``) is their executable definition. Local, no device work.
+
+The kinds, and the vLLM 0.33.0 writer whose bytes each one reproduces:
+
+- ``fp8_ds_mla``: DeepSeek-V3.2 Main-KV, 656 bytes per token (512 e4m3 values in 4 tiles of
+  128, 4 little-endian fp32 tile scales, 64 bf16 ``k_pe``). Tile scale
+  ``fmaxf(amax / 448, FLT_MIN)``, the raw fp32 quotient (not a power of two). This is the
+  formula vmmkv was specified against as vLLM's C++ writer ``concat_and_cache_mla`` (kernel
+  ``concat_and_cache_ds_mla_kernel``), the writer vLLM's PCP path calls after its gather.
+  NOTE: the kernel compiled into the vLLM 0.33.0 wheel (sm_90 SASS) computes
+  ``exp2f(ceilf(log2f(fmaxf(amax / 448, 1e-4))))`` instead (a power of two, floor 1e-4), and
+  0.33's fused Triton writer of the non-PCP path (``_fused_norm_rope_kernel``) rounds the same
+  way (``max(amax * (1/448), 1e-4)``, then the power of two): see docs/design.md.
+- ``indexer_k``: DeepSeek-V3.2 sparse-indexer K, 132 bytes per token split inside the block
+  (``block_size * 128`` e4m3 values, then one 4-byte scale per token). The scale is an fp32:
+  ``fmaxf(amax, 1e-4) / 448``, rounded up to a power of two with vLLM's ``scale_fmt="ue8m0"``
+  (the Hopper path; ``ue8m0=False`` keeps the raw quotient). Writer: vLLM's
+  ``indexer_k_quant_and_cache`` (C++ ``indexer_k_quant_and_cache_kernel``).
+- ``indexer_k_mxfp8``: the same cache and values as ``indexer_k`` on Blackwell, where vLLM's
+  ``mqa_logits_use_mx_scales()`` holds and the writer is called with ``scale_fmt="mxfp8"``:
+  DeepGEMM's MQA-logits kernels there take MXFP8 K, i.e. e4m3 values with one UE8M0 scale
+  byte per 32 values. The row's power-of-two scale ``2^e`` is therefore stored as its biased
+  exponent byte ``e + 127`` (bits 30..23 of the fp32) repeated four times (vLLM's
+  ``pack_ue8m0_x4``), e.g. ``0x7f7f7f7f`` for 1.0. ``mxfp8`` always rounds the scale up to a
+  power of two (the writer forces ``ue8m0``). :func:`indexer_kind_for` picks the kind of a GPU.
+- ``rows``: already formatted uint8 rows of any width, copied as they are.
 """
 
 from __future__ import annotations
@@ -12,10 +38,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .._util import require_int
+
 __all__ = [
     "FORMATS",
     "INDEXER_DIM",
     "INDEXER_ENTRY_BYTES",
+    "INDEXER_KINDS",
     "MLA_ENTRY_BYTES",
     "MLA_KV_DIM",
     "MLA_ROPE_DIM",
@@ -23,6 +52,7 @@ __all__ = [
     "KVFormat",
     "STORE_KINDS",
     "get_format",
+    "indexer_kind_for",
 ]
 
 MLA_KV_DIM = 512
@@ -41,8 +71,10 @@ class KVFormat:
     ``inputs``: (name, dtype, width) of each input tensor ``[T, width]`` a store of this kind
     takes (width None: the entry size). ``align``: the byte alignment the kernels need of the
     view offset, the block stride and (``fp8_ds_mla``) the entry stride. ``split_block``: the
-    block holds every token's values first, then every token's scales (indexer_k), so a block
-    must be contiguous.
+    block holds every token's values first, then every token's scales (the indexer kinds), so a
+    block must be contiguous. ``scale``: how each 4-byte scale is stored: ``"fp32"`` (a
+    little-endian float), ``"ue8m0x4"`` (four equal UE8M0 bytes, the biased exponent of a
+    power-of-two scale), None (no scale: rows).
     """
 
     kind: str
@@ -50,7 +82,10 @@ class KVFormat:
     inputs: tuple[tuple[str, torch.dtype, int | None], ...]
     align: int
     split_block: bool = False
+    scale: str | None = "fp32"
 
+
+_INDEXER_INPUTS = (("k", torch.bfloat16, INDEXER_DIM),)
 
 FORMATS: dict[str, KVFormat] = {
     f.kind: f
@@ -61,19 +96,31 @@ FORMATS: dict[str, KVFormat] = {
             (("kv_c", torch.bfloat16, MLA_KV_DIM), ("k_pe", torch.bfloat16, MLA_ROPE_DIM)),
             align=16,
         ),
+        KVFormat("indexer_k", INDEXER_ENTRY_BYTES, _INDEXER_INPUTS, align=4, split_block=True),
         KVFormat(
-            "indexer_k",
+            "indexer_k_mxfp8",
             INDEXER_ENTRY_BYTES,
-            (("k", torch.bfloat16, INDEXER_DIM),),
+            _INDEXER_INPUTS,
             align=4,
             split_block=True,
+            scale="ue8m0x4",
         ),
-        KVFormat("rows", None, (("rows", torch.uint8, None),), align=1),
+        KVFormat("rows", None, (("rows", torch.uint8, None),), align=1, scale=None),
     )
 }
 
+# The indexer kinds: the same inputs, entry bytes and split block, differing only in the scale.
+INDEXER_KINDS = tuple(kind for kind, f in FORMATS.items() if f.split_block)
+
 # The combinations of bound caches one store call takes (store_layer: both caches of a layer).
-STORE_KINDS = (("fp8_ds_mla",), ("indexer_k",), ("rows",), ("fp8_ds_mla", "indexer_k"))
+STORE_KINDS = (
+    ("fp8_ds_mla",),
+    ("indexer_k",),
+    ("rows",),
+    ("fp8_ds_mla", "indexer_k"),
+    ("indexer_k_mxfp8",),
+    ("fp8_ds_mla", "indexer_k_mxfp8"),
+)
 
 
 def get_format(kind: object) -> KVFormat:
@@ -82,3 +129,21 @@ def get_format(kind: object) -> KVFormat:
     if fmt is None:
         raise ValueError(f"kind must be one of {list(FORMATS)}, got {kind!r}")
     return fmt
+
+
+def indexer_kind_for(capability: tuple[int, int]) -> str:
+    """The indexer kind whose bytes vLLM 0.33.0 writes on a GPU of compute ``capability``
+    ``(major, minor)`` (e.g. ``torch.cuda.get_device_capability()``).
+
+    vLLM's rule (``vllm.utils.deep_gemm.mqa_logits_use_mx_scales``): MX scales are used when the
+    platform is CUDA and ``current_platform.is_device_capability_family(100)``, which compares
+    ``(10 * major + minor) // 10`` with 10: the sm_10x family only (sm_100, sm_103), not sm_90,
+    sm_110 or sm_120. Then the sparse indexer calls ``indexer_k_quant_and_cache`` with
+    ``scale_fmt="mxfp8"`` (``"indexer_k_mxfp8"``), else with the model's ``"ue8m0"``
+    (``"indexer_k"``). Local, no device query; ROCm is not a CUDA platform for vLLM, so pass a
+    CUDA capability only."""
+    if not isinstance(capability, tuple) or len(capability) != 2:
+        raise TypeError(f"capability must be a (major, minor) tuple, got {capability!r}")
+    major = require_int("capability major", capability[0], 0)
+    minor = require_int("capability minor", capability[1], 0, 9)
+    return "indexer_k_mxfp8" if (10 * major + minor) // 10 == 10 else "indexer_k"

@@ -5,7 +5,9 @@ Same signatures as ``vmmkv.ops.kv``; a :class:`KVTarget` whose tensors live on t
 memfds). For each token: ``slot < 0`` skipped; a block beyond the view or beyond
 ``committed_bytes`` counted in ``error_counter`` once and skipped; tokens below
 ``num_local_only`` go to the own replica only. Each token's bytes are computed once and written
-to every destination. Local, synchronous, never collective.
+to every destination. The indexer stores take either indexer kind (``indexer_k``,
+``indexer_k_mxfp8``: the target's kind picks the scale encoding). Local, synchronous, never
+collective.
 """
 
 from __future__ import annotations
@@ -15,30 +17,31 @@ import torch
 from .._util import require_int
 from ..alloc.dlpack import tensor_at
 from . import reference as ref
-from .formats import INDEXER_ENTRY_BYTES, get_format
-from .kv import KVTarget
+from .formats import INDEXER_ENTRY_BYTES, INDEXER_KINDS, get_format
+from .kv import KVTarget, _check_ue8m0
 
 __all__ = ["publish_rows", "store_ds_mla", "store_indexer_k", "store_layer"]
 
 
-def _check(target: KVTarget, kind: str) -> None:
+def _check(target: KVTarget, kinds: tuple[str, ...]) -> None:
     if not isinstance(target, KVTarget):
         raise TypeError(f"target must be a KVTarget, got {type(target).__name__}")
-    if target.kind != kind:
-        raise ValueError(f"target is a {target.kind} view, this store writes {kind}")
+    if target.kind not in kinds:
+        raise ValueError(f"target is a {target.kind} view, this store writes {' or '.join(kinds)}")
     if target.device.type != "cpu":
         raise ValueError(f"host stores take CPU targets, got {target.device}")
 
 
-def _validate(target: KVTarget, kind: str, slot_mapping, nlo, *inputs) -> torch.Tensor:
-    """Every argument checked before anything is counted or written: the target's kind and
-    device, the slots, ``num_local_only`` and the inputs as ``vmmkv.ops.formats`` lists them.
-    Returns the slots as a fresh int64 tensor."""
-    _check(target, kind)
+def _validate(target: KVTarget, kinds, slot_mapping, nlo, *inputs, ue8m0=True) -> torch.Tensor:
+    """Every argument checked before anything is counted or written: the target's kind (one
+    of ``kinds``) and device, the slots, ``num_local_only``, ``ue8m0`` and the inputs as
+    ``vmmkv.ops.formats`` lists them. Returns the slots as a fresh int64 tensor."""
+    _check(target, kinds)
     slots = ref.check_slot_mapping(slot_mapping).long().clone()
     n = slots.numel()
     require_int("num_local_only", nlo, 0, n)
-    for t, (name, dtype, width) in zip(inputs, get_format(kind).inputs, strict=True):
+    _check_ue8m0(ue8m0, (target.kind,))
+    for t, (name, dtype, width) in zip(inputs, get_format(target.kind).inputs, strict=True):
         width = target.entry_bytes if width is None else width
         ref.check_store_input(name, t, dtype, width, tokens=n)
     return slots
@@ -55,8 +58,8 @@ def _skip_invalid(target: KVTarget, slots: torch.Tensor) -> torch.Tensor:
     return slots
 
 
-def _checked(target: KVTarget, kind: str, slot_mapping, nlo, *inputs) -> torch.Tensor:
-    return _skip_invalid(target, _validate(target, kind, slot_mapping, nlo, *inputs))
+def _checked(target: KVTarget, kinds, slot_mapping, nlo, *inputs, ue8m0=True) -> torch.Tensor:
+    return _skip_invalid(target, _validate(target, kinds, slot_mapping, nlo, *inputs, ue8m0=ue8m0))
 
 
 def _view(target: KVTarget, base: int) -> torch.Tensor:
@@ -64,7 +67,7 @@ def _view(target: KVTarget, base: int) -> torch.Tensor:
     nb, bs = target.num_blocks, target.block_size
     span = (nb - 1) * target.block_stride + target.block_extent if nb else 1
     flat = tensor_at(base + target.offset_bytes, span, torch.uint8, torch.device("cpu"))
-    if target.kind == "indexer_k":
+    if get_format(target.kind).split_block:
         return flat.as_strided((nb, bs * INDEXER_ENTRY_BYTES), (target.block_stride, 1))
     return flat.as_strided(
         (nb, bs, target.entry_bytes), (target.block_stride, target.entry_stride, 1)
@@ -79,14 +82,14 @@ def _each_destination(target: KVTarget, slots: torch.Tensor, nlo: int):
 
 
 def publish_rows(target, rows, slot_mapping, *, num_local_only=0) -> None:
-    slots = _checked(target, "rows", slot_mapping, num_local_only, rows)
+    slots = _checked(target, ("rows",), slot_mapping, num_local_only, rows)
     n = slots.numel()
     for view, sel in _each_destination(target, slots, num_local_only):
         ref.insert_rows(view, rows[:n][sel], slots[sel])
 
 
 def store_ds_mla(target, kv_c, k_pe, slot_mapping, *, num_local_only=0) -> None:
-    slots = _checked(target, "fp8_ds_mla", slot_mapping, num_local_only, kv_c, k_pe)
+    slots = _checked(target, ("fp8_ds_mla",), slot_mapping, num_local_only, kv_c, k_pe)
     n = slots.numel()
     rows = ref.quantize_ds_mla(kv_c[:n], k_pe[:n])
     for view, sel in _each_destination(target, slots, num_local_only):
@@ -94,13 +97,14 @@ def store_ds_mla(target, kv_c, k_pe, slot_mapping, *, num_local_only=0) -> None:
 
 
 def store_indexer_k(target, k, slot_mapping, *, num_local_only=0, ue8m0=True) -> None:
-    slots = _checked(target, "indexer_k", slot_mapping, num_local_only, k)
+    slots = _checked(target, INDEXER_KINDS, slot_mapping, num_local_only, k, ue8m0=ue8m0)
     n = slots.numel()
     for view, sel in _each_destination(target, slots, num_local_only):
-        ref.insert_indexer_k(view, k[:n][sel], slots[sel], ue8m0)
+        ref.insert_indexer_k(view, k[:n][sel], slots[sel], ue8m0, kind=target.kind)
 
 
 def store_layer(mla, idx, kv_c, k_pe, k, slot_mapping, *, num_local_only=0, ue8m0=True) -> None:
-    _validate(idx, "indexer_k", slot_mapping, num_local_only, k)  # nothing written if k is bad
+    # nothing written if k (or ue8m0) is bad
+    _validate(idx, INDEXER_KINDS, slot_mapping, num_local_only, k, ue8m0=ue8m0)
     store_ds_mla(mla, kv_c, k_pe, slot_mapping, num_local_only=num_local_only)
     store_indexer_k(idx, k, slot_mapping, num_local_only=num_local_only, ue8m0=ue8m0)

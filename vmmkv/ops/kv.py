@@ -18,7 +18,9 @@ Contract:
   are different views of one storage work eagerly, but a compiled graph copies one of them
   (the ops then refuse to run, see below).
 - ``store_ds_mla``/``store_indexer_k``/``store_layer``/``publish_rows``/``publish_layer``
-  (``store_layer`` + barrier in one launch) validate everything
+  (``store_layer`` + barrier in one launch) take an indexer target of either indexer kind
+  (``indexer_k``: fp32 scales; ``indexer_k_mxfp8``: four UE8M0 bytes, its own compile-time
+  kernel variants, ``ue8m0`` must stay True) and validate everything
   (types, shapes, devices, alignment, ranges) before launching and raise TypeError/ValueError
   naming the value got and what was expected. Token count = ``slot_mapping.numel()``; inputs may
   be longer. Tokens ``i < num_local_only`` go to the own replica only, the others to every
@@ -44,7 +46,7 @@ import torch
 from vmmkv._util import require_int
 from vmmkv.ops import launch as _launch
 from vmmkv.ops.barrier import DeviceBarrier
-from vmmkv.ops.formats import FORMATS, INDEXER_ENTRY_BYTES
+from vmmkv.ops.formats import FORMATS, INDEXER_ENTRY_BYTES, INDEXER_KINDS
 from vmmkv.ops.reference import check_slot_mapping, check_store_input
 
 __all__ = [
@@ -57,7 +59,7 @@ __all__ = [
     "store_layer",
 ]
 
-KINDS = tuple(FORMATS)  # ("fp8_ds_mla", "indexer_k", "rows")
+KINDS = tuple(FORMATS)  # ("fp8_ds_mla", "indexer_k", "indexer_k_mxfp8", "rows")
 _WARPS_PER_CTA = 8
 _THREADS = 32 * _WARPS_PER_CTA
 _MAX_GRID = 65535
@@ -78,9 +80,9 @@ class KVTarget:
     ``my_rank`` (peers' regions mapped into this process). Region bases must be 16-byte aligned
     (VMM reservations are). The view starts at ``offset_bytes`` in every region; block ``b``
     starts ``b * block_stride`` later; inside a block token ``o`` is at ``o * entry_stride``
-    (fp8_ds_mla, rows) or split (indexer_k: values at ``o*128``, scale at
-    ``block_size*128 + 4*o``). ``entry_bytes``: 656 (fp8_ds_mla), 132 (indexer_k), the row size
-    (rows). ``cache``: see the module docstring (the whole own region in the engine).
+    (fp8_ds_mla, rows) or split (the indexer kinds: values at ``o*128``, scale at
+    ``block_size*128 + 4*o``). ``entry_bytes``: 656 (fp8_ds_mla), 132 (indexer kinds), the row
+    size (rows). ``cache``: see the module docstring (the whole own region in the engine).
     """
 
     kind: str
@@ -120,7 +122,7 @@ class KVTarget:
                 f"entry_bytes of a {self.kind} view must be {fmt.entry_bytes}, "
                 f"got {self.entry_bytes}"
             )
-        if self.kind != "indexer_k" and self.entry_stride < self.entry_bytes:
+        if not fmt.split_block and self.entry_stride < self.entry_bytes:
             raise ValueError(
                 f"entry_stride ({self.entry_stride}) must be >= entry_bytes ({self.entry_bytes})"
             )
@@ -188,7 +190,7 @@ class KVTarget:
     @property
     def block_extent(self) -> int:
         """Bytes from a block's start that this kind can write."""
-        if self.kind == "indexer_k":
+        if FORMATS[self.kind].split_block:
             return self.block_size * INDEXER_ENTRY_BYTES
         return (self.block_size - 1) * self.entry_stride + self.entry_bytes
 
@@ -228,12 +230,29 @@ class KVTarget:
 # Validation (no data_ptr here: it also runs while torch.compile traces with fake tensors)
 
 
-def _check_target(name: str, target: object, kind: str) -> KVTarget:
+def _check_target(name: str, target: object, kinds: tuple[str, ...]) -> KVTarget:
+    """``target`` if it is a KVTarget of one of ``kinds``."""
     if not isinstance(target, KVTarget):
         raise TypeError(f"{name} must be a KVTarget, got {type(target).__name__}")
-    if target.kind != kind:
-        raise ValueError(f"{name} must be a {kind!r} target, got kind {target.kind!r}")
+    if target.kind not in kinds:
+        alt = f" (or {', '.join(map(repr, kinds[1:]))})" if len(kinds) > 1 else ""
+        raise ValueError(f"{name} must be a {kinds[0]!r} target{alt}, got kind {target.kind!r}")
     return target
+
+
+def _check_ue8m0(ue8m0: object, kinds: tuple[str, ...]) -> None:
+    """``ue8m0`` is a bool, and True for kinds whose scales are UE8M0 bytes (they encode only
+    powers of two)."""
+    if not isinstance(ue8m0, bool):
+        raise TypeError(f"ue8m0 must be a bool, got {type(ue8m0).__name__}")
+    if not ue8m0:
+        for kind in kinds:
+            if FORMATS[kind].scale == "ue8m0x4":
+                raise ValueError(
+                    f"ue8m0=False is not possible for a {kind!r} target: its scales are stored "
+                    f"as UE8M0 bytes, which hold only powers of two (vLLM's mxfp8 writer always "
+                    f"rounds them); pass ue8m0=True"
+                )
 
 
 def _check_input(
@@ -271,14 +290,13 @@ def _check_call(
             width = t.entry_bytes if width is None else width
             _check_input(name, next(given), dtype, width, device, tokens)
     nlo = require_int("num_local_only", num_local_only, 0, tokens)
-    if not isinstance(ue8m0, bool):
-        raise TypeError(f"ue8m0 must be a bool, got {type(ue8m0).__name__}")
+    _check_ue8m0(ue8m0, tuple(t.kind for t in targets))
     return tokens, nlo
 
 
 def _check_layer(mla_target: object, idx_target: object) -> tuple[KVTarget, KVTarget]:
-    mla = _check_target("mla_target", mla_target, "fp8_ds_mla")
-    idx = _check_target("idx_target", idx_target, "indexer_k")
+    mla = _check_target("mla_target", mla_target, ("fp8_ds_mla",))
+    idx = _check_target("idx_target", idx_target, INDEXER_KINDS)
     if idx.device != mla.device:
         raise ValueError(f"idx_target is on {idx.device} but mla_target is on {mla.device}")
     return mla, idx
@@ -321,6 +339,19 @@ def _compiling() -> bool:
 # Launches (eager path, also the custom ops' implementations)
 
 
+# the kernel of each indexer kind (a compile-time variant per scale encoding)
+_STORE_INDEXER = {
+    "indexer_k": _launch.STORE_INDEXER_K,
+    "indexer_k_mxfp8": _launch.STORE_INDEXER_K_MXFP8,
+}
+_STORE_LAYER = {"indexer_k": _launch.STORE_LAYER, "indexer_k_mxfp8": _launch.STORE_LAYER_MXFP8}
+_PUBLISH_LAYER = {
+    "indexer_k": _launch.STORE_LAYER_BARRIER,
+    "indexer_k_mxfp8": _launch.STORE_LAYER_MXFP8_BARRIER,
+}
+assert set(_STORE_INDEXER) == set(_STORE_LAYER) == set(_PUBLISH_LAYER) == set(INDEXER_KINDS)
+
+
 def _launch_ds_mla(t: KVTarget, kv_c, k_pe, slots, tokens: int, nlo: int) -> None:
     ordinal = _check_cuda(t.device)
     _check_aligned("kv_c", kv_c, 16)
@@ -339,7 +370,7 @@ def _launch_indexer(t: KVTarget, k, slots, tokens: int, nlo: int, ue8m0: bool) -
     _check_aligned("k", k, 8)
     if tokens == 0:
         return
-    _launch.STORE_INDEXER_K.launch(
+    _STORE_INDEXER[t.kind].launch(
         ordinal, _grid(tokens), _THREADS, t._dest,
         k.data_ptr(), k.stride(0), slots.data_ptr(), int(slots.dtype == torch.int64),
         tokens, nlo, int(ue8m0),
@@ -363,7 +394,7 @@ def _launch_layer(mla: KVTarget, idx: KVTarget, kv_c, k_pe, k, slots, tokens, nl
     params = _layer_params(mla, idx, kv_c, k_pe, k, slots, tokens, nlo, ue8m0)
     if tokens == 0:
         return
-    _launch.STORE_LAYER.launch(ordinal, _grid(tokens), _THREADS, *params)
+    _STORE_LAYER[idx.kind].launch(ordinal, _grid(tokens), _THREADS, *params)
 
 
 def _launch_rows(t: KVTarget, rows: torch.Tensor, slots, tokens: int, nlo: int) -> None:
@@ -404,7 +435,7 @@ def store_ds_mla(
 ) -> None:
     """Quantize ``kv_c [T, 512]`` / ``k_pe [T, 64]`` (bf16) to fp8_ds_mla entries and store
     them into every replica of ``target``."""
-    target = _check_target("target", target, "fp8_ds_mla")
+    target = _check_target("target", target, ("fp8_ds_mla",))
     tokens, nlo = _check_call((target,), (kv_c, k_pe), slot_mapping, num_local_only)
     if _compiling():
         torch.ops.vmmkv.store_ds_mla(
@@ -423,13 +454,14 @@ def store_indexer_k(
     num_local_only: int = 0,
     ue8m0: bool = True,
 ) -> None:
-    """Quantize the indexer keys ``k [T, 128]`` (bf16) and store them into every replica."""
-    target = _check_target("target", target, "indexer_k")
+    """Quantize the indexer keys ``k [T, 128]`` (bf16) and store them into every replica of
+    an ``indexer_k`` or ``indexer_k_mxfp8`` target."""
+    target = _check_target("target", target, INDEXER_KINDS)
     tokens, nlo = _check_call((target,), (k,), slot_mapping, num_local_only, ue8m0)
     if _compiling():
         torch.ops.vmmkv.store_indexer_k(
             target.cache, target.error_counter, target.ptr_table, target.committed_bytes,
-            k, slot_mapping, target._layout(), nlo, ue8m0,
+            k, slot_mapping, target._layout(), nlo, ue8m0, target.kind,
         )  # fmt: skip
         return
     _launch_indexer(target, k, slot_mapping, tokens, nlo, ue8m0)
@@ -453,7 +485,7 @@ def store_layer(
         torch.ops.vmmkv.store_layer(
             mla.cache, mla.error_counter, idx.cache, idx.error_counter,
             mla.ptr_table, mla.committed_bytes, idx.ptr_table, idx.committed_bytes,
-            kv_c, k_pe, k, slot_mapping, mla._layout(), idx._layout(), nlo, ue8m0,
+            kv_c, k_pe, k, slot_mapping, mla._layout(), idx._layout(), nlo, ue8m0, idx.kind,
         )  # fmt: skip
         return
     _launch_layer(mla, idx, kv_c, k_pe, k, slot_mapping, tokens, nlo, ue8m0)
@@ -492,7 +524,7 @@ def publish_layer(
     if barrier.ordinal != ordinal:
         raise ValueError(f"barrier is on {barrier.device}, the targets on {mla.device}")
     params = _layer_params(mla, idx, kv_c, k_pe, k, slot_mapping, tokens, nlo, ue8m0)
-    _launch.STORE_LAYER_BARRIER.launch(ordinal, _grid(tokens), _THREADS, *params, bar_args)
+    _PUBLISH_LAYER[idx.kind].launch(ordinal, _grid(tokens), _THREADS, *params, bar_args)
 
 
 def publish_rows(
@@ -503,7 +535,7 @@ def publish_rows(
     num_local_only: int = 0,
 ) -> None:
     """Copy already formatted rows ``[T, entry_bytes]`` (uint8) into every replica."""
-    target = _check_target("target", target, "rows")
+    target = _check_target("target", target, ("rows",))
     tokens, nlo = _check_call((target,), (rows,), slot_mapping, num_local_only)
     if _compiling():
         torch.ops.vmmkv.publish_rows(
@@ -533,6 +565,12 @@ def _target_from_op(kind, cache, error_counter, ptr_table, committed_bytes, layo
         kind, ptr_table, my_rank, offset, num_blocks, block_size, block_stride, entry_stride,
         entry_bytes, committed_bytes, error_counter, cache,
     )  # fmt: skip
+
+
+def _indexer_kind(kind: str) -> str:
+    if kind not in INDEXER_KINDS:
+        raise ValueError(f"kind must be one of {INDEXER_KINDS}, got {kind!r}")
+    return kind
 
 
 @torch.library.custom_op("vmmkv::store_ds_mla", mutates_args=("cache", "error_counter"))
@@ -567,13 +605,16 @@ def _op_store_indexer_k(
     layout: list[int],
     num_local_only: int,
     ue8m0: bool,
+    kind: str,
 ) -> None:
-    t = _target_from_op("indexer_k", cache, error_counter, ptr_table, committed_bytes, layout)
+    t = _target_from_op(
+        _indexer_kind(kind), cache, error_counter, ptr_table, committed_bytes, layout
+    )
     store_indexer_k(t, k, slot_mapping, num_local_only=num_local_only, ue8m0=ue8m0)
 
 
 @_op_store_indexer_k.register_fake
-def _(cache, error_counter, ptr_table, committed_bytes, k, slot_mapping, layout, nlo, ue8m0):
+def _(cache, error_counter, ptr_table, committed_bytes, k, slot_mapping, layout, nlo, ue8m0, kind):
     return None
 
 
@@ -598,13 +639,15 @@ def _op_store_layer(
     idx_layout: list[int],
     num_local_only: int,
     ue8m0: bool,
+    idx_kind: str,
 ) -> None:
     mla = _target_from_op(
         "fp8_ds_mla", mla_cache, mla_error_counter, mla_ptr_table, mla_committed_bytes, mla_layout
     )
     idx = _target_from_op(
-        "indexer_k", idx_cache, idx_error_counter, idx_ptr_table, idx_committed_bytes, idx_layout
-    )
+        _indexer_kind(idx_kind), idx_cache, idx_error_counter, idx_ptr_table,
+        idx_committed_bytes, idx_layout,
+    )  # fmt: skip
     store_layer(mla, idx, kv_c, k_pe, k, slot_mapping, num_local_only=num_local_only, ue8m0=ue8m0)
 
 

@@ -272,3 +272,10 @@ STORE_DS_MLA_BARRIER = Kernel("vmmkv_store_ds_mla_barrier", "DQqQqQiqqB")
 STORE_INDEXER_K_BARRIER = Kernel("vmmkv_store_indexer_k_barrier", "DQqQiqqiB")
 STORE_LAYER_BARRIER = Kernel("vmmkv_store_layer_barrier", "DDQqQqQqQiqqiB")
 PUBLISH_ROWS_BARRIER = Kernel("vmmkv_publish_rows_barrier", "DQqqQiqqiB")
+# the indexer_k_mxfp8 variants: the same parameters as their indexer_k twins
+STORE_INDEXER_K_MXFP8 = Kernel("vmmkv_store_indexer_k_mxfp8", STORE_INDEXER_K.layout)
+STORE_LAYER_MXFP8 = Kernel("vmmkv_store_layer_mxfp8", STORE_LAYER.layout)
+STORE_INDEXER_K_MXFP8_BARRIER = Kernel(
+    "vmmkv_store_indexer_k_mxfp8_barrier", STORE_INDEXER_K_BARRIER.layout
+)
+STORE_LAYER_MXFP8_BARRIER = Kernel("vmmkv_store_layer_mxfp8_barrier", STORE_LAYER_BARRIER.layout)

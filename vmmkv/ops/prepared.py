@@ -5,13 +5,16 @@ lane) into a parameter buffer it owns and launches one kernel.
 Contract:
 - ``prepare(targets, *, ue8m0=True)`` takes the :class:`~vmmkv.ops.kv.KVTarget` s of one store
   call, of kinds ``vmmkv.ops.formats.STORE_KINDS``: ``("fp8_ds_mla",)``, ``("indexer_k",)``,
-  ``("rows",)`` or ``("fp8_ds_mla", "indexer_k")`` (both caches of a layer). Targets on a CUDA
+  ``("rows",)``, ``("fp8_ds_mla", "indexer_k")`` (both caches of a layer), and the same with
+  ``"indexer_k_mxfp8"`` for ``"indexer_k"`` (whose scales are always powers of two: ``ue8m0``
+  must stay True, ValueError otherwise). Targets on a CUDA
   device give a :class:`PreparedStore`; CPU targets (host backend) a :class:`HostPreparedStore`
   with the same methods. ``prepare`` loads the kernels (compiles on the first use of a device:
   call it before CUDA-graph capture, e.g. when binding), allocates nothing on the device, keeps
   references to the targets (so to their tensors) and is local (not collective).
 - ``store(inputs, slot_mapping, num_local_only=0)``: ``inputs`` in the order of the formats
-  table: ``(kv_c, k_pe)``, ``(k,)``, ``(kv_c, k_pe, k)`` or ``(rows,)``. Validated before the
+  table: ``(kv_c, k_pe)``, ``(k,)``, ``(kv_c, k_pe, k)`` or ``(rows,)``. The kernel is picked
+  by the kinds once, here (the mxfp8 kinds have their own compile-time kernel variants). Validated before the
   launch like the functional API (``vmmkv.ops.kv``): TypeError/ValueError naming the value got
   and what was expected; token count = ``slot_mapping.numel()``. One launch on torch's current
   stream; capture-safe. Zero tokens launch nothing.
@@ -48,7 +51,7 @@ from vmmkv._util import require_int
 from vmmkv.ops import barrier as _barrier
 from vmmkv.ops import kv as _kv
 from vmmkv.ops import launch as _launch
-from vmmkv.ops.formats import FORMATS, STORE_KINDS
+from vmmkv.ops.formats import FORMATS, INDEXER_KINDS, STORE_KINDS
 from vmmkv.ops.reference import check_store_input
 
 __all__ = ["HostPreparedStore", "PreparedStore", "lookup", "prepare"]
@@ -64,12 +67,16 @@ _STORE = {
     ("indexer_k",): _launch.STORE_INDEXER_K,
     ("rows",): _launch.PUBLISH_ROWS,
     ("fp8_ds_mla", "indexer_k"): _launch.STORE_LAYER,
+    ("indexer_k_mxfp8",): _launch.STORE_INDEXER_K_MXFP8,
+    ("fp8_ds_mla", "indexer_k_mxfp8"): _launch.STORE_LAYER_MXFP8,
 }
 _PUBLISH = {
     ("fp8_ds_mla",): _launch.STORE_DS_MLA_BARRIER,
     ("indexer_k",): _launch.STORE_INDEXER_K_BARRIER,
     ("rows",): _launch.PUBLISH_ROWS_BARRIER,
     ("fp8_ds_mla", "indexer_k"): _launch.STORE_LAYER_BARRIER,
+    ("indexer_k_mxfp8",): _launch.STORE_INDEXER_K_MXFP8_BARRIER,
+    ("fp8_ds_mla", "indexer_k_mxfp8"): _launch.STORE_LAYER_MXFP8_BARRIER,
 }
 assert set(_STORE) == set(_PUBLISH) == set(STORE_KINDS)
 
@@ -90,8 +97,7 @@ def prepare(
     kinds = tuple(t.kind for t in targets)
     if kinds not in STORE_KINDS:
         raise ValueError(f"targets must be of kinds {list(STORE_KINDS)}, got {kinds}")
-    if not isinstance(ue8m0, bool):
-        raise TypeError(f"ue8m0 must be a bool, got {type(ue8m0).__name__}")
+    _kv._check_ue8m0(ue8m0, kinds)
     device = targets[0].device
     for i, t in enumerate(targets[1:], 1):
         if t.device != device:
@@ -346,6 +352,8 @@ class HostPreparedStore(_Prepared):
             ("indexer_k",): host.store_indexer_k,
             ("rows",): host.publish_rows,
             ("fp8_ds_mla", "indexer_k"): host.store_layer,
+            ("indexer_k_mxfp8",): host.store_indexer_k,
+            ("fp8_ds_mla", "indexer_k_mxfp8"): host.store_layer,
         }[kinds]
 
     def __repr__(self) -> str:
@@ -360,7 +368,7 @@ class HostPreparedStore(_Prepared):
                 f"{type(inputs).__name__}"
             )
         kw: dict[str, Any] = {"num_local_only": num_local_only}
-        if "indexer_k" in self.kinds:
+        if any(k in INDEXER_KINDS for k in self.kinds):
             kw["ue8m0"] = self.ue8m0
         self._fn(*self.targets, *inputs, slot_mapping, **kw)
 

@@ -12,6 +12,9 @@ CUDA kernels bit for bit, on any device (CPU or CUDA tensors):
 - amax ignores NaN like the kernels' ``fmaxf`` reduction; an inf input gives an inf scale, so
   its tile holds 0x7f (inf/inf) for the inf and signed zeros elsewhere, as on the GPU.
 - fp16 inputs are rejected (TypeError): only bf16 is specified.
+- ``indexer_k_mxfp8`` stores the indexer's power-of-two scale ``2^e`` as four equal UE8M0
+  bytes ``e + 127`` (:func:`ue8m0_x4`): an all-zero row gives ``0x69`` (the 1e-4 floor, scale
+  2^-22), an inf input ``0xff`` (inf scale), the largest finite bf16 ``0xf7`` (2^120).
 
 The format facts (entry bytes, widths, tile) come from ``vmmkv.ops.formats``; the old names
 (``MLA_ENTRY_BYTES``...) are re-exported here. ``check_store_input`` and ``check_slot_mapping``
@@ -35,10 +38,12 @@ import torch
 from .formats import (
     INDEXER_DIM,
     INDEXER_ENTRY_BYTES,
+    INDEXER_KINDS,
     MLA_ENTRY_BYTES,
     MLA_KV_DIM,
     MLA_ROPE_DIM,
     MLA_TILE,
+    get_format,
 )
 
 # The format constants imported above stay importable from here under their old names.
@@ -50,11 +55,15 @@ __all__ = [
     "e4m3_satfinite",
     "indexer_scale",
     "insert_ds_mla",
+    "indexer_scale_bytes",
     "insert_indexer_k",
+    "insert_indexer_k_mxfp8",
     "insert_rows",
     "quantize_ds_mla",
     "quantize_indexer_k",
+    "quantize_indexer_k_mxfp8",
     "ue8m0",
+    "ue8m0_x4",
 ]
 
 if sys.byteorder != "little":  # pragma: no cover - the formats are little-endian on every GPU host
@@ -183,6 +192,42 @@ def quantize_indexer_k(k: torch.Tensor, ue8m0: bool = True) -> tuple[torch.Tenso
     return e4m3_satfinite(x / scale.unsqueeze(-1)), scale
 
 
+def ue8m0_x4(scale: torch.Tensor) -> torch.Tensor:
+    """Power-of-two float32 scales ``[...]`` -> uint8 ``[..., 4]``: each scale's UE8M0 byte
+    (its biased exponent, bits 30..23: ``2^e`` -> ``e + 127``) four times, the word vLLM's
+    ``pack_ue8m0_x4`` stores for an MXFP8 row of 128 values (one byte per 32). ValueError for a
+    scale that is not a positive power of two (normal) or +inf, which the byte cannot hold."""
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+        got = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise TypeError(f"scale must be a float32 tensor, got {got}")
+    bits = scale.contiguous().view(torch.int32)
+    biased = (bits >> 23) & 0xFF
+    exact = (bits & 0x807FFFFF) == 0  # positive, no mantissa: 2^e or +inf
+    if not bool((exact & (biased > 0)).all()):
+        bad = scale[~(exact & (biased > 0))][:4].tolist()
+        raise ValueError(f"UE8M0 bytes hold positive powers of two (or inf), got scales {bad}")
+    return biased.to(torch.uint8).unsqueeze(-1).expand(*scale.shape, 4).contiguous()
+
+
+def indexer_scale_bytes(scale: torch.Tensor, kind: str = "indexer_k") -> torch.Tensor:
+    """float32 scales ``[T]`` -> the 4 bytes per token the indexer ``kind`` stores ``[T, 4]``:
+    a little-endian fp32 (``indexer_k``) or four UE8M0 bytes (``indexer_k_mxfp8``)."""
+    fmt = get_format(kind)
+    if fmt.kind not in INDEXER_KINDS:
+        raise ValueError(f"kind must be one of {INDEXER_KINDS}, got {kind!r}")
+    if fmt.scale == "ue8m0x4":
+        return ue8m0_x4(scale)
+    return scale.contiguous().view(torch.uint8).reshape(*scale.shape, 4)
+
+
+def quantize_indexer_k_mxfp8(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 ``k [T, 128]`` -> (uint8 values ``[T, 128]``, uint8 scale bytes ``[T, 4]``) of the
+    ``indexer_k_mxfp8`` kind: the ue8m0 values of :func:`quantize_indexer_k` (the scale is
+    always rounded up to a power of two), each scale as four equal UE8M0 bytes."""
+    values, scale = quantize_indexer_k(k, ue8m0=True)
+    return values, ue8m0_x4(scale)
+
+
 # ---------------------------------------------------------------------------------------------
 # Inserters
 
@@ -269,11 +314,21 @@ def _indexer_block_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 def insert_indexer_k(
-    cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tensor, ue8m0: bool = True
+    cache: torch.Tensor,
+    k: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    ue8m0: bool = True,
+    *,
+    kind: str = "indexer_k",
 ) -> int:
     """Quantize and insert into an Indexer-K view: ``[num_blocks, block_size*132]`` or
     ``[num_blocks, block_size, 132]`` whose blocks hold ``block_size*128`` fp8 values (token o at
-    ``o*128``) followed by ``block_size`` fp32 scales (token o at ``block_size*128 + 4*o``)."""
+    ``o*128``) followed by ``block_size`` 4-byte scales (token o at ``block_size*128 + 4*o``):
+    fp32 (``kind="indexer_k"``) or four UE8M0 bytes (``"indexer_k_mxfp8"``, ``ue8m0`` True)."""
+    if kind not in INDEXER_KINDS:
+        raise ValueError(f"kind must be one of {INDEXER_KINDS}, got {kind!r}")
+    if not ue8m0 and get_format(kind).scale == "ue8m0x4":
+        raise ValueError(f"ue8m0=False is not possible for {kind!r}: UE8M0 holds powers of two")
     slots = check_slot_mapping(slot_mapping).long()
     values_view, scales_view, block_size = _indexer_block_views(cache)
     n = slots.numel()
@@ -281,8 +336,13 @@ def insert_indexer_k(
     values, scale = quantize_indexer_k(k[:n], ue8m0)
     slots = slots.to(cache.device)
     skipped = _scatter(values_view, values, slots, block_size)
-    _scatter(scales_view, scale.contiguous().view(torch.uint8).reshape(n, 4), slots, block_size)
+    _scatter(scales_view, indexer_scale_bytes(scale, kind), slots, block_size)
     return skipped
+
+
+def insert_indexer_k_mxfp8(cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tensor) -> int:
+    """``insert_indexer_k`` of the ``indexer_k_mxfp8`` kind (UE8M0 x4 scales)."""
+    return insert_indexer_k(cache, k, slot_mapping, True, kind="indexer_k_mxfp8")
 
 
 _ue8m0 = ue8m0  # indexer_scale's parameter of the same name shadows the function
