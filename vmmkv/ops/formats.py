@@ -10,13 +10,14 @@ The kinds, and the vLLM 0.33.0 writer whose bytes each one reproduces:
 
 - ``fp8_ds_mla``: DeepSeek-V3.2 Main-KV, 656 bytes per token (512 e4m3 values in 4 tiles of
   128, 4 little-endian fp32 tile scales, 64 bf16 ``k_pe``). Tile scale
-  ``fmaxf(amax / 448, FLT_MIN)``, the raw fp32 quotient (not a power of two). This is the
-  formula vmmkv was specified against as vLLM's C++ writer ``concat_and_cache_mla`` (kernel
-  ``concat_and_cache_ds_mla_kernel``), the writer vLLM's PCP path calls after its gather.
-  NOTE: the kernel compiled into the vLLM 0.33.0 wheel (sm_90 SASS) computes
-  ``exp2f(ceilf(log2f(fmaxf(amax / 448, 1e-4))))`` instead (a power of two, floor 1e-4), and
-  0.33's fused Triton writer of the non-PCP path (``_fused_norm_rope_kernel``) rounds the same
-  way (``max(amax * (1/448), 1e-4)``, then the power of two): see docs/design.md.
+  ``fmaxf(amax / 448, FLT_MIN)``, the raw fp32 quotient (not a power of two). The writer it is
+  specified after: vLLM's C++ ``concat_and_cache_mla`` (kernel ``concat_and_cache_ds_mla_kernel``),
+  the one vLLM's PCP path calls after its gather; not 0.33's fused Triton writer of the non-PCP
+  path (``_fused_norm_rope_kernel``), which rounds the tile scale up to a power of two
+  (``max(amax * (1/448), 1e-4)``, then ``exp2(ceil(log2))``). OPEN: the C++ kernel compiled
+  into the vLLM 0.33.0 wheel (sm_90 and sm_100 SASS) rounds too,
+  ``exp2f(ceilf(log2f(fmaxf(amax / 448, 1e-4))))``, so this kind does not reproduce 0.33.0's
+  own bytes for tiles whose ``amax / 448`` is not a power of two (docs/design.md).
 - ``indexer_k``: DeepSeek-V3.2 sparse-indexer K, 132 bytes per token split inside the block
   (``block_size * 128`` e4m3 values, then one 4-byte scale per token). The scale is an fp32:
   ``fmaxf(amax, 1e-4) / 448``, rounded up to a power of two with vLLM's ``scale_fmt="ue8m0"``
