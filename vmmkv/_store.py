@@ -2,8 +2,9 @@
 the cache's store arguments, and the slot forms.
 
 - ``target_geometry(view, kind, region_base, capacity)`` validates a layer view
-  ``[num_blocks, block_size, entry]`` that lies inside a region and returns the geometry fields of
-  a :class:`vmmkv.ops.KVTarget` (the format facts come from ``vmmkv.ops.formats``).
+  ``[num_blocks, block_size, entry]`` (or vLLM's single-head ``[num_blocks, 1, block_size,
+  entry]``) that lies inside a region and returns the geometry fields of a
+  :class:`vmmkv.ops.KVTarget` (the format facts come from ``vmmkv.ops.formats``).
 - ``check_inputs`` makes, before any collective, the checks the kernels would make, so a rank
   with bad inputs raises before its peers start waiting for it.
 - ``own_slots`` resolves the two slot forms (this rank's mapping, or the engine's gathered one).
@@ -41,10 +42,18 @@ def target_geometry(
         raise TypeError(f"bind {name!r}: view must be a torch.Tensor, got {type(view).__name__}")
     if view.dtype not in (torch.uint8, torch.int8):
         raise TypeError(f"bind {name!r}: view must be uint8 or int8, got {view.dtype}")
+    if view.dim() == 4:  # vLLM's [B, H, N, C] layer views: one head only
+        if view.shape[1] != 1:
+            raise ValueError(
+                f"bind {name!r}: a 4-D view [num_blocks, heads, block_size, entry] must have one "
+                f"head (H == 1, as vLLM's MLA and indexer caches), got H = {view.shape[1]} in "
+                f"shape {list(view.shape)}"
+            )
+        view = view.select(1, 0)  # same bytes; the head stride is irrelevant for one head
     if view.dim() != 3:
         raise ValueError(
-            f"bind {name!r}: view must be [num_blocks, block_size, entry], got shape "
-            f"{list(view.shape)}"
+            f"bind {name!r}: view must be [num_blocks, block_size, entry] or "
+            f"[num_blocks, 1, block_size, entry], got shape {list(view.shape)}"
         )
     num_blocks, block_size, entry = view.shape
     if fmt.entry_bytes is not None and entry != fmt.entry_bytes:

@@ -1,0 +1,127 @@
+"""vmmkv as the KV-cache memory of vLLM 0.33.0 under prefill context parallelism (PCP).
+
+A ``vllm.general_plugins`` entry point (``vmmkv = vmmkv.integrations.vllm:register``); vLLM
+calls :func:`register` in each of its processes. It does nothing unless ``VLLM_USE_VMMKV=1``.
+Enabled, it patches the vLLM call sites listed in ``vmmkv.integrations.vllm._patches`` (where
+vLLM looks them up): in each worker whose PCP group has more than one rank,
+
+- ``allocate_kv_cache`` builds a :class:`VllmKVCache`: one :class:`vmmkv.ReplicatedKVCache` over
+  vLLM's PCP ``GroupCoordinator`` (its ``cpu_group`` for the rendezvous, its ``device_group`` for
+  the gather fallback), vLLM's own views over ``cache.allocate(size)``, every layer bound;
+- the PCP gather + insert pairs (``maybe_gather_mla_latent_cache_inputs`` +
+  ``concat_and_cache_mla``, ``maybe_gather_indexer_k`` + ``indexer_k_quant_and_cache``) become
+  one store through the cache: direct publication (each rank writes its rows into every
+  replica, then the cache barrier, before attention reads them), or vmmkv's gather fallback
+  when the cache is not direct. ``num_local_only`` per PCP case (MLA and indexer each from
+  their own metadata's ``num_decode_tokens``): replicated draft decodes (unexpanded slot
+  mapping): all rows, local only; ``pcp_shard_decode_requests`` (DCP == 1): 0, every row is
+  published; DCP > 1: ``num_decode_tokens`` (decode rows local, prefill rows published);
+- ``KVBlockZeroer.zero_block_ids`` runs the cache barrier after vLLM's zeroing.
+
+**Zeroing hazard** (why the barrier after zeroing): vLLM zeroes newly allocated blocks of the
+own replica at the start of a step (``needs_kv_cache_zeroing`` holds for the MLA + indexer pair).
+With direct publication a faster peer may already have written this step's rows into those
+blocks of this replica; zeroing afterwards wipes them. The barrier after zeroing orders every
+rank's zeroing before every rank's first publication of the step (a peer passes it only after
+this rank zeroed). It costs one barrier per step that allocates blocks, and every rank zeroes
+the same blocks (the scheduler's output is the same on every worker), so every rank calls it
+equally often. Replicated zeroing (each rank zeroing the block in every replica) was rejected:
+it races the same way (a peer's late zero write against this rank's own rows) and multiplies
+the zeroing traffic by the group size. Growth zeroes new blocks the same way (zero, barrier).
+
+Supported (anything else is refused with :class:`UnsupportedKVCache` naming the layer and spec,
+or the layout): DeepSeek-V3.2-style caches (``fp8_ds_mla`` MLA layers + indexer K layers,
+bfloat16 activations) in layouts LBHNC, LBNHC (vLLM's default), BLHNC, BLNHC; no HiSparse, no
+kernel-block splitting. The indexer kind follows vLLM's ``mqa_logits_use_mx_scales()``.
+
+Growth: :meth:`VllmKVCache.grow`/``shrink`` in blocks for both layout families (segments from
+vLLM's ``KVCacheTensor`` numbers). vLLM 0.33 cannot resize its block pool, so an engine that
+commits fewer blocks than ``num_blocks`` must keep vLLM's block ids below
+``committed_blocks``; the zeroing wrapper refuses larger ids before vLLM's kernel runs.
+
+Contract: :func:`register`/:func:`unregister` are local and idempotent; :func:`patched` is a
+context manager for tests (install, then unregister on exit). ``unregister`` restores every
+site and closes the cache it allocated (vLLM's views of it become invalid). The stores and the
+zeroing barrier are collective over the PCP group, as vLLM's own gathers are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from ._patches import active_cache, install, installed, original, uninstall, vllm_indexer_kind
+
+__all__ = [
+    "ENV",
+    "KVCachePlan",
+    "StorePlan",
+    "UnsupportedKVCache",
+    "VllmKVCache",
+    "active_cache",
+    "create_views",
+    "installed",
+    "original",
+    "patched",
+    "pcp_store_plan",
+    "plan_kv_cache",
+    "register",
+    "unregister",
+    "vllm_indexer_kind",
+]
+
+log = logging.getLogger(__name__)
+
+ENV = "VLLM_USE_VMMKV"
+
+_LAZY = {
+    "KVCachePlan": "_layout",
+    "UnsupportedKVCache": "_layout",
+    "create_views": "_layout",
+    "plan_kv_cache": "_layout",
+    "StorePlan": "_cache",
+    "VllmKVCache": "_cache",
+    "pcp_store_plan": "_cache",
+}
+
+
+def __getattr__(name: str) -> Any:  # the vLLM-importing modules load on first use only
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def enabled() -> bool:
+    """``VLLM_USE_VMMKV``: '1' enables the plugin, '0' or unset leaves vLLM untouched."""
+    value = os.environ.get(ENV, "0").strip()
+    if value not in ("0", "1", ""):
+        raise ValueError(f"{ENV} must be '0' or '1', got {value!r}")
+    return value == "1"
+
+
+def register() -> None:
+    """vLLM's ``vllm.general_plugins`` hook: patch the call sites when ``VLLM_USE_VMMKV=1``,
+    else nothing (no vLLM module is imported). Idempotent."""
+    if enabled():
+        install()
+
+
+def unregister() -> None:
+    """Restore vLLM's call sites and close the cache the plugin allocated. Idempotent."""
+    uninstall()
+
+
+@contextlib.contextmanager
+def patched() -> Iterator[None]:
+    """Install the patches (whatever ``VLLM_USE_VMMKV`` says) for the duration of the block."""
+    install()
+    try:
+        yield
+    finally:
+        uninstall()

@@ -1,0 +1,248 @@
+"""``VllmKVCache``: vLLM 0.33.0's KV cache of one worker on a :class:`vmmkv.ReplicatedKVCache`.
+
+What it does, in order (the constructor):
+
+1. :func:`plan_kv_cache` validates vLLM's ``KVCacheConfig`` and layout (local; it raises
+   :class:`UnsupportedKVCache` naming the layer, spec or layout before any collective).
+2. One ``ReplicatedKVCache`` over the PCP group (``cpu_group`` for its rendezvous,
+   ``device_group`` for its gather fallback) of exactly the backing size, nothing committed.
+3. ``allocate(size)`` is vLLM's backing buffer; ``set_block_layout`` declares the plan's segments
+   (block growth, both layout families); vLLM's own ``create_kv_cache_views`` builds the layer
+   views over that buffer (no whole-buffer ``torch.zeros`` over uncommitted memory).
+4. Every layer view is bound (4-D ``[B, 1, N, C]`` as vLLM makes it) with its kind:
+   ``fp8_ds_mla`` for MLA layers, the indexer kind for indexer K layers.
+5. ``grow(initial_blocks)``.
+
+Growth: ``grow(n)``/``shrink(n)`` give every layer blocks ``[0, n)`` (collective over the PCP
+group). ``grow`` zeroes the new blocks of the own replica (as vLLM's ``torch.zeros`` would have)
+and then runs the cache's barrier, so that no peer publishes into a block before this rank
+zeroed it. vLLM 0.33 cannot resize its block pool: the engine must hand out blocks
+``< committed_blocks`` only (:meth:`check_blocks` refuses others before vLLM's zeroing kernel
+touches them).
+
+Stores (:meth:`store`): a layer's rows in one of the three PCP cases (``StorePlan``), through the
+cache's direct path (every rank writes its rows into every replica, then one barrier, so that
+the rows are visible before attention reads them) or its gather fallback (same bytes).
+
+Zeroing (:meth:`after_zeroing`): vLLM zeroes newly allocated blocks every step
+(``KVBlockZeroer``) in the own replica only; a peer that already published into those blocks
+would lose its rows. The barrier after zeroing orders every rank's zeroing before any rank's
+first publication of the step (see docs in the package ``__init__``).
+
+Contract: collective over the PCP group: the constructor, ``grow``, ``shrink``,
+``after_zeroing`` and the stores (direct: the barrier; gather: the all-gather), every rank in the
+same order. Local: ``binding``, ``check_blocks``, properties, ``close`` (idempotent; the views
+are invalid afterwards). The object owns its ``ReplicatedKVCache`` and closes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..._util import require_int
+from ...cache import Binding, ReplicatedKVCache
+from ._layout import KVCachePlan, create_views, plan_kv_cache
+
+__all__ = ["StorePlan", "VllmKVCache", "pcp_store_plan"]
+
+log = logging.getLogger(__name__)
+
+MLA, INDEXER = "mla", "indexer"
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    """One layer store in vLLM's PCP convention: ``tokens`` rows of this rank's inputs, the
+    leading ``num_local_only`` of them replicated (own replica only). Slots: ``slots`` (this
+    rank's; case 1) or ``gathered`` (the group's rank-major mapping ``[world * tokens]``;
+    ``slots`` is then None and the cache takes this rank's slice). ``own_slots``: this rank's
+    slots either way (what vLLM's insert receives after the replaced gather)."""
+
+    case: str
+    tokens: int
+    num_local_only: int
+    slots: torch.Tensor | None
+    gathered: torch.Tensor | None
+    own_slots: torch.Tensor
+
+
+def pcp_store_plan(
+    rows: int,
+    slot_mapping: torch.Tensor,
+    num_decode_tokens: int,
+    shard_decode_requests: bool,
+    rank: int,
+    world: int,
+) -> StorePlan:
+    """The store of one layer's cache inputs under vLLM 0.33's PCP gather convention
+    (``vllm.v1.attention.ops.pcp._gather_prefill_cache_inputs``), without the gather:
+
+    1. a slot mapping no longer than the local rows (replicated draft decodes, unexpanded):
+       the first ``num_decode_tokens`` rows, all local only;
+    2. ``shard_decode_requests`` (PCP with DCP == 1: one owner per decode): every local row is
+       this rank's own: ``num_local_only = 0``;
+    3. otherwise (DCP > 1, decodes replicated): the leading ``num_decode_tokens`` rows are local
+       only, the rest published.
+
+    In 2 and 3 the slot mapping is the expanded one: its first ``world * rows`` entries are
+    rank-major (this rank's at ``[rank * rows, (rank + 1) * rows)``, padding -1)."""
+    require_int("rows", rows, lo=0)
+    require_int("num_decode_tokens", num_decode_tokens, lo=0, hi=rows)
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
+        raise TypeError(f"slot_mapping must be a 1-D tensor, got {slot_mapping!r:.80}")
+    n = slot_mapping.shape[0]
+    if n <= rows:
+        nd = num_decode_tokens
+        own = slot_mapping[:nd]
+        return StorePlan("replicated-draft-decodes", nd, nd, own, None, own)
+    if n < world * rows:
+        raise ValueError(
+            f"rank {rank}: the expanded slot mapping has {n} entries, fewer than "
+            f"{world} ranks x {rows} rows"
+        )
+    gathered = slot_mapping[: world * rows]
+    nlo = 0 if shard_decode_requests else num_decode_tokens
+    case = "shard-decode-requests" if shard_decode_requests else "dcp-replicated-decodes"
+    return StorePlan(case, rows, nlo, None, gathered, gathered[rank * rows : (rank + 1) * rows])
+
+
+class VllmKVCache:
+    """vLLM's KV cache of one worker on vmmkv memory (see the module docstring)."""
+
+    def __init__(
+        self,
+        kv_cache_config: Any,
+        layout: Any,
+        *,
+        cpu_group: Any,
+        device: Any,
+        device_group: Any = None,
+        kernel_block_sizes: Sequence[int] | None = None,
+        indexer_kind: str = "indexer_k",
+        initial_blocks: int | None = None,
+        direct: bool | None = None,
+        timeout: float = 60.0,
+        chunk_bytes: int | None = None,
+        backend: str = "auto",
+    ) -> None:
+        self.config = kv_cache_config
+        self.plan: KVCachePlan = plan_kv_cache(
+            kv_cache_config, layout, kernel_block_sizes, indexer_kind=indexer_kind
+        )
+        plan = self.plan
+        if initial_blocks is None:
+            initial_blocks = plan.num_blocks
+        require_int("initial_blocks", initial_blocks, lo=0, hi=plan.num_blocks)
+        self.indexer_kind = indexer_kind
+        self.cache = ReplicatedKVCache(
+            cpu_group, plan.size, device, device_group=device_group, initial_bytes=0,
+            chunk_bytes=chunk_bytes, lanes=1, direct=direct, timeout=timeout, backend=backend,
+        )  # fmt: skip
+        try:
+            self.buffer = self.cache.allocate(plan.size)
+            base = self.buffer.data_ptr() - self.cache.region.base_ptr
+            self.segments = tuple((base + off, bb) for off, bb in plan.segments)
+            self.cache.set_block_layout(self.segments, plan.num_blocks)
+            self.views = create_views(kv_cache_config, plan.layout, self.buffer, kernel_block_sizes)
+            self._bindings: dict[tuple[int, str], Binding] = {}
+            self.bindings: dict[str, Binding] = {}
+            for name, place in plan.layers.items():
+                b = self.cache.bind(name, self.views[name], place.kind)
+                self.bindings[name] = b
+                self._bindings[(self.views[name].data_ptr(), self._family(place.kind))] = b
+            self.grow(initial_blocks)
+        except BaseException:
+            self.cache.close()
+            raise
+        log.info(
+            "vmmkv: vLLM KV cache on vmmkv memory: %d layers, layout %s, %d of %d blocks "
+            "committed, %d segments, path %s over %d PCP ranks",
+            len(plan.layers), plan.layout.name, self.committed_blocks, plan.num_blocks,
+            len(self.segments), self.cache.path, self.cache.world_size,
+        )  # fmt: skip
+
+    @staticmethod
+    def _family(kind: str) -> str:
+        return MLA if kind == "fp8_ds_mla" else INDEXER
+
+    # -- properties ------------------------------------------------------------------------
+    num_blocks = property(lambda self: self.plan.num_blocks)
+    rank = property(lambda self: self.cache.rank)
+    world_size = property(lambda self: self.cache.world_size)
+    direct = property(lambda self: self.cache.direct)
+
+    @property
+    def committed_blocks(self) -> int:
+        """Blocks ``[0, n)`` of every layer that are committed in every replica."""
+        return int(self.cache.committed_blocks or 0)
+
+    # -- growth ----------------------------------------------------------------------------
+    def grow(self, num_blocks: int) -> int:
+        """Collective: every layer holds blocks ``[0, num_blocks)`` in every replica. The new
+        blocks of the own replica are zeroed, then the cache barrier runs (a peer publishes
+        into them only afterwards). Allowed after CUDA-graph capture. Returns the block count."""
+        require_int("num_blocks", num_blocks, lo=0, hi=self.plan.num_blocks)
+        old = self.committed_blocks
+        new = self.cache.grow_blocks(num_blocks)
+        if new > old:
+            base = self.buffer.data_ptr() - self.cache.region.base_ptr
+            for off, bb in self.segments:
+                self.buffer[off - base + old * bb : off - base + new * bb].zero_()
+            self.cache.barrier()
+        return new
+
+    def shrink(self, num_blocks: int) -> int:
+        """Collective: every layer keeps blocks ``[0, num_blocks)``; the memory beyond is
+        decommitted in every replica and never written afterwards. Returns the block count."""
+        require_int("num_blocks", num_blocks, lo=0, hi=self.plan.num_blocks)
+        return self.cache.shrink_blocks(num_blocks)
+
+    def check_blocks(self, block_ids: Sequence[int]) -> None:
+        """Refuse (ValueError) block ids beyond the committed blocks, before anything writes
+        into them (vLLM's block pool does not know vmmkv's committed size)."""
+        if block_ids and max(block_ids) >= self.committed_blocks:
+            raise ValueError(
+                f"rank {self.rank}: vLLM uses KV block {max(block_ids)} but vmmkv committed "
+                f"{self.committed_blocks} of {self.num_blocks} blocks: grow() first, or keep "
+                "vLLM's block pool below the committed count"
+            )
+
+    # -- stores ----------------------------------------------------------------------------
+    def binding(self, kv_cache: torch.Tensor, family: str) -> Binding | None:
+        """The binding of the layer view ``kv_cache`` (vLLM's 4-D view, or the 3-D one its
+        layers keep after ``squeeze(1)``) of ``family`` ("mla" or "indexer"), or None."""
+        b = self._bindings.get((kv_cache.data_ptr(), family))
+        if b is None or kv_cache.shape[0] != b.view.shape[0]:
+            return None
+        return b
+
+    def store(self, b: Binding, inputs: Sequence[torch.Tensor], plan: StorePlan) -> None:
+        """Store one layer cache's rows (``inputs``: ``kv_c, k_pe`` or ``k``) as ``plan`` says,
+        then, in direct mode when rows went to peers, the barrier: every replica holds every
+        rank's rows before attention reads them. Collective (see the module docstring)."""
+        slots = plan.slots  # None with a gathered mapping: the cache takes this rank's slice
+        store = self.cache.store_ds_mla if b.kind == "fp8_ds_mla" else self.cache.store_indexer_k
+        store(
+            b, *inputs, slots, num_local_only=plan.num_local_only,
+            gathered_slot_mapping=plan.gathered,
+        )  # fmt: skip
+        if self.cache.direct and plan.num_local_only < plan.tokens:
+            self.cache.barrier()
+
+    def after_zeroing(self) -> None:
+        """Collective: vLLM zeroed blocks of the own replica; every rank's zeroing precedes
+        every rank's next publication (direct mode: the cache barrier; gather mode: nothing,
+        no peer writes into this replica)."""
+        self.cache.barrier()
+
+    def stats(self) -> dict[str, int]:
+        return {**self.cache.stats(), "committed_blocks": self.committed_blocks}
+
+    def close(self) -> None:
+        """Local, idempotent: closes the ``ReplicatedKVCache``; the views are invalid after."""
+        self.cache.close()

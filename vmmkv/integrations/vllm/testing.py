@@ -1,0 +1,171 @@
+"""Internal helpers of the vLLM integration's tests (no API promise): a DeepSeek-V3.2-shaped
+``KVCacheConfig`` built by vLLM 0.33.0's own functions, on the CPU, without weights.
+
+:func:`build_kv_cache_config` does what vLLM's engine does between the worker's
+``get_kv_cache_spec`` and ``initialize_kv_cache``: the per-layer specs (each layer's indexer K
+cache from the real ``DeepseekV32IndexerCache`` module, registered first as in the model; the
+MLA spec with the arguments ``MLAAttention.get_kv_cache_spec`` passes, since building the
+attention module needs a CUDA backend), ``customize_attention_spec`` with each layer's backend,
+then ``get_global_kv_cache_groups`` and ``get_kv_cache_configs`` with ``num_gpu_blocks_override``.
+The model config is a real ``ModelConfig`` from a ``config.json`` written to a temporary
+directory (transformers' ``DeepseekV32Config`` with small sizes).
+
+Local; writes one config.json per process (in a fresh temporary directory).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from typing import Any
+
+import torch
+
+from ...ops.formats import INDEXER_ENTRY_BYTES, MLA_ENTRY_BYTES, MLA_KV_DIM, MLA_ROPE_DIM
+
+__all__ = [
+    "build_kv_cache_config",
+    "idx_layer",
+    "join_vllm_groups",
+    "layer_specs",
+    "mla_layer",
+    "model_config",
+    "vllm_config",
+]
+
+log = logging.getLogger(__name__)
+
+BLOCK_SIZE = 64
+CACHE_DTYPE = "fp8_ds_mla"
+_MODEL: dict[int, Any] = {}
+
+
+def mla_layer(i: int) -> str:
+    return f"model.layers.{i}.self_attn.attn"
+
+
+def idx_layer(i: int) -> str:
+    return f"model.layers.{i}.self_attn.indexer.k_cache"
+
+
+def model_config(num_layers: int = 4) -> Any:
+    """A real vLLM ``ModelConfig`` of a DeepSeek-V3.2-shaped model of ``num_layers`` layers
+    (no weights, no tokenizer), cached per layer count."""
+    if num_layers in _MODEL:
+        return _MODEL[num_layers]
+    from transformers.models.deepseek_v32.configuration_deepseek_v32 import DeepseekV32Config
+    from vllm.config import ModelConfig
+
+    hf = DeepseekV32Config(
+        num_hidden_layers=num_layers,
+        first_k_dense_replace=num_layers,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        vocab_size=512,
+        max_position_embeddings=2048,
+    ).to_dict()
+    hf["architectures"] = ["DeepseekV32ForCausalLM"]
+    folder = tempfile.mkdtemp(prefix="vmmkv-dsv32-")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf, f)
+    _MODEL[num_layers] = ModelConfig(
+        model=folder, skip_tokenizer_init=True, max_model_len=1024, dtype="bfloat16"
+    )
+    return _MODEL[num_layers]
+
+
+def vllm_config(
+    layout: str | None = None, num_blocks: int = 32, num_layers: int = 4, *, tp: int = 1,
+    pcp: int = 1,
+) -> Any:  # fmt: skip
+    """A ``VllmConfig`` on the CPU device with the fp8_ds_mla cache, ``num_blocks`` blocks,
+    ``layout`` (a KVCacheLayout name; None: vLLM resolves it) and ``tp`` x ``pcp`` ranks."""
+    from vllm.config import CacheConfig, DeviceConfig, ParallelConfig, VllmConfig
+
+    cfg = VllmConfig(
+        model_config=model_config(num_layers),
+        device_config=DeviceConfig(device="cpu"),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, cache_dtype=CACHE_DTYPE),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp, prefill_context_parallel_size=pcp),
+    )
+    cfg.cache_config.num_gpu_blocks_override = num_blocks
+    if layout is not None:
+        cfg.cache_config.kv_cache_layout = layout
+    return cfg
+
+
+def layer_specs(cfg: Any) -> dict[str, Any]:
+    """Layer name -> spec, in the model's registration order (indexer K cache, then MLA)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
+    from vllm.v1.worker.utils import customize_attention_spec
+
+    hf = cfg.model_config.hf_config
+    specs: dict[str, Any] = {}
+    for i in range(hf.num_hidden_layers):
+        with set_current_vllm_config(cfg):
+            idx = DeepseekV32IndexerCache(
+                head_dim=INDEXER_ENTRY_BYTES,  # 128 e4m3 values + one fp32 scale
+                dtype=torch.uint8,
+                prefix=idx_layer(i),
+                cache_config=cfg.cache_config,
+            )
+            spec = idx.get_kv_cache_spec(cfg)
+        specs[idx_layer(i)] = customize_attention_spec(idx.get_attn_backend(), spec)
+        mla = MLAAttentionSpec(
+            block_size=cfg.cache_config.block_size,
+            num_kv_heads=1,
+            max_tp_shards=1,
+            head_size=MLA_KV_DIM + MLA_ROPE_DIM,
+            dtype=kv_cache_dtype_str_to_dtype(CACHE_DTYPE, cfg.model_config),
+            cache_dtype_str=CACHE_DTYPE,
+            kv_quant_mode=get_kv_quant_mode(CACHE_DTYPE),
+            state_content_bytes=MLA_ENTRY_BYTES,
+            topk_buffer_width=hf.index_topk,
+            is_index_group_leader=True,
+            non_causal_multi_token_decode=False,
+        )
+        specs[mla_layer(i)] = customize_attention_spec(FlashMLASparseBackend, mla)
+    return specs
+
+
+def build_kv_cache_config(
+    layout: str, num_blocks: int = 32, num_layers: int = 4, *, tp: int = 1, pcp: int = 1,
+    specs: dict[str, Any] | None = None,
+) -> tuple[Any, Any]:  # fmt: skip
+    """(VllmConfig, KVCacheConfig) of the model for ``layout``, planned by vLLM's
+    ``get_global_kv_cache_groups`` + ``get_kv_cache_configs`` (vLLM raises for layouts it
+    cannot place). ``specs``: other layer specs (default :func:`layer_specs`)."""
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+
+    cfg = vllm_config(layout, num_blocks, num_layers, tp=tp, pcp=pcp)
+    specs = layer_specs(cfg) if specs is None else specs
+    groups = get_global_kv_cache_groups(cfg, [specs])
+    (config,) = get_kv_cache_configs(cfg, [specs], [1 << 40], groups)
+    config.kv_cache_layout = layout
+    return cfg, config
+
+
+def join_vllm_groups(cfg: Any, rank: int, world: int, port: int) -> Any:
+    """vLLM's own distributed setup on gloo (CPU): ``init_distributed_environment`` over
+    ``tcp://127.0.0.1:port`` then ``initialize_model_parallel`` with ``cfg``'s TP and PCP sizes,
+    as a worker does. Returns vLLM's ``parallel_state`` module (``get_pcp_group()`` ...); the
+    caller tears it down with ``destroy_model_parallel`` + ``destroy_distributed_environment``."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    pc = cfg.parallel_config
+    with set_current_vllm_config(cfg):
+        ps.init_distributed_environment(
+            world, rank, f"tcp://127.0.0.1:{port}", rank, backend="gloo"
+        )
+        ps.initialize_model_parallel(
+            pc.tensor_parallel_size, 1, pc.prefill_context_parallel_size, 1, backend="gloo"
+        )
+    return ps
