@@ -5,8 +5,10 @@ prefill context parallelism (PCP), compared with vLLM 0.33.0's gather-then-inser
 symmetric memory? ``--world`` ranks (default 2), one process per GPU. Each rank holds its share of
 every prompt (DualChunkSwap, as vLLM splits prompts: a prompt of ``world * t`` tokens is cut into
 ``2 * world`` chunks, rank ``r`` holds chunks ``r`` and ``2 * world - 1 - r``) and a full replica
-of the KV cache (fp8_ds_mla + indexer_k, layer-interleaved blocks of 64 tokens:
-``vmmkv.testing.kv``; one random block table per prompt, the same on every rank).
+of the KV cache (fp8_ds_mla + the indexer kind vLLM writes on the GPU,
+``vmmkv.ops.formats.indexer_kind_for``: indexer_k on Hopper, indexer_k_mxfp8 on sm_10x;
+layer-interleaved blocks of 64 tokens, ``vmmkv.testing.kv``; one random block table per prompt,
+the same on every rank).
 
 Forward of one rank, ``T`` tokens, ``L`` layers (``--layers``, default 61 as the model). Shapes
 from DeepSeek-V3.2's config: hidden 7168, q_lora_rank 1536, kv_lora_rank 512, qk_rope_head_dim
@@ -59,10 +61,14 @@ KV-update paths, measured in one run on the same inputs and the same cache layou
   (vLLM does not gather slots). Pure prefill has no replicated decode rows, so vLLM's
   concatenation (decode rows ahead of the gathered rows) does not occur. vLLM's insert ops cannot
   run here (no vLLM on the GPU machine): the inserts are vmmkv's local-only store kernels
-  (``vmmkv.ops.prepare`` over the own buffer), which write the same bytes as vLLM's writer by
-  design. vLLM drives NCCL through its pynccl wrapper on the current stream; torch's
-  ProcessGroupNCCL used here runs the same NCCL kernel plus a stream hand-off. The cache is a
-  plain ``torch.zeros`` buffer, as vLLM's.
+  (``vmmkv.ops.prepare`` over the own buffer), which by design write the bytes of the C++
+  writers vLLM's PCP path calls after its gather (``concat_and_cache_mla``,
+  ``indexer_k_quant_and_cache``) as docs/design.md specifies them -- with one open finding
+  recorded there: the ``concat_and_cache_ds_mla`` kernel compiled into the 0.33.0 wheel rounds
+  the MLA tile scale to a power of two, so 0.33.0's fp8_ds_mla values differ from these (the
+  same bytes per token, the same work). vLLM drives NCCL through its pynccl wrapper on the
+  current stream; torch's ProcessGroupNCCL used here runs the same NCCL kernel plus a stream
+  hand-off. The cache is a plain ``torch.zeros`` buffer, as vLLM's.
 - ``vmmkv_gather``: vmmkv's own fallback on the vmmkv cache: ``publish_layer(mode="gather")``
   with the gathered slot mapping (one pack, one NCCL all-gather, one insert).
 - ``symm_mem``: torch symmetric memory: ``torch.distributed._symmetric_memory.empty`` of the same
@@ -647,7 +653,7 @@ def _read_cache(views, wl: _Workload):
     indexer keys ``[n, S, 128]`` (bf16), in position order."""
     import torch
 
-    mla, idx_vals, idx_scales = views
+    mla, idx_vals, idx_scales, mxfp8 = views
     n, seq = wl.read_blk.shape
     rows = mla[wl.read_blk, wl.read_off]  # [n, S, 656] uint8
     values = rows[..., :SCALE_AT].view(torch.float8_e4m3fn).float()
@@ -656,20 +662,25 @@ def _read_cache(views, wl: _Workload):
     rope = rows[..., ROPE_AT:].view(torch.bfloat16)
     kv = torch.cat((nope.view(n, seq, MLA_KV_DIM).to(torch.bfloat16), rope), dim=-1)
     k8 = idx_vals[wl.read_blk, wl.read_off].view(torch.float8_e4m3fn).float()
-    kscale = idx_scales[wl.read_blk, wl.read_off].view(torch.float32)  # [n, S, 1]
+    raw = idx_scales[wl.read_blk, wl.read_off]  # [n, S, 4] uint8
+    if mxfp8:  # four equal UE8M0 bytes: 2^(byte - 127), rebuilt as the fp32 exponent field
+        kscale = (raw[..., :1].to(torch.int32) << 23).view(torch.float32)
+    else:
+        kscale = raw.view(torch.float32)  # [n, S, 1]
     return kv, (k8 * kscale).to(torch.bfloat16)
 
 
-def _read_views(views):
-    """Per layer: (fp8_ds_mla view, indexer values ``[nb, 64, 128]``, indexer scales ``[nb, 64,
-    4]``) over the split indexer blocks of ``vmmkv.testing.kv.interleaved_views``."""
+def _read_views(views, indexer_kind: str):
+    """Per layer: (fp8_ds_mla view, indexer values ``[nb, 64, 128]``, indexer scale bytes ``[nb,
+    64, 4]``, whether those are UE8M0) over the split indexer blocks of
+    ``vmmkv.testing.kv.interleaved_views``."""
     out = []
     for mla, idx in views:
         nb, bs, _ = idx.shape
         at = idx.storage_offset()
         vals = idx.as_strided((nb, bs, INDEXER_DIM), (idx.stride(0), INDEXER_DIM, 1), at)
         scales = idx.as_strided((nb, bs, 4), (idx.stride(0), 4, 1), at + bs * INDEXER_DIM)
-        out.append((mla, vals, scales))
+        out.append((mla, vals, scales, indexer_kind == "indexer_k_mxfp8"))
     return out
 
 
@@ -822,7 +833,7 @@ class _SymmMem(_Update):
         self.handle = None
 
 
-def _targets(buf, ptr_table, my_rank: int, views):
+def _targets(buf, ptr_table, my_rank: int, views, indexer_kind: str):
     """``(fp8_ds_mla, indexer_k)`` KVTargets per layer over the views of ``buf`` (offsets from
     its first byte, the same in every buffer of ``ptr_table``) and their error counter."""
     import torch
@@ -837,7 +848,7 @@ def _targets(buf, ptr_table, my_rank: int, views):
     base, size = buf.data_ptr(), buf.numel()
     out = [
         tuple(KVTarget(**target_geometry(v, kind, base, size), **shared)
-              for v, kind in ((mla, "fp8_ds_mla"), (idx, "indexer_k")))
+              for v, kind in ((mla, "fp8_ds_mla"), (idx, indexer_kind)))
         for mla, idx in views
     ]  # fmt: skip
     return out, shared["error_counter"]
@@ -869,6 +880,12 @@ class _Rank:
         self.group = dist.group.WORLD
         self.dgroup = None if self.cpu else dist.new_group(backend="nccl")
         self.shapes = TINY if self.cpu else DEEPSEEK_V32
+        # the indexer bytes vLLM writes on this GPU (Hopper: indexer_k, sm_10x: indexer_k_mxfp8)
+        self.indexer_kind = "indexer_k"
+        if not self.cpu:
+            from vmmkv.ops.formats import indexer_kind_for
+
+            self.indexer_kind = indexer_kind_for(torch.cuda.get_device_capability(self.device))
         self.layers = opts["layers"]
         self.specs = [WorkloadSpec(**s) for s in opts["specs"]]
         self.paths: dict[str, _Update] = {}
@@ -989,9 +1006,9 @@ class _Rank:
             buf = self.cache.allocate(self.capacity).view(torch.uint8)
             views = interleaved_views(buf, self.layers, self.nb_capacity)
             binds = [(self.cache.bind(f"l{i}.mla", m, "fp8_ds_mla"),
-                      self.cache.bind(f"l{i}.idx", x, "indexer_k"))
+                      self.cache.bind(f"l{i}.idx", x, self.indexer_kind))
                      for i, (m, x) in enumerate(views)]  # fmt: skip
-            read = _read_views(views)
+            read = _read_views(views, self.indexer_kind)
             if "direct" in self.opts["paths"]:
                 if self.cache.direct:
                     self.paths["direct"] = _Direct(self.cache, buf, binds, read)
@@ -1011,10 +1028,10 @@ class _Rank:
             self.kept.append(buf)
             views = interleaved_views(buf, self.layers, self.nb_cap)
             table = torch.tensor([buf.data_ptr()], dtype=torch.int64, device=self.device)
-            targets, errors = _targets(buf, table, 0, views)
+            targets, errors = _targets(buf, table, 0, views, self.indexer_kind)
             group = self.group if self.cpu else self.dgroup
-            self.paths["vllm_gather"] = _VllmGather(buf, _read_views(views), targets, errors,
-                                                    group, self.world)  # fmt: skip
+            self.paths["vllm_gather"] = _VllmGather(buf, _read_views(views, self.indexer_kind),
+                                                    targets, errors, group, self.world)  # fmt: skip
         if "symm_mem" in self.opts["paths"]:
             self._setup_symm(twice)
         # the baseline first: the verification's reference (its replica needs no barrier)
@@ -1066,8 +1083,8 @@ class _Rank:
 
         views = interleaved_views(tensor, self.layers, tensor.numel() // self.stride)
         table = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.device)
-        targets, errors = _targets(tensor, table, self.rank, views)
-        return _SymmMem(tensor, handle, _read_views(views), targets, errors)
+        targets, errors = _targets(tensor, table, self.rank, views, self.indexer_kind)
+        return _SymmMem(tensor, handle, _read_views(views, self.indexer_kind), targets, errors)
 
     # -- forwards, graphs --------------------------------------------------------------------
     def layer(self, path: _Update, wl: _Workload, layer: int) -> None:
@@ -1146,7 +1163,7 @@ class _Rank:
         blk, off = wl.gslots // BLOCK_SIZE, wl.gslots % BLOCK_SIZE
         count = 0
         for layer in sorted({0, self.layers - 1}):
-            mla, _, scales = path.read[layer]
+            mla, _, scales, _ = path.read[layer]
             for s in (mla[blk, off, SCALE_AT : SCALE_AT + 4], scales[blk, off]):
                 count += int((s == POISON).all(dim=1).sum())
         return count
@@ -1420,7 +1437,8 @@ class _Rank:
             raise RuntimeError(
                 f"rank {self.rank}: the ranks ended up with different paths {chosen}"
             )
-        result: dict[str, Any] = {"devices": devices, "paths": list(self.paths)}
+        result: dict[str, Any] = {"devices": devices, "paths": list(self.paths),
+                                  "indexer_kind": self.indexer_kind}  # fmt: skip
         if not self.cpu:
             result["kernel_load_s"] = max(s["kernel_load_s"] for s in setups)
         result["setup"] = {

@@ -90,6 +90,35 @@ def test_dual_chunk_swap_gives_every_position_to_exactly_one_rank():
     assert bp._rank_positions(0, 2, 8).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
 
 
+@pytest.mark.parametrize("kind", ["indexer_k", "indexer_k_mxfp8"])
+def test_the_attention_reads_back_what_the_reference_wrote_in_position_order(kind):
+    import torch
+
+    from vmmkv.ops import reference as ref
+    from vmmkv.testing.kv import interleaved_views, layer_inputs
+
+    spec = bp.WorkloadSpec("2x128", 2, 64, 2)  # 2 prompts of 128 tokens: 4 blocks
+    wl = bp._Workload(spec, 0, bp.TINY, 1, torch.device("cpu"), seed=3)
+    buf = torch.full((spec.blocks * 64 * (656 + 132),), 0xA5, dtype=torch.uint8)
+    ((mla, idx),) = interleaved_views(buf, 1, spec.blocks)
+    kv_c, k_pe, k = layer_inputs(7, 2 * spec.tokens)
+    ref.insert_ds_mla(mla, kv_c, k_pe, wl.gslots)  # every rank's rows, rank-major
+    insert = ref.insert_indexer_k_mxfp8 if kind == "indexer_k_mxfp8" else ref.insert_indexer_k
+    insert(idx, k, wl.gslots)
+    kv, kidx = bp._read_cache(bp._read_views([(mla, idx)], kind)[0], wl)
+    # token at position p of prompt j: find its row in the gathered (rank-major) order
+    slot_of = {int(s): i for i, s in enumerate(wl.gslots)}
+    for j, p in ((0, 0), (0, 127), (1, 5), (1, 64), (1, 100)):
+        row = slot_of[int(wl.read_blk[j, p]) * 64 + int(wl.read_off[j, p])]
+        want = torch.cat((kv_c[row].float(), k_pe[row].float()))
+        assert torch.equal(kv[j, p, 512:], k_pe[row])  # rope: bf16, verbatim
+        assert torch.allclose(kv[j, p].float(), want, rtol=0.13, atol=1e-2)  # fp8 precision
+        assert torch.allclose(kidx[j, p].float(), k[row].float(), rtol=0.13, atol=1e-2)
+    assert sorted(slot_of) == sorted(
+        (wl.read_blk * 64 + wl.read_off).flatten().tolist()
+    )  # the attention reads exactly the tokens the group wrote
+
+
 def test_flops_are_the_documented_deepseek_v32_figures():
     s = bp.DEEPSEEK_V32
     assert s.ffn_inter == 18432  # 8 routed + 1 shared expert of 2048 = the dense layers' width
