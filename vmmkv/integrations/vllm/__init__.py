@@ -32,7 +32,10 @@ the zeroing traffic by the group size. Growth zeroes new blocks the same way (ze
 Supported (anything else is refused with :class:`UnsupportedKVCache` naming the layer and spec,
 or the layout): DeepSeek-V3.2-style caches (``fp8_ds_mla`` MLA layers + indexer K layers,
 bfloat16 activations) in layouts LBHNC, LBNHC (vLLM's default), BLHNC, BLNHC; no HiSparse, no
-kernel-block splitting. The indexer kind follows vLLM's ``mqa_logits_use_mx_scales()``.
+kernel-block splitting. The bytes are the ones the installed vLLM writes: the MLA kind from
+``vmmkv.ops.formats.mla_kind_for(vllm.__version__)`` (0.33: power-of-two tile scales,
+``fp8_ds_mla_ue8m0``), the indexer kind from vLLM's own ``mqa_logits_use_mx_scales()``
+(``indexer_k``; ``indexer_k_mxfp8`` on SM100).
 
 Growth: :meth:`VllmKVCache.grow`/``shrink`` in blocks for both layout families (segments from
 vLLM's ``KVCacheTensor`` numbers). vLLM 0.33 cannot resize its block pool, so an engine that
@@ -53,7 +56,15 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from ._patches import active_cache, install, installed, original, uninstall, vllm_indexer_kind
+from ._patches import (
+    active_cache,
+    install,
+    installed,
+    original,
+    uninstall,
+    vllm_indexer_kind,
+    vllm_mla_kind,
+)
 
 __all__ = [
     "ENV",
@@ -63,6 +74,7 @@ __all__ = [
     "VllmKVCache",
     "active_cache",
     "create_views",
+    "enabled",
     "installed",
     "original",
     "patched",
@@ -71,6 +83,7 @@ __all__ = [
     "register",
     "unregister",
     "vllm_indexer_kind",
+    "vllm_mla_kind",
 ]
 
 log = logging.getLogger(__name__)

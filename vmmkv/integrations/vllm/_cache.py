@@ -10,7 +10,7 @@ What it does, in order (the constructor):
    (block growth, both layout families); vLLM's own ``create_kv_cache_views`` builds the layer
    views over that buffer (no whole-buffer ``torch.zeros`` over uncommitted memory).
 4. Every layer view is bound (4-D ``[B, 1, N, C]`` as vLLM makes it) with its kind:
-   ``fp8_ds_mla`` for MLA layers, the indexer kind for indexer K layers.
+   ``mla_kind`` for MLA layers, ``indexer_kind`` for indexer K layers.
 5. ``grow(initial_blocks)``.
 
 Growth: ``grow(n)``/``shrink(n)`` give every layer blocks ``[0, n)`` (collective over the PCP
@@ -46,6 +46,7 @@ import torch
 
 from ..._util import require_int
 from ...cache import Binding, ReplicatedKVCache
+from ...ops.formats import get_format
 from ._layout import KVCachePlan, create_views, plan_kv_cache
 
 __all__ = ["StorePlan", "VllmKVCache", "pcp_store_plan"]
@@ -123,6 +124,7 @@ class VllmKVCache:
         device: Any,
         device_group: Any = None,
         kernel_block_sizes: Sequence[int] | None = None,
+        mla_kind: str = "fp8_ds_mla",
         indexer_kind: str = "indexer_k",
         initial_blocks: int | None = None,
         direct: bool | None = None,
@@ -132,13 +134,14 @@ class VllmKVCache:
     ) -> None:
         self.config = kv_cache_config
         self.plan: KVCachePlan = plan_kv_cache(
-            kv_cache_config, layout, kernel_block_sizes, indexer_kind=indexer_kind
-        )
+            kv_cache_config, layout, kernel_block_sizes, mla_kind=mla_kind,
+            indexer_kind=indexer_kind,
+        )  # fmt: skip
         plan = self.plan
         if initial_blocks is None:
             initial_blocks = plan.num_blocks
         require_int("initial_blocks", initial_blocks, lo=0, hi=plan.num_blocks)
-        self.indexer_kind = indexer_kind
+        self.mla_kind, self.indexer_kind = mla_kind, indexer_kind
         self.cache = ReplicatedKVCache(
             cpu_group, plan.size, device, device_group=device_group, initial_bytes=0,
             chunk_bytes=chunk_bytes, lanes=1, direct=direct, timeout=timeout, backend=backend,
@@ -168,7 +171,7 @@ class VllmKVCache:
 
     @staticmethod
     def _family(kind: str) -> str:
-        return MLA if kind == "fp8_ds_mla" else INDEXER
+        return INDEXER if get_format(kind).split_block else MLA
 
     # -- properties ------------------------------------------------------------------------
     num_blocks = property(lambda self: self.plan.num_blocks)
@@ -226,7 +229,8 @@ class VllmKVCache:
         then, in direct mode when rows went to peers, the barrier: every replica holds every
         rank's rows before attention reads them. Collective (see the module docstring)."""
         slots = plan.slots  # None with a gathered mapping: the cache takes this rank's slice
-        store = self.cache.store_ds_mla if b.kind == "fp8_ds_mla" else self.cache.store_indexer_k
+        mla = self._family(b.kind) == MLA
+        store = self.cache.store_ds_mla if mla else self.cache.store_indexer_k
         store(
             b, *inputs, slots, num_local_only=plan.num_local_only,
             gathered_slot_mapping=plan.gathered,

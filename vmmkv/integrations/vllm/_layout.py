@@ -10,7 +10,8 @@ of it: the store kind of every layer, the layer views (built by vLLM's own
 Supported: the two caches of a DeepSeek-V3.2-style sparse MLA layer, in one of the four
 block-compact layouts vLLM accepts for them (``SUPPORTED_LAYOUTS``):
 
-- MLA ``MLAAttentionSpec`` with ``cache_dtype_str == "fp8_ds_mla"`` (656-byte entries), one head;
+- MLA ``MLAAttentionSpec`` with ``cache_dtype_str == "fp8_ds_mla"`` (656-byte entries), one head
+  (bound as ``mla_kind``: the MLA format whose scale rule the vLLM release writes);
 - indexer K ``MLAAttentionSpec`` with ``cache_role == SparseCacheRole.INDEXER`` (132-byte
   entries, values then scales inside each block), one head, no quantization mode.
 
@@ -133,7 +134,7 @@ def layer_spec(config: Any, name: str) -> tuple[int, Any]:
     raise UnsupportedKVCache(f"layer {name!r} of a KVCacheTensor belongs to no KV cache group")
 
 
-def _kind(name: str, spec: Any, indexer_kind: str) -> str:
+def _kind(name: str, spec: Any, mla_kind: str, indexer_kind: str) -> str:
     """The vmmkv store kind of one layer, or UnsupportedKVCache naming it."""
     base_ok = (
         type(spec) is MLAAttentionSpec
@@ -150,7 +151,7 @@ def _kind(name: str, spec: Any, indexer_kind: str) -> str:
             return indexer_kind
     elif base_ok and spec.cache_dtype_str == "fp8_ds_mla":
         if spec.state_content_size_bytes == MLA_ENTRY_BYTES:
-            return "fp8_ds_mla"
+            return mla_kind
     raise UnsupportedKVCache(f"layer {name!r} has {_describe(spec)}; {_WHAT}")
 
 
@@ -159,15 +160,21 @@ def plan_kv_cache(
     layout: Any,
     kernel_block_sizes: Sequence[int] | None = None,
     *,
+    mla_kind: str = "fp8_ds_mla",
     indexer_kind: str = "indexer_k",
 ) -> KVCachePlan:
     """Validate vLLM's ``KVCacheConfig`` for ``layout`` and return its :class:`KVCachePlan`.
     Raises :class:`UnsupportedKVCache` naming the layer and spec, the layout, or the placement
-    it cannot serve. ``indexer_kind``: the vmmkv kind of the indexer K layers."""
+    it cannot serve. ``mla_kind`` / ``indexer_kind``: the vmmkv kinds of the MLA and indexer K
+    layers (formats of ``vmmkv.ops.formats`` with their entry sizes)."""
     layout = _as_layout(layout)
-    fmt = get_format(indexer_kind)
-    if not fmt.split_block or fmt.entry_bytes != INDEXER_ENTRY_BYTES:
-        raise UnsupportedKVCache(f"indexer_kind {indexer_kind!r} is not an indexer K format")
+    for what, kind, entry, split in (
+        ("mla_kind", mla_kind, MLA_ENTRY_BYTES, False),
+        ("indexer_kind", indexer_kind, INDEXER_ENTRY_BYTES, True),
+    ):
+        fmt = get_format(kind)
+        if fmt.split_block != split or fmt.entry_bytes != entry:
+            raise UnsupportedKVCache(f"{what} {kind!r} is not a format of {entry}-byte entries")
     if layout.name not in SUPPORTED_LAYOUTS:
         raise UnsupportedKVCache(
             f"KV cache layout {layout.name} is not supported by vmmkv (supported: "
@@ -189,7 +196,7 @@ def plan_kv_cache(
             )
         for li, name in enumerate(t.layers):
             gid, spec = layer_spec(config, name)
-            kind = _kind(name, spec, indexer_kind)
+            kind = _kind(name, spec, mla_kind, indexer_kind)
             kbs = None
             if kernel_block_sizes is not None and gid < len(kernel_block_sizes):
                 kbs = kernel_block_sizes[gid]

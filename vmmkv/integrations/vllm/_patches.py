@@ -30,7 +30,15 @@ import torch
 
 from ...ops.formats import FORMATS, INDEXER_DIM
 
-__all__ = ["active_cache", "install", "installed", "original", "uninstall", "vllm_indexer_kind"]
+__all__ = [
+    "active_cache",
+    "install",
+    "installed",
+    "original",
+    "uninstall",
+    "vllm_indexer_kind",
+    "vllm_mla_kind",
+]
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +104,16 @@ def vllm_indexer_kind() -> str:
     return MX_INDEXER_KIND
 
 
+def vllm_mla_kind() -> str:
+    """The vmmkv kind whose bytes the installed vLLM writes into its ``fp8_ds_mla`` cache
+    (``vmmkv.ops.formats.mla_kind_for(vllm.__version__)``: power-of-two tile scales for 0.33)."""
+    import vllm
+
+    from ...ops.formats import mla_kind_for
+
+    return mla_kind_for(vllm.__version__)
+
+
 # -- the replacements ------------------------------------------------------------------------
 
 
@@ -129,7 +147,7 @@ def _allocate(orig: Callable[..., Any]) -> Callable[..., Any]:
         cache = VllmKVCache(
             kv_cache_config, layout, cpu_group=pcp.cpu_group, device=device,
             device_group=pcp.device_group, kernel_block_sizes=kernel_block_sizes,
-            indexer_kind=vllm_indexer_kind(),
+            mla_kind=vllm_mla_kind(), indexer_kind=vllm_indexer_kind(),
         )  # fmt: skip
         _STATE.active = cache
         return dict(cache.views)
