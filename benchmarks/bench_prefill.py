@@ -5,10 +5,12 @@ prefill context parallelism (PCP), compared with vLLM 0.33.0's gather-then-inser
 symmetric memory? ``--world`` ranks (default 2), one process per GPU. Each rank holds its share of
 every prompt (DualChunkSwap, as vLLM splits prompts: a prompt of ``world * t`` tokens is cut into
 ``2 * world`` chunks, rank ``r`` holds chunks ``r`` and ``2 * world - 1 - r``) and a full replica
-of the KV cache (fp8_ds_mla + the indexer kind vLLM writes on the GPU,
-``vmmkv.ops.formats.indexer_kind_for``: indexer_k on Hopper, indexer_k_mxfp8 on sm_10x;
-layer-interleaved blocks of 64 tokens, ``vmmkv.testing.kv``; one random block table per prompt,
-the same on every rank).
+of the KV cache in the formats vLLM 0.33.0 writes: Main-KV ``fp8_ds_mla_ue8m0`` (tile scales
+rounded up to a power of two, docs/design.md) where this vmmkv has that kind, else
+``fp8_ds_mla`` (the raw scale: other values, the same bytes per token and the same work); the
+indexer kind of the GPU (``vmmkv.ops.formats.indexer_kind_for``: indexer_k on Hopper,
+indexer_k_mxfp8 on sm_10x); layer-interleaved blocks of 64 tokens (``vmmkv.testing.kv``); one
+random block table per prompt, the same on every rank.
 
 Forward of one rank, ``T`` tokens, ``L`` layers (``--layers``, default 61 as the model). Shapes
 from DeepSeek-V3.2's config: hidden 7168, q_lora_rank 1536, kv_lora_rank 512, qk_rope_head_dim
@@ -61,12 +63,10 @@ KV-update paths, measured in one run on the same inputs and the same cache layou
   (vLLM does not gather slots). Pure prefill has no replicated decode rows, so vLLM's
   concatenation (decode rows ahead of the gathered rows) does not occur. vLLM's insert ops cannot
   run here (no vLLM on the GPU machine): the inserts are vmmkv's local-only store kernels
-  (``vmmkv.ops.prepare`` over the own buffer), which by design write the bytes of the C++
-  writers vLLM's PCP path calls after its gather (``concat_and_cache_mla``,
-  ``indexer_k_quant_and_cache``) as docs/design.md specifies them -- with one open finding
-  recorded there: the ``concat_and_cache_ds_mla`` kernel compiled into the 0.33.0 wheel rounds
-  the MLA tile scale to a power of two, so 0.33.0's fp8_ds_mla values differ from these (the
-  same bytes per token, the same work). vLLM drives NCCL through its pynccl wrapper on the
+  (``vmmkv.ops.prepare`` over the own buffer), which write the bytes of the C++ writers vLLM's
+  PCP path calls after its gather (``concat_and_cache_mla``, ``indexer_k_quant_and_cache``) as
+  docs/design.md specifies them (with ``fp8_ds_mla`` instead of ``fp8_ds_mla_ue8m0``: the same
+  bytes per token and work, other scale values). vLLM drives NCCL through its pynccl wrapper on the
   current stream; torch's ProcessGroupNCCL used here runs the same NCCL kernel plus a stream
   hand-off. The cache is a plain ``torch.zeros`` buffer, as vLLM's.
 - ``vmmkv_gather``: vmmkv's own fallback on the vmmkv cache: ``publish_layer(mode="gather")``
@@ -315,6 +315,8 @@ def _seconds(text: str) -> float:
 
 
 def _tokens(text: str) -> list[int]:
+    if text.lower() == "none":
+        return []
     values = []
     for part in text.split(","):
         try:
@@ -374,7 +376,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--layers", type=_int_at_least(1, MODEL_LAYERS),
                     default=MODEL_LAYERS, help=f"layers (default {MODEL_LAYERS})")  # fmt: skip
     ap.add_argument("--tokens", type=_tokens, default=None,
-                    help="tokens per rank of the single-prompt workloads, comma-separated "
+                    help="tokens per rank of the single-prompt workloads, comma-separated, or "
+                         "none "
                          f"(default {','.join(map(str, GPU_TOKENS))}; --cpu: "
                          f"{','.join(map(str, CPU_TOKENS))})")  # fmt: skip
     ap.add_argument("--batch", type=_batch, default=None,
@@ -415,6 +418,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--batch: the prompt length must be a multiple of 2 x --world = {2 * args.world} "
             f"(each rank holds two equal chunks of every prompt), got {args.batch[1]}"
         )
+    if not args.tokens and args.batch is None:
+        ap.error("--tokens none and --batch none: nothing to run")
     if args.timeout is not None and args.timeout <= 0:
         ap.error(f"--timeout must be > 0, got {args.timeout}")
     args.notes = {}
@@ -528,7 +533,13 @@ def markdown(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     skipped = [s for s in result.get("steps", []) if s.get("skipped")]
     if skipped:
         out.append("")
-        out += [f"- skipped: {s['workload']} {s['mode']}: {s['skipped']}" for s in skipped]
+    for s in skipped:
+        if s["sequences"] == 1:
+            alone = f"--tokens {s['tokens_per_rank']} --batch none"
+        else:
+            alone = f"--tokens none --batch {s['sequences']}x{s['seq_len']}"
+        out.append(f"- skipped: {s['workload']} {s['mode']}: {s['skipped']} (alone: {alone} "
+                   f"--modes {s['mode']})")  # fmt: skip
     return "\n".join(out)
 
 
@@ -668,6 +679,17 @@ def _read_cache(views, wl: _Workload):
     else:
         kscale = raw.view(torch.float32)  # [n, S, 1]
     return kv, (k8 * kscale).to(torch.bfloat16)
+
+
+def mla_kind(indexer_kind: str) -> str:
+    """The Main-KV kind to bind: ``fp8_ds_mla_ue8m0`` (vLLM 0.33.0's bytes) where the formats
+    table has it with the store combinations used here, else ``fp8_ds_mla``."""
+    from vmmkv.ops.formats import FORMATS, STORE_KINDS
+
+    want = "fp8_ds_mla_ue8m0"
+    if want in FORMATS and {(want,), (want, indexer_kind)} <= set(STORE_KINDS):
+        return want
+    return "fp8_ds_mla"
 
 
 def _read_views(views, indexer_kind: str):
@@ -833,7 +855,7 @@ class _SymmMem(_Update):
         self.handle = None
 
 
-def _targets(buf, ptr_table, my_rank: int, views, indexer_kind: str):
+def _targets(buf, ptr_table, my_rank: int, views, kinds: tuple[str, str]):
     """``(fp8_ds_mla, indexer_k)`` KVTargets per layer over the views of ``buf`` (offsets from
     its first byte, the same in every buffer of ``ptr_table``) and their error counter."""
     import torch
@@ -848,7 +870,7 @@ def _targets(buf, ptr_table, my_rank: int, views, indexer_kind: str):
     base, size = buf.data_ptr(), buf.numel()
     out = [
         tuple(KVTarget(**target_geometry(v, kind, base, size), **shared)
-              for v, kind in ((mla, "fp8_ds_mla"), (idx, indexer_kind)))
+              for v, kind in zip((mla, idx), kinds, strict=True))
         for mla, idx in views
     ]  # fmt: skip
     return out, shared["error_counter"]
@@ -886,6 +908,7 @@ class _Rank:
             from vmmkv.ops.formats import indexer_kind_for
 
             self.indexer_kind = indexer_kind_for(torch.cuda.get_device_capability(self.device))
+        self.kinds = (mla_kind(self.indexer_kind), self.indexer_kind)
         self.layers = opts["layers"]
         self.specs = [WorkloadSpec(**s) for s in opts["specs"]]
         self.paths: dict[str, _Update] = {}
@@ -1005,7 +1028,7 @@ class _Rank:
             )  # fmt: skip
             buf = self.cache.allocate(self.capacity).view(torch.uint8)
             views = interleaved_views(buf, self.layers, self.nb_capacity)
-            binds = [(self.cache.bind(f"l{i}.mla", m, "fp8_ds_mla"),
+            binds = [(self.cache.bind(f"l{i}.mla", m, self.kinds[0]),
                       self.cache.bind(f"l{i}.idx", x, self.indexer_kind))
                      for i, (m, x) in enumerate(views)]  # fmt: skip
             read = _read_views(views, self.indexer_kind)
@@ -1028,7 +1051,7 @@ class _Rank:
             self.kept.append(buf)
             views = interleaved_views(buf, self.layers, self.nb_cap)
             table = torch.tensor([buf.data_ptr()], dtype=torch.int64, device=self.device)
-            targets, errors = _targets(buf, table, 0, views, self.indexer_kind)
+            targets, errors = _targets(buf, table, 0, views, self.kinds)
             group = self.group if self.cpu else self.dgroup
             self.paths["vllm_gather"] = _VllmGather(buf, _read_views(views, self.indexer_kind),
                                                     targets, errors, group, self.world)  # fmt: skip
@@ -1083,7 +1106,7 @@ class _Rank:
 
         views = interleaved_views(tensor, self.layers, tensor.numel() // self.stride)
         table = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.device)
-        targets, errors = _targets(tensor, table, self.rank, views, self.indexer_kind)
+        targets, errors = _targets(tensor, table, self.rank, views, self.kinds)
         return _SymmMem(tensor, handle, _read_views(views, self.indexer_kind), targets, errors)
 
     # -- forwards, graphs --------------------------------------------------------------------
@@ -1253,7 +1276,7 @@ class _Rank:
         iters, warmup = self.opts["iters"], self.opts["warmup"]
         captures = 0.01 * self.layers * len(names) if mode == "graph" else 0.0
         if self.rate:
-            need = 1.15 * len(names) * (warmup + iters) * flops / self.rate + captures
+            need = 1.08 * len(names) * (warmup + iters) * flops / self.rate + captures
             if not self.fits(need):
                 rec["skipped"] = f"budget: needs about {need:.0f} s (projected), not left"
                 return rec
@@ -1265,7 +1288,7 @@ class _Rank:
             rec["verify"] = self.verify(fwd, wl, label)
             seconds = rec["verify"]["forward_s"]
             self.rate = flops * len(seconds) / sum(seconds.values())
-            need = 1.1 * sum(seconds.values()) * (warmup - 1 + iters) * 1.05
+            need = 1.08 * sum(seconds.values()) * (warmup - 1 + iters)
             if not self.fits(need):
                 rec["skipped"] = f"budget: needs about {need:.0f} s (measured), not left"
                 return rec
@@ -1438,7 +1461,7 @@ class _Rank:
                 f"rank {self.rank}: the ranks ended up with different paths {chosen}"
             )
         result: dict[str, Any] = {"devices": devices, "paths": list(self.paths),
-                                  "indexer_kind": self.indexer_kind}  # fmt: skip
+                                  "kv_kinds": list(self.kinds)}  # fmt: skip
         if not self.cpu:
             result["kernel_load_s"] = max(s["kernel_load_s"] for s in setups)
         result["setup"] = {

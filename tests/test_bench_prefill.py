@@ -35,6 +35,7 @@ def test_defaults_are_the_gpu_matrix_and_cpu_drops_symm_mem_and_graphs_with_a_re
     assert cpu.paths == ("direct", "vllm_gather", "vmmkv_gather") and cpu.modes == ("eager",)
     assert "CUDA" in cpu.notes["symm_mem"] and "CUDA" in cpu.notes["graph"]
     assert bp.parse_args(["--batch", "none"]).batch is None
+    assert [s.name for s in bp.parse_args(["--tokens", "none"]).specs] == ["16x1024"]
     picked = bp.parse_args(["--paths", "symm_mem,direct", "--modes", "graph", "--budget-s", "0"])
     assert picked.paths == ("direct", "symm_mem") and picked.modes == ("graph",)
     assert picked.timeout == 3600
@@ -58,6 +59,7 @@ def test_defaults_are_the_gpu_matrix_and_cpu_drops_symm_mem_and_graphs_with_a_re
         (["--budget-s", "-1"], "argument --budget-s: must be a finite number >= 0"),
         (["--timeout", "0"], "--timeout must be > 0"),
         (["--cpu", "--paths", "symm_mem"], "--cpu leaves nothing to run"),
+        (["--tokens", "none", "--batch", "none"], "nothing to run"),
         (["--paths", "direct", "--drop-update", "symm_mem"], "not among --paths"),
     ],
 )
@@ -163,7 +165,8 @@ def test_merge_takes_each_iterations_slowest_rank_and_summary_compares_with_the_
     assert direct["tflops"] == pytest.approx(1e9 / 9e-3 / 1e12)
     table = bp.markdown({"steps": [merged, skipped]}, rows)
     assert "| 8/rank | 8 | eager | direct | 9 | 10 | 1 | 11.11% | -25.00% |" in table
-    assert "| baseline |" in table and "- skipped: big eager: budget" in table
+    assert "| baseline |" in table
+    assert "- skipped: big eager: budget (alone: --tokens 8 --batch none --modes eager)" in table
 
 
 @pytest.mark.timeout(180)
@@ -174,6 +177,7 @@ def test_host_backend_run_verifies_every_path_and_writes_positive_numbers(tmp_pa
     data = json.loads((tmp_path / "bench_prefill.json").read_text())
     paths = ["direct", "vllm_gather", "vmmkv_gather"]
     assert data["paths"] == ["vllm_gather", "direct", "vmmkv_gather"]  # the baseline first
+    assert data["kv_kinds"][0] == bp.mla_kind("indexer_k") and data["kv_kinds"][1] == "indexer_k"
     assert [(s["workload"], s["mode"]) for s in data["steps"]] == [("64/rank", "eager"),
                                                                   ("4x32", "eager")]  # fmt: skip
     for step in data["steps"]:
