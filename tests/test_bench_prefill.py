@@ -179,7 +179,7 @@ def test_host_backend_run_verifies_every_path_and_writes_positive_numbers(tmp_pa
     assert data["paths"] == ["vllm_gather", "direct", "vmmkv_gather"]  # the baseline first
     assert data["kv_kinds"][0] == bp.mla_kind("indexer_k") and data["kv_kinds"][1] == "indexer_k"
     assert [(s["workload"], s["mode"]) for s in data["steps"]] == [("64/rank", "eager"),
-                                                                  ("4x32", "eager")]  # fmt: skip
+                                                                  ("4x48", "eager")]  # fmt: skip
     for step in data["steps"]:
         assert "skipped" not in step and step["verify"]["passed"] is True
         assert step["verify"]["reference"] == "vllm_gather" and step["verify"]["bytes_compared"] > 0
@@ -189,7 +189,7 @@ def test_host_backend_run_verifies_every_path_and_writes_positive_numbers(tmp_pa
             assert all(v > 0 for v in got["forward_ms"] + got["kv_ms"])
     rows = data["rows"]
     assert sorted((r["workload"], r["path"]) for r in rows) == sorted(
-        (w, p) for w in ("64/rank", "4x32") for p in paths
+        (w, p) for w in ("64/rank", "4x48") for p in paths
     )
     for r in rows:
         assert r["forward_p50_ms"] > 0 and r["kv_p50_ms"] > 0 and r["kv_share_pct"] > 0
@@ -204,7 +204,7 @@ def test_host_backend_run_verifies_every_path_and_writes_positive_numbers(tmp_pa
     assert "| 64/rank | 64 | eager | direct |" in out and "| baseline |" in out
     assert (tmp_path / "bench_prefill.png").exists() or "matplotlib is not installed" in out
     partial = [json.loads(x) for x in (tmp_path / "bench_prefill.partial.jsonl").open()]
-    assert [p["workload"] for p in partial] == ["64/rank", "4x32"]
+    assert [p["workload"] for p in partial] == ["64/rank", "4x48"]
 
 
 @pytest.mark.timeout(180)
