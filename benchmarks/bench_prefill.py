@@ -22,7 +22,7 @@ Per layer, in the order an engine runs it (bf16 GEMMs; ``@ W`` = one GEMM):
     [q_c | kv_c | k_pe] = x @ W_qkv_a          7168 -> 1536 + 512 + 64 (fused q_a/kv_a proj)
     q_c, kv_c = rmsnorm(q_c), rmsnorm(kv_c);   k_pe copied contiguous (rope: omitted, elementwise)
     k = layernorm(x @ W_k)                     7168 -> 128 (indexer key)
-    KV UPDATE (the path under test): kv_c, k_pe -> fp8_ds_mla and k -> indexer_k, every replica
+    KV UPDATE (the path under test): kv_c, k_pe -> Main-KV, k -> Indexer-K, every replica
     q_nope, q_pe = q_c @ W_qb_nope, q_c @ W_qb_pe        1536 -> 128 x 128, 1536 -> 128 x 64
     q = [q_nope @ W_uk | q_pe[:, :64]]         16384 -> 512 (W_UK of every head, absorbed)
     q_idx = sum over 64 heads of (q_c @ W_qi) * (x @ W_w)    1536 -> 64 x 128, 7168 -> 64
@@ -37,7 +37,7 @@ layers). Routing and the gate are not modelled (TP1, one GPU per rank: no expert
 One weight set serves every layer (1.2 GB, 24x the 50 MB L2 of an H200: no layer finds another
 layer's weights in cache).
 
-Attention stand-in, per prompt: gather the layer's fp8_ds_mla and indexer_k entries of all ``S =
+Attention stand-in, per prompt: gather the layer's Main-KV and Indexer-K entries of all ``S =
 world * t`` tokens of the prompt from the local replica (by slot, in position order), dequantize
 them (fp8 x tile scale, bf16 rope; fp8 x scale), then ``softmax(q kv^T / sqrt(576) + q_idx k^T /
 sqrt(128)) kv[:, :512]``: one absorbed head over all S keys, not causal, ``2 t S (576 + 128 +
@@ -107,7 +107,8 @@ commit, fd exchange, peer mapping, barrier) and with ``direct=False`` (no peer m
 anyway); ``symm_mem.empty`` + ``rendezvous``.
 
 Growth (smallest workload; graphs on CUDA, eager on the host backend): vmmkv: capture the L layer
-graphs, ``grow`` every replica to twice its committed bytes (collective), move the workload's
+graphs, ``grow`` every replica to twice its committed bytes plus a block, in chunks
+(collective), move the workload's
 blocks past the old committed end (slots and read indices rewritten in place: the graphs read
 them), replay: the replica at the new blocks and the checksums must equal those before. Torch
 symmetric memory needs a new buffer for the same growth: ``empty`` + ``rendezvous``, a copy of the
@@ -118,6 +119,11 @@ Budget (``--budget-s``, default 345 s from the start, 0 = none): the steps run i
 Before a step (projected from the throughput measured so far) and after its verification
 (projected from its measured forwards), a step that would end after the budget (less 15 s for the
 teardown) is skipped on every rank with a printed reason and a JSON entry; rerun it on its own.
+The default run on 2 H200 (5 workloads, 7 steps, 4 paths, 61 layers, 1 + 20 forwards) holds
+about 305 s of forwards at 650 TFLOPS bf16 (printed at the start) plus about 30 s of startup,
+setup, growth and KV-only timings: over budget by a few percent, so the 16384-token step (about
+165 s alone) runs only when the measured rate leaves room (about 690 TFLOPS); otherwise run it
+alone: ``--tokens 16384 --batch none --modes eager``.
 
 Outputs under ``--out``: ``bench_prefill.json`` (every slowest-rank sample, setup, growth,
 verification), ``bench_prefill.png`` (when matplotlib is installed; otherwise one line says so),
