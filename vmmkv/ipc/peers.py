@@ -16,10 +16,17 @@ one outcome on every rank, see ``vmmkv.ipc.comm``):
    whose local preparation failed still takes part and sends an abort notice instead of fds, so
    its peers learn the cause at once;
 4. import and map each peer chunk at its offset inside a ``PeerRegion`` (a reservation of the
-   peer's full capacity, so growth never moves anything), then close the fd;
+   peer's full capacity, so growth never moves anything), then close the fd; the committed
+   chunks are any chunk set (a prefix, or the chunks of a block layout's segments), and a peer
+   maps exactly the chunks its owner committed;
 5. build ``ptr_table`` (device int64 ``[world]``, own base in own slot), which never changes;
 6. agree on success (the last step): any failure anywhere, or a peer that vanished during the
    exchange, makes every rank roll back what this call created and raise.
+
+Resize helpers (ipc-internal, used by ``vmmkv.ipc.symmetric`` between its collective points):
+``PeerMap.exchange_new(chunks, ...)`` passes and maps a grow's new chunks (any chunk set);
+``unmap_peers_from(offset)`` (prefix) and ``unmap_peers_outside(ranges)`` (chunk set: keep the
+chunks overlapping ``ranges``) drop peers' chunks, trying every peer and raising the first error.
 
 Ownership: ``PeerMap`` owns the peer mappings and the signal region, never the caller's region.
 ``PeerMap.close()`` is local and idempotent and unmaps peers' memory before releasing anything
@@ -288,7 +295,7 @@ class PeerMap:
 
     def view(self, rank: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """1-D tensor over rank ``rank``'s region through the local mapping (full capacity;
-        only the committed prefix may be touched)."""
+        only committed chunks may be touched)."""
         self._check_rank("view", rank)
         if rank == self.rank:
             return self._region.tensor(dtype)
@@ -302,15 +309,23 @@ class PeerMap:
         return self._signal_peers[rank].tensor(dtype)
 
     def mapped_bytes(self, rank: int) -> int:
+        """Bytes of rank ``rank``'s region mapped here (own: committed), as a sum of chunks."""
         self._check_rank("mapped_bytes", rank)
         if rank == self.rank:
             return self._region.committed_bytes
         return self._peers[rank].mapped_bytes
 
+    def mapped_chunks(self, rank: int) -> list[Chunk]:
+        """The chunks of rank ``rank``'s region mapped here (own: committed), address order."""
+        self._check_rank("mapped_chunks", rank)
+        if rank == self.rank:
+            return self._region.chunks()
+        return self._peers[rank].chunks()
+
     # -- ipc-internal: used by vmmkv.ipc.symmetric ----------------------------------------
     def exchange_new(self, chunks: list[Chunk], nonce: str, local_error: Exception | None) -> None:
-        """Between two collective points: pass the own new ``chunks`` to every peer and map
-        theirs, or, with ``local_error``, tell every peer this rank cannot take part (see
+        """Between two collective points: pass the own new ``chunks`` (any chunk set, e.g. the
+        chunks a block grow added to every segment) to every peer and map theirs, or, with ``local_error``, tell every peer this rank cannot take part (see
         ``_exchange_and_map``). ``nonce``: fresh per exchange, the same on every rank."""
         self._check_open()
         _exchange_and_map(
@@ -319,8 +334,14 @@ class PeerMap:
         )  # fmt: skip
 
     def unmap_peers_from(self, offset: int) -> None:
-        """Unmap every peer's chunks at or above ``offset`` (rollback of a grow, shrink)."""
+        """Unmap every peer's chunks at or above ``offset`` (prefix: rollback of a grow,
+        shrink). Every peer is tried; the first error is raised (``UnmapError``)."""
         run_all([(lambda p=p: p.unmap_from(offset)) for p in self._peers.values()])
+
+    def unmap_peers_outside(self, ranges: list[tuple[int, int]]) -> None:
+        """Unmap every peer's chunks that overlap none of ``ranges`` (chunk set: rollback of a
+        block grow, block shrink). Every peer is tried; the first error is raised."""
+        run_all([(lambda p=p: p.unmap_outside(ranges)) for p in self._peers.values()])
 
     def close(self) -> None:
         """Local and idempotent: unmap every peer mapping, then release the signal region."""
@@ -363,8 +384,8 @@ def _exchange_and_map(
     fast with its cause; it then raises :class:`RendezvousError`, and so does every peer that
     received a notice. Transport failures (a peer vanished) raise ``FdExchangeError``. On
     error, whatever this call mapped stays recorded in the PeerRegions (the caller rolls back
-    with ``unmap_from``). The RLIMIT_NOFILE soft limit is raised for the exchange if needed
-    and restored afterwards."""
+    with ``unmap_from`` or ``unmap_outside``). The RLIMIT_NOFILE soft limit is raised for the
+    exchange if needed and restored afterwards."""
     others = [r for r in range(comm.world_size) if r != comm.rank]
     if not others:
         if local_error is not None:

@@ -3,7 +3,7 @@ rank, resized collectively.
 
 Contract:
 - Collective (every rank of the group, same order of calls): the constructor, ``resize``,
-  ``agree``, ``host_barrier``. Each ends with one outcome on every rank (``vmmkv.ipc.comm``):
+  ``set_block_layout``, ``resize_blocks``, ``agree``, ``host_barrier``. Each ends with one outcome on every rank (``vmmkv.ipc.comm``):
   all ranks succeed, or all raise. Local: ``close`` (idempotent; a peer may be dead), views and
   properties.
 - ``peers`` selects peer mapping: ``"require"`` maps every peer or raises on every rank
@@ -14,12 +14,26 @@ Contract:
   configuration mismatches (:class:`ConfigMismatch`) always raise.
 - ``must_match``: per-rank settings of the caller that must be equal on every rank; gathered
   with the first request, a mismatch raises the same error on every rank.
-- ``resize`` is refused during CUDA stream capture on the calling thread (a capture running on
-  another thread cannot be seen: do not resize while another thread captures). A failed grow leaves every rank at the old
-  size and the group usable; a failed shrink leaves the bound lowered and the object refusing
-  further resizes (some ranks may have unmapped their peers' chunks).
-- ``committed_table`` (device int64 ``[1]``) holds the committed size every rank's region has;
-  kernels read it as their bound, so growth after CUDA-graph capture needs no new arguments.
+- Two ways to size the region, one protocol (docs/design.md, "Resize protocol"):
+  - prefix (the default): ``resize(committed_bytes)`` grows or shrinks every rank's committed
+    prefix; ``committed_table`` (device int64 ``[1]``) holds the committed size (chunk-rounded).
+  - block layout: ``set_block_layout(segments, max_blocks)`` (collective, once, while nothing is
+    committed) declares segments ``(offset_bytes, block_bytes)``, segment ``i`` spanning
+    ``[offset_i, offset_i + max_blocks * block_bytes_i)``; then ``resize_blocks(n)`` commits
+    (or decommits) on every rank the chunks covering ``[offset_i, offset_i + n *
+    block_bytes_i)`` of every segment (a chunk two segments share stays while either needs
+    it), and peers map exactly the same chunks. ``committed_table`` becomes device int64
+    ``[len(segments)]`` holding ``offset_i + n * block_bytes_i`` (exact, not chunk-rounded);
+    ``bound_for(start, end)`` is the 1-element view of it for a view inside one segment.
+    ``resize`` refuses on a region with a block layout and ``resize_blocks`` on one without,
+    on every rank.
+  Kernels read ``committed_table`` as their bound on every launch, so growth after CUDA-graph
+  capture needs no new arguments; every resize updates all its elements in one device write.
+- ``resize``/``resize_blocks`` are refused during CUDA stream capture on the calling thread (a
+  capture running on another thread cannot be seen: do not resize while another thread
+  captures). A failed grow leaves every rank at the old size (bytes or blocks) and the group
+  usable; a failed shrink leaves the bound lowered and the object refusing further resizes
+  (some ranks may have unmapped their peers' chunks).
 
 Ownership: a ``SymmetricRegion`` owns its ``VirtualRegion`` and its ``PeerMap``; ``close`` unmaps
 peers' memory first, then releases the own region.
@@ -27,6 +41,7 @@ peers' memory first, then releases the own region.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import secrets
 import threading
@@ -35,7 +50,7 @@ from typing import Any
 
 import torch
 
-from .._util import run_all
+from .._util import require_int, run_all
 from ..alloc import Chunk, VirtualRegion
 from .comm import GroupError, PeerTimeoutError, StoreComm
 from .peers import (
@@ -53,6 +68,161 @@ __all__ = ["PEER_MODES", "SymmetricRegion"]
 log = logging.getLogger(__name__)
 
 PEER_MODES = ("require", "auto", "off")
+
+
+# --------------------------------------------------------------------------------------------
+# how a size maps onto the region: a committed prefix (bytes) or a block layout (blocks)
+# --------------------------------------------------------------------------------------------
+
+
+class _Prefix:
+    """The committed prefix: sizes in bytes, one bound (the committed size, chunk-rounded)."""
+
+    unit = "bytes"
+
+    def __init__(self, region: VirtualRegion) -> None:
+        self._region = region
+        self.limit = region.capacity_bytes
+
+    def current(self) -> int:
+        return self._region.committed_bytes
+
+    def rounded(self, nbytes: int) -> int:
+        return self._region.round_up(nbytes)
+
+    def commit(self, nbytes: int) -> list[Chunk]:
+        return self._region.commit(nbytes)
+
+    def decommit(self, nbytes: int) -> None:
+        self._region.decommit(nbytes)
+
+    def unmap_peers(self, peers: PeerMap, nbytes: int) -> None:
+        peers.unmap_peers_from(self._region.round_up(nbytes))
+
+    def bounds(self, nbytes: int) -> list[int]:
+        return [self._region.round_up(nbytes)]
+
+    def moved(self, nbytes: int) -> None:
+        pass  # the size is the region's own committed size
+
+
+class _Segments:
+    """A block layout: sizes in blocks, one bound per segment (``offset_i + n * block_i``)."""
+
+    unit = "blocks"
+
+    def __init__(
+        self, region: VirtualRegion, segments: tuple[tuple[int, int], ...], max_blocks: int
+    ) -> None:
+        self._region = region
+        self.segments = segments
+        self.max_blocks = self.limit = max_blocks
+        self.blocks = 0
+        self._by_start = sorted(
+            (off, off + max_blocks * block, i) for i, (off, block) in enumerate(segments)
+        )
+
+    def current(self) -> int:
+        return self.blocks
+
+    def rounded(self, blocks: int) -> int:
+        return blocks
+
+    def ranges(self, blocks: int) -> list[tuple[int, int]]:
+        return [(off, off + blocks * block) for off, block in self.segments]
+
+    def commit(self, blocks: int) -> list[Chunk]:
+        return self._region.commit_ranges(self.ranges(blocks))
+
+    def decommit(self, blocks: int) -> None:
+        self._region.decommit_outside(self.ranges(blocks))
+
+    def unmap_peers(self, peers: PeerMap, blocks: int) -> None:
+        peers.unmap_peers_outside(self.ranges(blocks))
+
+    def bounds(self, blocks: int) -> list[int]:
+        return [off + blocks * block for off, block in self.segments]
+
+    def moved(self, blocks: int) -> None:
+        self.blocks = blocks
+
+    def containing(self, start: int, end: int) -> int | None:
+        """The index of the segment that contains ``[start, end)``, or None."""
+        k = bisect.bisect_right(self._by_start, start, key=lambda t: t[0]) - 1
+        if k < 0:
+            return None
+        seg_start, seg_end, index = self._by_start[k]
+        return index if start >= seg_start and max(start, end) <= seg_end else None
+
+    def describe(self, limit: int = 6) -> str:
+        shown = ", ".join(
+            f"#{i} [{off}, {off + self.max_blocks * block}) of {block}-byte blocks"
+            for i, (off, block) in enumerate(self.segments[:limit])
+        )
+        more = len(self.segments) - limit
+        return f"{len(self.segments)} segments of {self.max_blocks} blocks: {shown}" + (
+            f", ... {more} more" if more > 0 else ""
+        )
+
+
+def _check_layout(segments: Any, max_blocks: Any, capacity: int) -> tuple[tuple[int, int], ...]:
+    """The block layout as a tuple of ``(offset_bytes, block_bytes)``, in the caller's order;
+    TypeError/ValueError naming the segment, the value got and what was expected."""
+    require_int("max_blocks", max_blocks, lo=1)
+    if isinstance(segments, (str, bytes)) or not hasattr(segments, "__iter__"):
+        raise TypeError(
+            "segments must be a sequence of (offset_bytes, block_bytes) pairs, got "
+            f"{type(segments).__name__}"
+        )
+    out = []
+    for i, seg in enumerate(segments):
+        if not isinstance(seg, (tuple, list)) or len(seg) != 2:
+            raise TypeError(
+                f"segments[{i}] must be an (offset_bytes, block_bytes) pair, got {seg!r}"
+            )
+        off, block = seg
+        require_int(f"segments[{i}] offset_bytes", off, lo=0)
+        require_int(f"segments[{i}] block_bytes", block, lo=1)
+        end = off + max_blocks * block
+        if end > capacity:
+            raise ValueError(
+                f"segments[{i}] = ({off}, {block}) spans [{off}, {end}) with max_blocks="
+                f"{max_blocks}, beyond the capacity {capacity}"
+            )
+        out.append((off, block))
+    if not out:
+        raise ValueError("segments must hold at least one (offset_bytes, block_bytes) pair")
+    spans = sorted((off, off + max_blocks * block, i) for i, (off, block) in enumerate(out))
+    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:], strict=False):
+        if start_b < end_a:
+            raise ValueError(
+                f"segments[{a}] = {out[a]} and segments[{b}] = {out[b]} overlap with max_blocks="
+                f"{max_blocks} (segment {a} ends at {end_a}, segment {b} starts at {start_b})"
+            )
+    return tuple(out)
+
+
+def _layout_differences(layouts: list[Any]) -> str:
+    """Which ranks passed which layout: ranks grouped by layout, each group with its segment
+    count, max_blocks and its first segment that differs from rank 0's."""
+    groups: dict[str, list[int]] = {}
+    for rank, layout in enumerate(layouts):
+        groups.setdefault(repr(layout), []).append(rank)
+    first = layouts[0]
+    parts = []
+    for ranks in groups.values():
+        max_blocks, segs = layouts[ranks[0]]
+        diff = next(
+            (i for i, (a, b) in enumerate(zip(segs, first[1], strict=False)) if a != b),
+            None if len(segs) == len(first[1]) else min(len(segs), len(first[1])),
+        )
+        at = ""
+        if diff is not None and ranks[0] != 0:
+            theirs = tuple(segs[diff]) if diff < len(segs) else None
+            ours = tuple(first[1][diff]) if diff < len(first[1]) else None
+            at = f", first differing segment #{diff}: {theirs} (rank 0: {ours})"
+        parts.append(f"ranks {ranks} have {len(segs)} segments, max_blocks={max_blocks}{at}")
+    return "; ".join(parts)
 
 
 class SymmetricRegion:
@@ -87,6 +257,7 @@ class SymmetricRegion:
             self.region = VirtualRegion(
                 capacity_bytes, device, chunk_bytes=chunk_bytes, backend=backend
             )
+            self._layout: _Prefix | _Segments = _Prefix(self.region)
             self.region.commit(initial_bytes)
             # Local device tables before the last agreement (nothing local happens after it).
             self.local_table = torch.tensor(
@@ -201,78 +372,200 @@ class SymmetricRegion:
         if self._closed:
             raise RuntimeError(f"rank {self.rank}: SymmetricRegion is closed")
 
+    # -- block layout ----------------------------------------------------------------------
+    @property
+    def segments(self) -> tuple[tuple[int, int], ...] | None:
+        """The block layout's ``(offset_bytes, block_bytes)`` segments, or None (prefix)."""
+        layout = self._layout
+        return layout.segments if isinstance(layout, _Segments) else None
+
+    @property
+    def max_blocks(self) -> int | None:
+        layout = self._layout
+        return layout.max_blocks if isinstance(layout, _Segments) else None
+
+    @property
+    def committed_blocks(self) -> int | None:
+        """Blocks every segment holds (the kernels' bound), or None without a block layout."""
+        layout = self._layout
+        return layout.blocks if isinstance(layout, _Segments) else None
+
+    def set_block_layout(self, segments: Any, max_blocks: int, *, refuse: str = "") -> None:
+        """Collective: from now on the region is sized by blocks (see the module docstring).
+
+        Every rank validates its layout (ints, ``block_bytes > 0``, ``max_blocks > 0``, every
+        segment inside the capacity, no two overlapping, in any order) and its state (no layout
+        yet, nothing committed, ``refuse`` empty: the caller's own reason to refuse, e.g. views
+        already bound) before anything else, then the requests are gathered: a bad request
+        raises on every rank (the offending rank TypeError/ValueError/RuntimeError, the others
+        :class:`RendezvousError` naming it), and layouts that differ raise
+        :class:`ConfigMismatch` on every rank naming the ranks. On success ``committed_table``
+        is replaced by a table of ``len(segments)`` bounds (``offset_i``: zero blocks)."""
+        self._check_open()
+        checked: tuple[tuple[int, int], ...] = ()
+        table = None
+        problem, kind = "", type(None)
+        try:
+            checked = _check_layout(segments, max_blocks, self.capacity_bytes)
+        except (TypeError, ValueError) as exc:
+            problem, kind = str(exc), type(exc)
+        if not problem:
+            state = self._layout_refused(refuse)
+            if state:
+                problem, kind = f"refused: {state}", RuntimeError
+        if not problem:
+            try:  # local setup before the step that settles the outcome
+                table = torch.tensor(
+                    [off for off, _ in checked], dtype=torch.int64, device=self.device
+                )
+            except Exception as exc:
+                problem, kind = f"creating the bound table failed: {exc!r}", RuntimeError
+        with self._lock:
+            request = (None if problem else [max_blocks, [list(seg) for seg in checked]], problem)
+            reqs = self._gather(request, "block layout")
+            self._raise_problems(reqs, problem, kind, "set_block_layout rejected")
+            layouts = [layout for layout, _ in reqs]
+            if any(layout != layouts[0] for layout in layouts):
+                raise ConfigMismatch(
+                    f"set_block_layout (rank {self.rank} of {self.world_size}): the layout must "
+                    f"be identical on every rank: {_layout_differences(layouts)}"
+                )
+            self._layout = _Segments(self.region, checked, max_blocks)
+            self.committed_table = table
+
+    def _layout_refused(self, refuse: str) -> str:
+        if refuse:
+            return refuse
+        if isinstance(self._layout, _Segments):
+            return "a block layout is already set (it is set once)"
+        if self.region.committed_bytes:
+            return (
+                f"{self.region.committed_bytes} bytes are committed; a block layout is set "
+                "while nothing is (initial_bytes=0, before any grow)"
+            )
+        if self._broken:
+            return f"unusable after {self._broken}; close it"
+        return ""
+
+    def bound_for(self, start: int, end: int, what: str = "view") -> torch.Tensor:
+        """The device int64 tensor of 1 element that bounds the region bytes ``[start, end)``:
+        ``committed_table`` itself without a block layout, else the element of the one segment
+        that contains them (a view of the table, updated in place by every resize). Raises
+        ValueError naming ``what`` and the segments when no single segment contains them."""
+        self._check_open()
+        layout = self._layout
+        if not isinstance(layout, _Segments):
+            return self.committed_table
+        i = layout.containing(start, end)
+        if i is None:
+            raise ValueError(
+                f"{what}: region bytes [{start}, {end}) lie inside no single segment of the "
+                f"block layout ({layout.describe()}); a view must stay inside one segment"
+            )
+        return self.committed_table[i : i + 1]
+
     # -- collective resize -----------------------------------------------------------------
     def resize(self, committed_bytes: int, *, direction: str | None = None) -> int:
         """Collective: grow or shrink every rank's committed prefix to ``committed_bytes``
         (rounded up to chunks). Returns the new committed size.
 
         Every rank's request (and whatever is wrong with it: type, range, a stream capture in
-        progress, a ``direction`` of ``"grow"``/``"shrink"`` that the size contradicts) is
-        gathered first, so a bad request raises on every rank: the offending rank raises
-        TypeError/ValueError/RuntimeError, the others RendezvousError naming it. A failed grow
-        leaves every rank at the old size and the group usable."""
+        progress, a ``direction`` of ``"grow"``/``"shrink"`` that the size contradicts, a block
+        layout being set) is gathered first, so a bad request raises on every rank: the
+        offending rank raises TypeError/ValueError/RuntimeError, the others RendezvousError
+        naming it. A failed grow leaves every rank at the old size and the group usable."""
+        return self._resize(committed_bytes, direction, blocks=False)
+
+    def resize_blocks(self, blocks: int, *, direction: str | None = None) -> int:
+        """Collective: grow or shrink every segment of the block layout to ``blocks`` blocks
+        (the chunks covering ``[offset_i, offset_i + blocks * block_bytes_i)``; see the module
+        docstring). Returns the new block count. Same protocol and failure rules as
+        ``resize``; refused (on every rank) when no block layout is set."""
+        return self._resize(blocks, direction, blocks=True)
+
+    def _resize(self, size: Any, direction: str | None, *, blocks: bool) -> int:
         self._check_open()
-        problem, kind = self._resize_problem(committed_bytes, direction)
+        problem, kind = self._resize_problem(size, direction, blocks)
         with self._lock:
             # A fresh nonce per exchange names its sockets: unpredictable before this step.
-            request = (None if problem else committed_bytes, problem, secrets.token_hex(16))
-            try:
-                reqs = self._comm.all_gather(request, "resize request")
-            except GroupError as exc:
-                raise as_rendezvous_error(exc) from None
-            problems = {r: p for r, (_, p, _) in enumerate(reqs) if p}
-            if problems:
-                msg = "resize rejected: " + "; ".join(f"rank {r}: {p}" for r, p in problems.items())
-                raise (kind if problem else RendezvousError)(msg)
+            request = (None if problem else size, problem, secrets.token_hex(16))
+            reqs = self._gather(request, "resize request")
+            self._raise_problems(reqs, problem, kind, "resize rejected")
             sizes = [size for size, _, _ in reqs]
             if any(size != sizes[0] for size in sizes):
                 raise RendezvousError(
-                    "resize: the target size must be identical on all ranks, got "
-                    + ", ".join(f"rank {r}: {size}" for r, size in enumerate(sizes))
+                    f"resize: the target size ({self._layout.unit}) must be identical on all "
+                    "ranks, got " + ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
                 )
-            target = self.region.round_up(committed_bytes)
-            current = self.region.committed_bytes
-            if target > current:
-                self._grow(current, committed_bytes, reqs[0][2])
-            elif target < current:
-                self._shrink(target)
-            return self.region.committed_bytes
+            layout = self._layout
+            current = layout.current()
+            if layout.rounded(size) > current:
+                self._grow(current, size, reqs[0][2])
+            elif layout.rounded(size) < current:
+                self._shrink(size)
+            return layout.current()
 
-    def _resize_problem(self, nbytes: Any, direction: str | None) -> tuple[str, type]:
+    def _gather(self, request: Any, what: str) -> list[Any]:
+        try:
+            return self._comm.all_gather(request, what)
+        except GroupError as exc:
+            raise as_rendezvous_error(exc) from None
+
+    def _raise_problems(self, reqs: list[Any], problem: str, kind: type, what: str) -> None:
+        """Every rank raises when any request carries a problem: this rank's own with ``kind``,
+        the others' as RendezvousError naming them."""
+        problems = {r: req[1] for r, req in enumerate(reqs) if req[1]}
+        if problems:
+            msg = f"{what}: " + "; ".join(f"rank {r}: {p}" for r, p in problems.items())
+            raise (kind if problem else RendezvousError)(msg)
+
+    def _resize_problem(self, size: Any, direction: str | None, blocks: bool) -> tuple[str, type]:
         """('', None) when this rank's resize request is valid, else (reason, exception type)."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-            return f"committed_bytes must be an int, got {type(nbytes).__name__}", TypeError
-        if not 0 <= nbytes <= self.capacity_bytes:
-            return f"committed_bytes={nbytes} outside [0, {self.capacity_bytes}]", ValueError
+        layout = self._layout
+        name = "blocks" if blocks else "committed_bytes"
+        if blocks != isinstance(layout, _Segments):
+            why = (
+                "no block layout is set: resize by bytes (resize; ReplicatedKVCache.grow/shrink)"
+                if blocks
+                else "a block layout is set: resize by blocks (resize_blocks; "
+                "ReplicatedKVCache.grow_blocks/shrink_blocks), not by a byte prefix"
+            )
+            return why, RuntimeError
+        if isinstance(size, bool) or not isinstance(size, int):
+            return f"{name} must be an int, got {type(size).__name__}", TypeError
+        if not 0 <= size <= layout.limit:
+            return f"{name}={size} outside [0, {layout.limit}]", ValueError
         if direction not in (None, "grow", "shrink"):
             return f"direction must be None, 'grow' or 'shrink', got {direction!r}", ValueError
-        current = self.region.committed_bytes
-        if direction == "grow" and nbytes < current:
-            return f"grow to {nbytes} is below the committed {current}; use shrink", ValueError
-        if direction == "shrink" and nbytes > current:
-            return f"shrink to {nbytes} is above the committed {current}; use grow", ValueError
+        current = layout.current()
+        if direction == "grow" and size < current:
+            return f"grow to {size} is below the committed {current}; use shrink", ValueError
+        if direction == "shrink" and size > current:
+            return f"shrink to {size} is above the committed {current}; use grow", ValueError
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return "refused during CUDA stream capture (resize before or after)", RuntimeError
         if self._broken:
             return f"unusable after {self._broken}; close it", RuntimeError
         return "", type(None)
 
-    def _grow(self, current: int, nbytes: int, nonce: str) -> None:
+    def _grow(self, current: int, size: int, nonce: str) -> None:
+        layout = self._layout
+        what = f"grow to {size} {layout.unit}"
         deadline = time.monotonic() + self.timeout
         added: list[Chunk] = []
         error: Exception | None = None
         try:
-            added = self.region.commit(nbytes)
+            added = layout.commit(size)
         except Exception as exc:
             error = exc
         try:
             if self.peers is None:
-                self._comm.agree(error, f"grow to {nbytes} bytes (local commit)")
+                self._comm.agree(error, f"{what} (local commit)")
             else:
                 peers = self.peers
                 exchange_then_agree(
                     self._comm,
-                    f"grow to {nbytes} bytes (peer mapping)",
+                    f"{what} (peer mapping)",
                     lambda err: peers.exchange_new(added, nonce, err),
                     error,
                     deadline,
@@ -280,46 +573,55 @@ class SymmetricRegion:
         except GroupError as exc:
             self._release_local(current)
             raise as_rendezvous_error(exc) from error
-        self._set_committed(self.region.committed_bytes)
+        self._set_bounds(layout, size)
 
     def _release_local(self, current: int) -> None:
         """Roll a failed grow back to ``current``: peers' new chunks first, then our own. Errors
         are logged, not raised: the grow's own error is the one the caller raises."""
-        steps = [lambda: self.region.decommit(current)]
+        layout = self._layout
+        steps = [lambda: layout.decommit(current)]
         if self.peers is not None:
-            steps.insert(0, lambda: self.peers.unmap_peers_from(current))
+            peers = self.peers
+            steps.insert(0, lambda: layout.unmap_peers(peers, current))
         try:
             run_all(steps)
         except Exception as exc:
-            # Chunks that stayed mapped stay on the books (no hole), but the next grow would
-            # find them in its way: refuse further resizes, as after a failed shrink.
+            # Chunks that stayed mapped stay on the books, but the next grow would find them
+            # in its way: refuse further resizes, as after a failed shrink.
             self._broken = f"a failed grow rollback ({exc})"
             log.error("rank %d: rolling back a failed grow: %s", self.rank, exc)
 
-    def _shrink(self, target: int) -> None:
-        # Kernels stop writing past target from here on. If anything below fails, the bound
-        # stays lowered (writes beyond it are skipped and counted, never faulting) and the
-        # object refuses further resizes: some ranks may have unmapped their peers' chunks.
-        self._set_committed(target)
+    def _shrink(self, size: int) -> None:
+        # Kernels stop writing past the new bounds from here on. If anything below fails, the
+        # bounds stay lowered (writes beyond them are skipped and counted, never faulting) and
+        # the object refuses further resizes: some ranks may have unmapped their peers' chunks.
+        layout = self._layout
+        self._set_bounds(layout, size)
         try:
             self.region.synchronize()
             self._comm.barrier("shrink: all ranks idle")
             error = None
             try:
                 if self.peers is not None:
-                    self.peers.unmap_peers_from(target)
+                    layout.unmap_peers(self.peers, size)
             except Exception as exc:
                 error = exc
             self._comm.agree(error, "shrink: peers unmapped")
-            self.region.decommit(target)
+            layout.decommit(size)
         except BaseException as exc:
-            self._broken = f"a failed shrink to {target} bytes ({exc})"
+            self._broken = f"a failed shrink to {layout.rounded(size)} {layout.unit} ({exc})"
             if isinstance(exc, GroupError):
                 raise as_rendezvous_error(exc) from exc
             raise
 
-    def _set_committed(self, nbytes: int) -> None:
-        self.committed_table.fill_(nbytes)
+    def _set_bounds(self, layout: _Prefix | _Segments, size: int) -> None:
+        """Every element of ``committed_table`` in one device write, then a synchronize."""
+        bounds = layout.bounds(size)
+        if len(bounds) == 1:
+            self.committed_table.fill_(bounds[0])
+        else:
+            self.committed_table.copy_(torch.tensor(bounds, dtype=torch.int64))
+        layout.moved(size)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
