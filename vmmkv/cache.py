@@ -7,18 +7,43 @@ into the own replica). Both write the same bytes.
 
 Contract:
 - Collective (every rank of ``cpu_group``, same order): the constructor, ``grow``, ``shrink``,
-  the stores in gather mode (they all-gather), ``barrier`` and ``publish_layer`` in direct mode
-  (every rank calls them for the same lane the same number of times).
+  ``set_block_layout``, ``grow_blocks``, ``shrink_blocks``, the stores in gather mode (they
+  all-gather), ``barrier`` and ``publish_layer`` in direct mode (every rank calls them for the
+  same lane the same number of times).
 - Local: ``allocate``, ``bind``, ``stats``, ``close`` (idempotent; a peer may be dead). Direct
   stores are local too (visible to peers after the barrier).
 - Capture-safe (``torch.cuda.graph``) once warmed up (one eager call of each store): the
   direct stores, ``barrier`` and ``publish_layer`` on CUDA; the gather stores on CUDA with an
   NCCL ``device_group`` (no host synchronization, no host collective; see ``vmmkv.gather``),
-  also when replayed after growth. Not capture-safe: ``grow``/``shrink`` (refused during
-  capture), the gather stores without a device group (they stage through host memory over gloo,
+  also when replayed after growth. Not capture-safe: ``grow``/``shrink`` and
+  ``grow_blocks``/``shrink_blocks`` (refused during capture), ``set_block_layout``, the gather stores without a device group (they stage through host memory over gloo,
   and are refused during capture), ``stats`` (it reads a device counter).
 - Every host-side wait (the host-backend barrier, gloo gathers) is bounded by ``timeout``.
 - Views returned by ``allocate`` and ``bind`` are invalid after ``close``.
+
+Growth: by a byte prefix (default) or by blocks (a block layout, for layer-major layouts where
+"the first B blocks of every layer" is one byte range per layer region, not a prefix)::
+
+    cache.grow(nbytes) / cache.shrink(nbytes)          # the committed prefix, chunk-rounded
+    cache.set_block_layout(segments, max_blocks)       # once, before any bind, nothing committed
+    cache.grow_blocks(n) / cache.shrink_blocks(n)      # n blocks of every segment
+
+- ``segments``: ``(offset_bytes, block_bytes)`` pairs in region byte offsets (what
+  ``allocate()`` views have: ``view.data_ptr() - cache.region.base_ptr``); segment ``i`` spans
+  ``[offset_i, offset_i + max_blocks * block_bytes_i)``; any order, never overlapping. Equal on
+  every rank (a mismatch raises on every rank naming the ranks). Allowed once, before any
+  ``bind``, while nothing is committed (``initial_bytes=0``, no ``grow``).
+- ``grow_blocks(n)``/``shrink_blocks(n)`` commit/decommit, on every rank, the chunks covering
+  ``[offset_i, offset_i + n * block_bytes_i)`` of every segment (the union: a chunk neighbouring
+  segments share stays while either needs it); peers map exactly those chunks. Same protocol
+  and failure rules as ``grow``/``shrink`` (docs/design.md, "Resize protocol" and "Segmented
+  growth"): a failed grow leaves every rank at the old block count, the group usable.
+- Every bound view must lie inside one segment (refused at ``bind`` otherwise); its kernels'
+  bound is its segment's element of a device table holding ``offset_i + n * block_bytes_i``
+  (exact), read on every launch: growth after graph capture needs no recapture.
+- ``grow``/``shrink`` raise on a cache with a block layout, ``grow_blocks``/``shrink_blocks`` on
+  one without (on every rank). ``committed_blocks`` is None without a block layout.
+  ``committed_bytes`` is always the committed memory (the sum of committed chunks).
 
 Store API (one for both paths)::
 
@@ -156,6 +181,7 @@ class ReplicatedKVCache:
         self._lock = threading.Lock()
         self._closed = False
         self._next_offset = 0
+        self._bound = 0  # bind() calls so far: a block layout is set before the first
         self._tokens = 0
         self._barriers = 0
         try:
@@ -218,6 +244,10 @@ class ReplicatedKVCache:
     device = property(lambda self: self._sr.device)
     capacity_bytes = property(lambda self: self._sr.capacity_bytes)
     committed_bytes = property(lambda self: self._sr.committed_bytes)
+    committed_blocks = property(
+        lambda self: self._sr.committed_blocks,
+        doc="Blocks every segment holds (None without a block layout: a prefix cache).",
+    )
     lanes = property(lambda self: self._lanes)
     region = property(lambda self: self._sr, doc="The SymmetricRegion under the cache.")
     path = property(lambda self: self._path.name, doc="'direct' or 'gather'.")
@@ -237,7 +267,8 @@ class ReplicatedKVCache:
     # -- memory ----------------------------------------------------------------------------
     def allocate(self, nbytes: int, device: Any = None) -> torch.Tensor:
         """1-D int8 view of the next ``nbytes`` of the region (256-byte aligned). Usable as
-        vLLM's ``buffer_allocator(nbytes, device)``; only the committed prefix may be touched."""
+        vLLM's ``buffer_allocator(nbytes, device)``; only committed bytes may be touched (the
+        committed prefix, or the committed blocks of a block layout)."""
         self._check_open()
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"allocate: nbytes must be an int > 0, got {nbytes!r}")
@@ -260,17 +291,22 @@ class ReplicatedKVCache:
         return the :class:`Binding` the store methods take.
 
         ``kind``: ``"fp8_ds_mla"`` (entry 656), ``"indexer_k"`` (132, blocks contiguous: the
-        values and scales are split inside each block) or ``"rows"`` (any entry size)."""
+        values and scales are split inside each block) or ``"rows"`` (any entry size). With a
+        block layout the view must lie inside one segment (ValueError naming the view and the
+        segments otherwise); its bound is that segment's."""
         self._check_open()
         geometry = target_geometry(
             view, kind, self._fence.data_ptr(), self.capacity_bytes, name=name
         )
         if view.device != self.device:
             raise ValueError(f"bind {name!r}: view is on {view.device}, cache on {self.device}")
-        tensors = dict(
-            committed_bytes=self._sr.committed_table, error_counter=self.error_counter,
-            cache=self._fence,
-        )  # fmt: skip
+        start = geometry["offset_bytes"]
+        end = start + sum((n - 1) * st for n, st in zip(view.shape, view.stride(), strict=True))
+        end = end + 1 if view.numel() else start  # the last byte the view holds, + 1
+        with self._lock:
+            bound = self._sr.bound_for(start, end, f"bind {name!r}")
+            self._bound += 1
+        tensors = dict(committed_bytes=bound, error_counter=self.error_counter, cache=self._fence)
         local = self._gather.target(geometry, **tensors)
         direct = self._direct.target(geometry, **tensors) if self._direct else None
         cache = view.view(torch.uint8) if view.dtype == torch.int8 else view
@@ -290,6 +326,33 @@ class ReplicatedKVCache:
         are never written afterwards (kernels read the bound from device memory)."""
         self._check_open()
         return self._sr.resize(committed_bytes, direction="shrink")
+
+    def set_block_layout(self, segments: Any, max_blocks: int) -> None:
+        """Collective: grow by blocks from now on (see the module docstring). ``segments``:
+        ``(offset_bytes, block_bytes)`` pairs in region byte offsets. Validated on every rank
+        before anything else (ints, > 0, inside the capacity, non-overlapping; allowed once,
+        before any ``bind``, while nothing is committed); a bad layout raises on every rank
+        (the offending rank TypeError/ValueError/RuntimeError, the others RendezvousError
+        naming it), layouts that differ between ranks raise ConfigMismatch on every rank."""
+        self._check_open()
+        with self._lock:
+            refuse = ""
+            if self._bound:
+                refuse = f"views are bound already ({self._bound}); set the layout before bind"
+            self._sr.set_block_layout(segments, max_blocks, refuse=refuse)
+
+    def grow_blocks(self, blocks: int) -> int:
+        """Collective: every segment of the block layout holds ``blocks`` committed blocks
+        afterwards, in every replica (the chunks covering them). Allowed after graph capture;
+        refused during capture. Returns the block count."""
+        self._check_open()
+        return self._sr.resize_blocks(blocks, direction="grow")
+
+    def shrink_blocks(self, blocks: int) -> int:
+        """Collective: lower every segment to ``blocks`` blocks (bounds first: blocks beyond
+        are never written afterwards), then decommit the chunks no segment needs."""
+        self._check_open()
+        return self._sr.resize_blocks(blocks, direction="shrink")
 
     # -- stores (see the module docstring) -------------------------------------------------
     def store_ds_mla(self, b, kv_c, k_pe, slot_mapping, *, num_local_only=0, mode=None,
