@@ -228,6 +228,8 @@ def _scenario(rank, world, port, tp, runs):
                     }
                     dist.barrier(group=pcp.cpu_group)  # compared before the next case stores
             out["runs"][f"{layout}/{'direct' if direct else 'gather'}"] = rep
+        # rank 0 hosts the store every group uses: it tears down only after every group is done
+        dist.barrier(group=ps.get_world_group().cpu_group)
     finally:
         ps.destroy_model_parallel()
         ps.destroy_distributed_environment()

@@ -275,6 +275,7 @@ def _zero_and_grow(rank, world, port):
     try:
         out = {v: _zero_race(rank, world, ps, store, v) for v in ("without", "with the fix")}
         out.update({f"growth {lay}": _growth(rank, world, ps, lay) for lay in ("LBNHC", "BLNHC")})
+        dist.barrier(group=ps.get_world_group().cpu_group)  # rank 0 hosts the store: last out
     finally:
         ps.destroy_model_parallel()
         ps.destroy_distributed_environment()

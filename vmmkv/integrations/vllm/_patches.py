@@ -114,6 +114,21 @@ def vllm_mla_kind() -> str:
     return mla_kind_for(vllm.__version__)
 
 
+def check_vllm_config(cfg: Any) -> None:
+    """Refuse (UnsupportedKVCache) what the vLLM config asks and vmmkv cannot do: activations
+    other than bfloat16 (the stores take bf16), HiSparse KV caches."""
+    from ._layout import UnsupportedKVCache
+
+    model = cfg.model_config
+    if model is not None and model.dtype != torch.bfloat16:
+        raise UnsupportedKVCache(
+            f"vmmkv stores bfloat16 activations only; the model {model.model!r} runs in "
+            f"{model.dtype}"
+        )
+    if getattr(cfg.attention_config, "hisparse_config", None) is not None:
+        raise UnsupportedKVCache("vmmkv does not support HiSparse KV caches (hisparse_config)")
+
+
 # -- the replacements ------------------------------------------------------------------------
 
 
@@ -123,7 +138,6 @@ def _allocate(orig: Callable[..., Any]) -> Callable[..., Any]:
         from vllm.distributed.parallel_state import get_pcp_group
 
         from ._cache import VllmKVCache
-        from ._layout import UnsupportedKVCache
 
         pcp = get_pcp_group()
         if pcp.world_size == 1:
@@ -131,14 +145,7 @@ def _allocate(orig: Callable[..., Any]) -> Callable[..., Any]:
             return orig(kv_cache_config, device, layout, kernel_block_sizes)
         cfg = get_current_vllm_config_or_none()
         if cfg is not None:
-            dtype = cfg.model_config.dtype if cfg.model_config is not None else torch.bfloat16
-            if dtype != torch.bfloat16:
-                raise UnsupportedKVCache(
-                    f"vmmkv stores bfloat16 activations only; the model "
-                    f"{cfg.model_config.model!r} runs in {dtype}"
-                )
-            if getattr(cfg.attention_config, "hisparse_config", None) is not None:
-                raise UnsupportedKVCache("vmmkv does not support HiSparse KV caches")
+            check_vllm_config(cfg)
         if _STATE.active is not None:
             raise RuntimeError(
                 f"rank {_STATE.active.rank}: vmmkv already allocated this worker's KV cache; "

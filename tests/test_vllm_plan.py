@@ -1,0 +1,221 @@
+"""vmmkv.integrations.vllm in one process against the real vLLM 0.33.0: the plugin's gate and
+patches, the plan read from vLLM's own KVCacheConfig (views, segments, refusals) and the three
+PCP cases of ``pcp_store_plan``."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vllm is not installed (pip install -e '.[vllm,test]'; CI: the .venv-vllm job)",
+    ),
+]
+
+LAYOUTS = ("LBHNC", "LBNHC", "BLHNC", "BLNHC")
+
+
+def _python(code: str, **env: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", **env},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def configs():
+    from vmmkv.integrations.vllm.testing import build_kv_cache_config
+
+    return {layout: build_kv_cache_config(layout)[1] for layout in LAYOUTS}
+
+
+@pytest.mark.timeout(300)
+def test_vllms_plugin_loader_finds_the_entry_point_and_it_patches_only_when_enabled():
+    code = (
+        "import sys\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "from vmmkv.integrations import vllm as v\n"
+        "import vllm.v1.worker.gpu_model_runner as g\n"
+        "print(v.installed(), g.allocate_kv_cache.__module__)\n"
+    )
+    assert _python(code, VLLM_USE_VMMKV="1") == "True vmmkv.integrations.vllm._patches"
+    assert _python(code, VLLM_USE_VMMKV="0") == "False vllm.v1.worker.utils"
+
+
+@pytest.mark.timeout(120)
+def test_register_without_the_variable_imports_no_vllm_module_and_refuses_bad_values():
+    code = (
+        "import sys\n"
+        "from vmmkv.integrations.vllm import register\n"
+        "register()\n"
+        "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))\n"
+    )
+    assert _python(code) == "[]"
+    from vmmkv.integrations.vllm import register
+
+    os.environ["VLLM_USE_VMMKV"] = "yes"
+    try:
+        with pytest.raises(ValueError, match="VLLM_USE_VMMKV must be '0' or '1', got 'yes'"):
+            register()
+    finally:
+        del os.environ["VLLM_USE_VMMKV"]
+
+
+def test_patched_replaces_every_call_site_and_unregister_restores_vllms_objects():
+    import vllm._custom_ops as ops
+    from vllm.model_executor.layers import sparse_attn_indexer as sai
+    from vllm.model_executor.layers.attention import mla_attention
+    from vllm.models.deepseek_v32 import attention as v32
+    from vllm.v1.worker import gpu_model_runner, utils
+    from vllm.v1.worker.gpu import attn_utils
+
+    from vmmkv.integrations import vllm as integration
+
+    sites = [
+        (gpu_model_runner, "allocate_kv_cache"),
+        (attn_utils, "allocate_kv_cache"),
+        (v32, "maybe_gather_mla_latent_cache_inputs"),
+        (mla_attention, "maybe_gather_mla_latent_cache_inputs"),
+        (sai, "maybe_gather_indexer_k"),
+        (ops, "concat_and_cache_mla"),
+        (ops, "indexer_k_quant_and_cache"),
+        (utils.KVBlockZeroer, "zero_block_ids"),
+    ]
+    before = [getattr(owner, name) for owner, name in sites]
+    with integration.patched():
+        with integration.patched():  # idempotent
+            now = [getattr(owner, name) for owner, name in sites]
+            assert all(a is not b for a, b in zip(before, now, strict=True))
+            assert all(f.__module__.endswith("_patches") for f in now)
+            assert integration.original(ops, "concat_and_cache_mla") is before[5]
+    assert [getattr(owner, name) for owner, name in sites] == before
+    assert not integration.installed() and integration.active_cache() is None
+    assert utils.allocate_kv_cache is before[0]  # vLLM's own function is never touched
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_plan_reads_vllms_placement_and_growth_segments_from_its_kv_cache_tensors(
+    configs, layout
+):
+    import torch
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from vmmkv.integrations.vllm import create_views, plan_kv_cache
+
+    config = configs[layout]
+    plan = plan_kv_cache(config, layout, [64], mla_kind="fp8_ds_mla_ue8m0")
+    tensors = config.kv_cache_tensors
+    assert plan.size == tensors[0].size and plan.num_blocks == 32 and len(plan.layers) == 8
+    kinds = {name: p.kind for name, p in plan.layers.items()}
+    assert {k for n, k in kinds.items() if n.endswith(".k_cache")} == {"indexer_k"}
+    assert {k for n, k in kinds.items() if n.endswith(".attn")} == {"fp8_ds_mla_ue8m0"}
+    if layout.startswith("LB"):  # one segment per layer: (offset + l * layer_stride, page)
+        want = sorted(
+            (t.offset + i * t.layer_stride, t.block_stride)
+            for t in tensors
+            for i in range(len(t.layers))
+        )
+        assert plan.layer_major and list(plan.segments) == want
+    else:  # one packed block of every layer
+        assert not plan.layer_major
+        assert plan.segments == ((0, tensors[0].block_stride),)
+        assert tensors[0].block_stride * 32 == plan.size
+    raw = torch.empty(plan.size, dtype=torch.int8)
+    views = create_views(config, layout, raw, [64])
+    plain = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout[layout], [64])
+    base = next(iter(plain.values())).data_ptr() - plan.layers[tensors[0].layers[0]].offset
+    for name, v in plain.items():
+        got = views[name]
+        assert (got.shape, got.stride(), got.dtype) == (v.shape, v.stride(), v.dtype)
+        assert got.data_ptr() - raw.data_ptr() == v.data_ptr() - base
+        assert got.data_ptr() - raw.data_ptr() == plan.layers[name].offset
+
+
+@pytest.mark.parametrize("layout", ["LHBNC", "BHLNC"])
+def test_vllm_itself_refuses_the_layouts_that_split_a_page(layout):
+    from vmmkv.integrations.vllm.testing import build_kv_cache_config
+
+    with pytest.raises(ValueError, match=f"layout {layout} cannot express"):
+        build_kv_cache_config(layout)
+
+
+def test_unsupported_layouts_specs_and_kernel_blocks_are_refused_naming_them(configs):
+    import dataclasses
+
+    import torch
+
+    from vmmkv.integrations.vllm import UnsupportedKVCache, VllmKVCache, plan_kv_cache
+    from vmmkv.integrations.vllm.testing import build_kv_cache_config, layer_specs, vllm_config
+
+    with pytest.raises(UnsupportedKVCache, match="layout LHBNC is not supported.*LBHNC, LBNHC"):
+        plan_kv_cache(configs["LBNHC"], "LHBNC")
+    with pytest.raises(UnsupportedKVCache, match="kernel block size 32 != block size 64"):
+        plan_kv_cache(configs["LBNHC"], "LBNHC", [32])
+    with pytest.raises(UnsupportedKVCache, match="mla_kind 'indexer_k' is not a format of 656"):
+        plan_kv_cache(configs["LBNHC"], "LBNHC", mla_kind="indexer_k")
+    # MLA layers in bfloat16 ("auto" cache dtype): named, with the spec, before any collective
+    specs = layer_specs(vllm_config("LBNHC"))
+    for n in [n for n in specs if n.endswith(".attn")]:
+        specs[n] = dataclasses.replace(
+            specs[n], cache_dtype_str="auto", dtype=torch.bfloat16, state_content_bytes=None
+        )
+    name = "model.layers.0.self_attn.attn"
+    _, config = build_kv_cache_config("LBNHC", specs=specs)
+    with pytest.raises(UnsupportedKVCache, match=rf"'{name}' has MLAAttentionSpec\(cache_dtype_str='auto'.*dtype=torch.bfloat16") as err:  # fmt: skip
+        VllmKVCache(config, "LBNHC", cpu_group=None, device="cpu")
+    assert "fp8_ds_mla" in str(err.value) and "indexer" in str(err.value)
+
+
+def test_the_vllm_config_check_refuses_float16_models_and_hisparse():
+    import torch
+
+    from vmmkv.integrations.vllm import UnsupportedKVCache
+    from vmmkv.integrations.vllm._patches import check_vllm_config
+    from vmmkv.integrations.vllm.testing import vllm_config
+
+    cfg = vllm_config("LBNHC")
+    check_vllm_config(cfg)
+    cfg.model_config.dtype = torch.float16
+    with pytest.raises(UnsupportedKVCache, match="bfloat16 activations only.*torch.float16"):
+        check_vllm_config(cfg)
+    cfg.model_config.dtype = torch.bfloat16
+
+
+def test_the_three_pcp_cases_map_to_num_local_only_and_this_ranks_slots():
+    import torch
+
+    from vmmkv.integrations.vllm import pcp_store_plan
+
+    rows, world = 5, 3
+    expanded = torch.cat([torch.arange(world * rows), torch.tensor([900, 901])])  # + a tail
+    # 1. replicated draft decodes: an unexpanded mapping, at most the local rows
+    p = pcp_store_plan(rows, torch.arange(4), 3, True, 1, world)
+    assert (p.tokens, p.num_local_only, p.gathered) == (3, 3, None)
+    assert p.own_slots.tolist() == [0, 1, 2] and p.slots is p.own_slots
+    # 2. pcp_shard_decode_requests (DCP == 1): every row published, decodes included
+    p = pcp_store_plan(rows, expanded, 2, True, 1, world)
+    assert (p.tokens, p.num_local_only, p.slots) == (rows, 0, None)
+    assert p.gathered.tolist() == list(range(15)) and p.own_slots.tolist() == [5, 6, 7, 8, 9]
+    # 3. DCP > 1: decode rows local only
+    p = pcp_store_plan(rows, expanded, 2, False, 2, world)
+    assert (p.tokens, p.num_local_only) == (rows, 2) and p.own_slots.tolist() == list(range(10, 15))
+    p = pcp_store_plan(rows, expanded, rows, False, 0, world)  # all decodes: nothing published
+    assert p.num_local_only == p.tokens == rows
+    with pytest.raises(ValueError, match="num_decode_tokens"):
+        pcp_store_plan(rows, expanded, rows + 1, False, 0, world)
+    with pytest.raises(ValueError, match="fewer than 3 ranks x 5 rows"):
+        pcp_store_plan(rows, torch.arange(9), 0, True, 0, world)
