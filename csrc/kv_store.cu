@@ -7,8 +7,9 @@
 // ds_mla views and 4-byte aligned indexer views in every region.
 // The `*_barrier` kernels store like their plain twins, then run the barrier of barrier.cuh in
 // the same launch (the last CTA to finish, after every CTA released its stores).
-// The kernels that write an indexer cache exist once per scale encoding (see the end of the
-// file): fp32 scales (indexer_k) and four UE8M0 bytes (the `_mxfp8` entry points).
+// The stores exist once per scale rule of the kinds they write (see the end of the file):
+// fp8_ds_mla's raw tile scales or fp8_ds_mla_ue8m0's powers of two (the `_ue8m0` entry points),
+// indexer_k's fp32 scale word or indexer_k_mxfp8's four UE8M0 bytes (the `_mxfp8` ones).
 #include "barrier.cuh"
 #include "vmmkv_common.cuh"
 
@@ -42,6 +43,10 @@ __device__ __forceinline__ uint2 quantize8(uint4 v, float s) {
 
 // fp8_ds_mla: lane l owns kv_c elements [16 l, 16 l + 16) -> entry bytes [16 l, 16 l + 16);
 // lanes 8t..8t+7 form tile t; lanes 0..7 carry k_pe; lane 8 writes the four scales.
+// kPow2 (fp8_ds_mla_ue8m0, a compile-time variant): the tile scale is rounded up to a power of
+// two with vLLM 0.33's floor, exp2f(ceilf(log2f(fmaxf(amax / 448, 1e-4f)))), instead of the raw
+// fmaxf(amax / 448, FLT_MIN); still stored as an fp32, the values still divided by it.
+template <bool kPow2>
 __device__ __forceinline__ void mla_token(const KVDest& dst, const u16* __restrict__ kv_c,
                                           i64 kv_c_stride, const u16* __restrict__ k_pe,
                                           i64 k_pe_stride, i64 i, i64 slot, i64 num_local_only,
@@ -54,7 +59,8 @@ __device__ __forceinline__ void mla_token(const KVDest& dst, const u16* __restri
     const uint4 v0 = src[0];
     const uint4 v1 = src[1];
     const float amax = warp_max(fmaxf(abs_max8(v0), abs_max8(v1)), 8);
-    const float s = fmaxf(amax / kFp8Max, kFltMin);
+    const float s = kPow2 ? exp2f(ceilf(log2f(fmaxf(amax / kFp8Max, kMlaUe8m0Floor))))
+                          : fmaxf(amax / kFp8Max, kFltMin);
     const uint2 q0 = quantize8(v0, s);
     const uint2 q1 = quantize8(v1, s);
     const uint4 q = make_uint4(q0.x, q0.y, q1.x, q1.y);
@@ -146,6 +152,7 @@ struct TokenLoop {
 };
 
 // The token loop of each store, shared by its plain kernel and its `*_barrier` twin.
+template <bool kPow2>
 __device__ __forceinline__ void ds_mla_tokens(const KVDest& dst, const u16* kv_c, i64 kv_c_stride,
                                               const u16* k_pe, i64 k_pe_stride, const void* slots,
                                               int slots_is_64, i64 num_tokens,
@@ -153,7 +160,8 @@ __device__ __forceinline__ void ds_mla_tokens(const KVDest& dst, const u16* kv_c
     const TokenLoop t;
     for (i64 i = t.first; i < num_tokens; i += t.step) {
         const i64 slot = load_slot(slots, slots_is_64, i);
-        mla_token(dst, kv_c, kv_c_stride, k_pe, k_pe_stride, i, slot, num_local_only, t.lane);
+        mla_token<kPow2>(dst, kv_c, kv_c_stride, k_pe, k_pe_stride, i, slot, num_local_only,
+                         t.lane);
     }
 }
 
@@ -169,7 +177,7 @@ __device__ __forceinline__ void indexer_k_tokens(const KVDest& dst, const u16* k
 }
 
 // Both stores of one attention layer: same tokens, same slot mapping.
-template <bool kMx>
+template <bool kPow2, bool kMx>
 __device__ __forceinline__ void layer_tokens(const KVDest& mla, const KVDest& idx, const u16* kv_c,
                                              i64 kv_c_stride, const u16* k_pe, i64 k_pe_stride,
                                              const u16* k, i64 k_stride, const void* slots,
@@ -178,7 +186,8 @@ __device__ __forceinline__ void layer_tokens(const KVDest& mla, const KVDest& id
     const TokenLoop t;
     for (i64 i = t.first; i < num_tokens; i += t.step) {
         const i64 slot = load_slot(slots, slots_is_64, i);
-        mla_token(mla, kv_c, kv_c_stride, k_pe, k_pe_stride, i, slot, num_local_only, t.lane);
+        mla_token<kPow2>(mla, kv_c, kv_c_stride, k_pe, k_pe_stride, i, slot, num_local_only,
+                         t.lane);
         indexer_token<kMx>(idx, k, k_stride, i, slot, num_local_only, ue8m0, t.lane);
     }
 }
@@ -195,14 +204,6 @@ __device__ __forceinline__ void rows_tokens(const KVDest& dst, const u8* rows, i
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(256)
-vmmkv_store_ds_mla(KVDest dst, const u16* __restrict__ kv_c, i64 kv_c_stride,
-                   const u16* __restrict__ k_pe, i64 k_pe_stride, const void* __restrict__ slots,
-                   int slots_is_64, i64 num_tokens, i64 num_local_only) {
-    ds_mla_tokens(dst, kv_c, kv_c_stride, k_pe, k_pe_stride, slots, slots_is_64, num_tokens,
-                  num_local_only);
-}
-
 // Already formatted rows -> entry at block_base + o*entry_stride. `vec16` (decided on the host)
 // says rows, row stride, row bytes and every destination address are 16-byte aligned.
 extern "C" __global__ void __launch_bounds__(256)
@@ -213,21 +214,9 @@ vmmkv_publish_rows(KVDest dst, const u8* __restrict__ rows, i64 row_stride, i64 
                 vec16);
 }
 
-// ---------------------------------------------------------------------------------------------
-// One launch per layer: the stores above, then the barrier (barrier.cuh, same epochs and lanes
-// as vmmkv_barrier). Any grid size >= 1, 256 threads; a launch with num_tokens == 0 still runs
-// the barrier.
-
-extern "C" __global__ void __launch_bounds__(256)
-vmmkv_store_ds_mla_barrier(KVDest dst, const u16* __restrict__ kv_c, i64 kv_c_stride,
-                           const u16* __restrict__ k_pe, i64 k_pe_stride,
-                           const void* __restrict__ slots, int slots_is_64, i64 num_tokens,
-                           i64 num_local_only, BarrierArgs bar) {
-    ds_mla_tokens(dst, kv_c, kv_c_stride, k_pe, k_pe_stride, slots, slots_is_64, num_tokens,
-                  num_local_only);
-    arrive_then_barrier(bar);
-}
-
+// The `*_barrier` kernels here and below: the store, then the barrier (barrier.cuh, same epochs
+// and lanes as vmmkv_barrier) in one launch. Any grid size >= 1, 256 threads; a launch with
+// num_tokens == 0 still runs the barrier.
 extern "C" __global__ void __launch_bounds__(256)
 vmmkv_publish_rows_barrier(KVDest dst, const u8* __restrict__ rows, i64 row_stride,
                            i64 row_bytes, const void* __restrict__ slots, int slots_is_64,
@@ -238,25 +227,34 @@ vmmkv_publish_rows_barrier(KVDest dst, const u8* __restrict__ rows, i64 row_stri
 }
 
 // ---------------------------------------------------------------------------------------------
-// The stores that write an indexer cache, plain and fused with the barrier, once per scale
-// encoding: `vmmkv_store_indexer_k`, `vmmkv_store_layer` (+ `_barrier`) write fp32 scales
-// (indexer_k); the `_mxfp8` entry points write four UE8M0 bytes (indexer_k_mxfp8). Same
-// parameters; the variant is a template argument, so the token loop has no extra branch.
-#define VMMKV_INDEXER_STORES(SUFFIX, MX)                                                        \
+// The stores that quantize, plain and fused with the barrier, once per scale rule. The variant
+// is a template argument, so the token loop has no extra branch; the variants of one store take
+// the same parameters. Entry point = store name + the suffix of each kind it writes:
+//   fp8_ds_mla: ""    fp8_ds_mla_ue8m0: "_ue8m0"    indexer_k: ""    indexer_k_mxfp8: "_mxfp8"
+// e.g. vmmkv_store_layer_ue8m0_mxfp8 writes an fp8_ds_mla_ue8m0 and an indexer_k_mxfp8 view.
+#define VMMKV_DS_MLA_STORES(SUFFIX, POW2)                                                        \
+    extern "C" __global__ void __launch_bounds__(256) vmmkv_store_ds_mla##SUFFIX(                \
+        KVDest dst, const u16* __restrict__ kv_c, i64 kv_c_stride, const u16* __restrict__ k_pe, \
+        i64 k_pe_stride, const void* __restrict__ slots, int slots_is_64, i64 num_tokens,        \
+        i64 num_local_only) {                                                                    \
+        ds_mla_tokens<POW2>(dst, kv_c, kv_c_stride, k_pe, k_pe_stride, slots, slots_is_64,       \
+                            num_tokens, num_local_only);                                         \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) vmmkv_store_ds_mla##SUFFIX##_barrier(      \
+        KVDest dst, const u16* __restrict__ kv_c, i64 kv_c_stride, const u16* __restrict__ k_pe, \
+        i64 k_pe_stride, const void* __restrict__ slots, int slots_is_64, i64 num_tokens,        \
+        i64 num_local_only, BarrierArgs bar) {                                                   \
+        ds_mla_tokens<POW2>(dst, kv_c, kv_c_stride, k_pe, k_pe_stride, slots, slots_is_64,       \
+                            num_tokens, num_local_only);                                         \
+        arrive_then_barrier(bar);                                                                \
+    }
+
+#define VMMKV_INDEXER_STORES(SUFFIX, MX)                                                         \
     extern "C" __global__ void __launch_bounds__(256) vmmkv_store_indexer_k##SUFFIX(             \
         KVDest dst, const u16* __restrict__ k, i64 k_stride, const void* __restrict__ slots,     \
         int slots_is_64, i64 num_tokens, i64 num_local_only, int ue8m0) {                        \
         indexer_k_tokens<MX>(dst, k, k_stride, slots, slots_is_64, num_tokens, num_local_only,   \
                              ue8m0);                                                             \
-    }                                                                                            \
-    /* Both stores of one attention layer in one launch. */                                      \
-    extern "C" __global__ void __launch_bounds__(256) vmmkv_store_layer##SUFFIX(                 \
-        KVDest mla, KVDest idx, const u16* __restrict__ kv_c, i64 kv_c_stride,                   \
-        const u16* __restrict__ k_pe, i64 k_pe_stride, const u16* __restrict__ k, i64 k_stride, \
-        const void* __restrict__ slots, int slots_is_64, i64 num_tokens, i64 num_local_only,     \
-        int ue8m0) {                                                                             \
-        layer_tokens<MX>(mla, idx, kv_c, kv_c_stride, k_pe, k_pe_stride, k, k_stride, slots,     \
-                         slots_is_64, num_tokens, num_local_only, ue8m0);                        \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(256) vmmkv_store_indexer_k##SUFFIX##_barrier(   \
         KVDest dst, const u16* __restrict__ k, i64 k_stride, const void* __restrict__ slots,     \
@@ -264,16 +262,33 @@ vmmkv_publish_rows_barrier(KVDest dst, const u8* __restrict__ rows, i64 row_stri
         indexer_k_tokens<MX>(dst, k, k_stride, slots, slots_is_64, num_tokens, num_local_only,   \
                              ue8m0);                                                             \
         arrive_then_barrier(bar);                                                                \
+    }
+
+// Both stores of one attention layer in one launch.
+#define VMMKV_LAYER_STORES(SUFFIX, POW2, MX)                                                     \
+    extern "C" __global__ void __launch_bounds__(256) vmmkv_store_layer##SUFFIX(                 \
+        KVDest mla, KVDest idx, const u16* __restrict__ kv_c, i64 kv_c_stride,                   \
+        const u16* __restrict__ k_pe, i64 k_pe_stride, const u16* __restrict__ k, i64 k_stride, \
+        const void* __restrict__ slots, int slots_is_64, i64 num_tokens, i64 num_local_only,     \
+        int ue8m0) {                                                                             \
+        layer_tokens<POW2, MX>(mla, idx, kv_c, kv_c_stride, k_pe, k_pe_stride, k, k_stride,      \
+                               slots, slots_is_64, num_tokens, num_local_only, ue8m0);           \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(256) vmmkv_store_layer##SUFFIX##_barrier(       \
         KVDest mla, KVDest idx, const u16* __restrict__ kv_c, i64 kv_c_stride,                   \
         const u16* __restrict__ k_pe, i64 k_pe_stride, const u16* __restrict__ k, i64 k_stride, \
         const void* __restrict__ slots, int slots_is_64, i64 num_tokens, i64 num_local_only,     \
         int ue8m0, BarrierArgs bar) {                                                            \
-        layer_tokens<MX>(mla, idx, kv_c, kv_c_stride, k_pe, k_pe_stride, k, k_stride, slots,     \
-                         slots_is_64, num_tokens, num_local_only, ue8m0);                        \
+        layer_tokens<POW2, MX>(mla, idx, kv_c, kv_c_stride, k_pe, k_pe_stride, k, k_stride,      \
+                               slots, slots_is_64, num_tokens, num_local_only, ue8m0);           \
         arrive_then_barrier(bar);                                                                \
     }
 
+VMMKV_DS_MLA_STORES(, false)
+VMMKV_DS_MLA_STORES(_ue8m0, true)
 VMMKV_INDEXER_STORES(, false)
 VMMKV_INDEXER_STORES(_mxfp8, true)
+VMMKV_LAYER_STORES(, false, false)
+VMMKV_LAYER_STORES(_mxfp8, false, true)
+VMMKV_LAYER_STORES(_ue8m0, true, false)
+VMMKV_LAYER_STORES(_ue8m0_mxfp8, true, true)

@@ -33,6 +33,7 @@ typedef unsigned long long u64;
 inline constexpr float kFltMin = 0x1p-126f;       // FLT_MIN
 inline constexpr float kFp8Max = 448.0f;          // largest finite e4m3 value
 inline constexpr float kIndexerAmaxFloor = 1e-4f; // same float as vLLM's fmaxf(amax, 1e-4)
+inline constexpr float kMlaUe8m0Floor = 1e-4f;    // fp8_ds_mla_ue8m0: fmaxf(amax / 448, 1e-4f)
 inline constexpr int kMlaEntryBytes = 656;        // 512 fp8 + 4 fp32 scales + 64 bf16
 inline constexpr int kMlaScaleOffset = 512;
 inline constexpr int kMlaRopeOffset = 528;

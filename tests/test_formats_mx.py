@@ -64,7 +64,7 @@ def test_the_mxfp8_kind_differs_from_indexer_k_only_in_its_scale_encoding():
     ) == (IDX, (("k", torch.bfloat16, 128),), 4, True)  # fmt: skip
     assert (a.scale, b.scale) == ("fp32", "ue8m0x4")
     assert INDEXER_KINDS == ("indexer_k", MX)
-    assert set(FORMATS) == {"fp8_ds_mla", "indexer_k", MX, "rows"}
+    assert set(FORMATS) == {"fp8_ds_mla", "fp8_ds_mla_ue8m0", "indexer_k", MX, "rows"}
 
 
 def test_store_kinds_take_the_mxfp8_cache_alone_and_as_a_layer_with_fp8_ds_mla():

@@ -85,7 +85,7 @@ def test_stores_reject_wrong_widths_naming_the_expected_shape():
 
 
 def test_stores_reject_a_target_of_another_kind():
-    with pytest.raises(ValueError, match="'fp8_ds_mla' target, got kind 'indexer_k'"):
+    with pytest.raises(ValueError, match="'fp8_ds_mla' target.*, got kind 'indexer_k'"):
         store_ds_mla(_cpu_target("indexer_k"), _bf16(4, 512), _bf16(4, 64), SLOTS)
     with pytest.raises(TypeError, match="KVTarget"):
         store_indexer_k(object(), _bf16(4, 128), SLOTS)
@@ -249,12 +249,16 @@ class Replicas:
 
 
 def targets(
-    rep: Replicas, lay: Layout, my_rank: int, idx_kind: str = "indexer_k"
+    rep: Replicas,
+    lay: Layout,
+    my_rank: int,
+    idx_kind: str = "indexer_k",
+    mla_kind: str = "fp8_ds_mla",
 ) -> tuple[KVTarget, KVTarget]:
     dev = rep.ptr_table.device
     region = rep.regions[my_rank]
     mla = KVTarget(
-        "fp8_ds_mla", rep.ptr_table, my_rank, lay.mla_offset, lay.num_blocks, BS, lay.mla_stride,
+        mla_kind, rep.ptr_table, my_rank, lay.mla_offset, lay.num_blocks, BS, lay.mla_stride,
         MLA, MLA, rep.committed, torch.zeros(1, dtype=torch.int32, device=dev),
         mla_view(region, lay),
     )  # fmt: skip
@@ -307,15 +311,19 @@ def make_slots(tokens: int, num_blocks: int, seed: int, dtype, padded=(3, 17), o
     return slots.to(dtype)
 
 
-def expect_mla(exp, lay, my_rank, kv_c, k_pe, slots, nlo=0, first_uncommitted_block=None):
-    """Apply the reference insert to the CPU copies ``exp`` as the kernel should."""
+def expect_mla(exp, lay, my_rank, kv_c, k_pe, slots, nlo=0, first_uncommitted_block=None,
+               kind="fp8_ds_mla"):  # fmt: skip
+    """Apply the reference insert (of the MLA ``kind``) to the CPU copies ``exp`` as the kernel
+    should."""
     s = slots.cpu().long().clone()
     if first_uncommitted_block is not None:
         s[s >= first_uncommitted_block * BS] = -1
     for r, buf in enumerate(exp):
         start = 0 if r == my_rank else nlo
         region = buf[GUARD:-GUARD]
-        R.insert_ds_mla(mla_view(region, lay), kv_c.cpu()[start:], k_pe.cpu()[start:], s[start:])
+        R.insert_ds_mla(
+            mla_view(region, lay), kv_c.cpu()[start:], k_pe.cpu()[start:], s[start:], kind=kind
+        )
 
 
 def expect_idx(exp, lay, my_rank, k, slots, nlo=0, ue8m0=True, first_uncommitted_block=None,
@@ -330,10 +338,11 @@ def expect_idx(exp, lay, my_rank, k, slots, nlo=0, ue8m0=True, first_uncommitted
         )
 
 
-def expect_layer(exp, lay, my_rank, kv_c, k_pe, k, slots, kind="indexer_k", **kw):
-    """``expect_mla`` and ``expect_idx`` (of the indexer ``kind``) of one layer's tokens, with
-    the same options."""
-    expect_mla(exp, lay, my_rank, kv_c, k_pe, slots, **kw)
+def expect_layer(exp, lay, my_rank, kv_c, k_pe, k, slots, kind="indexer_k",
+                 mla_kind="fp8_ds_mla", **kw):  # fmt: skip
+    """``expect_mla`` (of ``mla_kind``) and ``expect_idx`` (of the indexer ``kind``) of one
+    layer's tokens, with the same options."""
+    expect_mla(exp, lay, my_rank, kv_c, k_pe, slots, kind=mla_kind, **kw)
     expect_idx(exp, lay, my_rank, k, slots, kind=kind, **kw)
 
 
@@ -501,6 +510,130 @@ def test_the_indexer_custom_ops_run_the_mxfp8_variant_eagerly(dev):
     rep.assert_equal(exp)
 
 
+UE = "fp8_ds_mla_ue8m0"
+
+
+def _mla_scales(region: torch.Tensor, lay: Layout, slots: torch.Tensor) -> torch.Tensor:
+    """The 4 fp32 tile scales ``[n, 4]`` of every in-range slot's token in one replica."""
+    s = slots.cpu().long()
+    s = s[(s >= 0) & (s < lay.num_blocks * BS)]
+    entries = mla_view(region.cpu(), lay)[s // BS, s % BS]
+    return entries[:, 512:528].contiguous().view(torch.float32)
+
+
+def _ue8m0_mla_inputs(tokens: int, seed: int, device):
+    """``make_inputs`` plus the fp8_ds_mla_ue8m0 boundary tiles in tokens 10..14: amax 336
+    (0.75 * 448: scale 1), 450 (the bf16 above 448: scale 2), 2^-5 (under the 1e-4 floor:
+    2^-13), a NaN among values, an all-NaN tile (the floor), and +-inf (an inf scale)."""
+    kv_c, k_pe, k = make_inputs(tokens, seed, device)
+    kv_c[10, 0:128] = 1.0
+    kv_c[10, 5] = 336.0
+    kv_c[10, 128:256] = -3.0
+    kv_c[10, 130] = 450.0
+    kv_c[11, 0:128] = 2.0**-9
+    kv_c[11, 7] = -(2.0**-5)
+    kv_c[12, 300] = float("nan")
+    kv_c[13, 384:512] = float("nan")
+    kv_c[14, 40] = float("inf")
+    kv_c[14, 200] = -float("inf")
+    return kv_c, k_pe, k
+
+
+@requires_gpu
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_store_ds_mla_ue8m0_writes_power_of_two_tile_scales_into_every_replica(
+    dev, layout, slot_dtype
+):
+    lay = LAYOUTS[layout]
+    rep = Replicas(3, lay.region_bytes, dev)
+    mla, _ = targets(rep, lay, my_rank=1, mla_kind=UE)
+    kv_c, k_pe, _ = _ue8m0_mla_inputs(200, seed=70, device=dev)
+    slots = make_slots(190, lay.num_blocks, seed=71, dtype=slot_dtype).to(dev)  # inputs longer
+    exp = rep.poison(72)
+    raw = [b.clone() for b in exp]
+    store_ds_mla(mla, kv_c, k_pe, slots)
+    expect_mla(exp, lay, 1, kv_c, k_pe, slots, kind=UE)
+    rep.assert_equal(exp)
+    assert mla.error_counter.item() == n_out_of_range(slots, lay.num_blocks) == 2
+    expect_mla(raw, lay, 1, kv_c, k_pe, slots)  # the raw rule's bytes: a real difference
+    assert not torch.equal(raw[0], exp[0])
+    for region in rep.regions:  # the scales themselves: powers of two (or inf), >= 2^-13
+        scales = _mla_scales(region, lay, slots[:190])
+        bits = scales.view(torch.int32)
+        assert scales.shape[0] == 190 - 4 and ((bits & 0x807FFFFF) == 0).all()
+        assert (scales >= 2.0**-13).all()
+    ten = _mla_scales(rep.regions[0], lay, slots[10:15]).tolist()  # slots 10..14 are in range
+    assert ten[0][:2] == [1.0, 2.0] and ten[1][0] == 2.0**-13 and ten[3][3] == 2.0**-13
+    assert ten[4][0] == ten[4][1] == float("inf")
+
+
+@requires_gpu
+@pytest.mark.parametrize("idx_kind", ["indexer_k", MX])
+def test_store_layer_ue8m0_writes_both_views_in_one_launch(dev, idx_kind):
+    lay = interleaved(5)
+    rep = Replicas(2, lay.region_bytes, dev)
+    mla, idx = targets(rep, lay, my_rank=0, idx_kind=idx_kind, mla_kind=UE)
+    kv_c, k_pe, k = _ue8m0_mla_inputs(150, seed=73, device=dev)
+    slots = make_slots(150, lay.num_blocks, seed=74, dtype=torch.int32).to(dev)
+    exp = rep.poison(75)
+    store_layer(mla, idx, kv_c, k_pe, k, slots, num_local_only=9)
+    expect_layer(exp, lay, 0, kv_c, k_pe, k, slots, kind=idx_kind, mla_kind=UE, nlo=9)
+    rep.assert_equal(exp)
+    assert mla.error_counter.item() == idx.error_counter.item() == 2
+
+
+@requires_gpu
+@pytest.mark.parametrize("idx_kind", ["indexer_k", MX])
+def test_publish_layer_ue8m0_is_byte_equal_to_store_layer_ue8m0_then_barrier(dev, idx_kind):
+    from vmmkv.ops import publish_layer
+
+    lay = packed(5)
+    reps = [Replicas(2, lay.region_bytes, dev) for _ in range(2)]
+    bars = [_one_rank_barrier(dev, lanes=1) for _ in range(2)]
+    kv_c, k_pe, k = _ue8m0_mla_inputs(150, seed=76, device=dev)
+    slots = make_slots(150, lay.num_blocks, seed=77, dtype=torch.int64).to(dev)
+    exps = [rep.poison(78) for rep in reps]
+    mla, idx = targets(reps[0], lay, my_rank=1, idx_kind=idx_kind, mla_kind=UE)
+    store_layer(mla, idx, kv_c, k_pe, k, slots, num_local_only=4)
+    bars[0].arrive_and_wait(0)
+    mla1, idx1 = targets(reps[1], lay, my_rank=1, idx_kind=idx_kind, mla_kind=UE)
+    publish_layer(mla1, idx1, kv_c, k_pe, k, slots, barrier=bars[1], lane=0, num_local_only=4)
+    torch.cuda.synchronize()
+    for a, b in zip(reps[0].bufs, reps[1].bufs, strict=True):
+        assert torch.equal(a, b)
+    expect_layer(exps[1], lay, 1, kv_c, k_pe, k, slots, kind=idx_kind, mla_kind=UE, nlo=4)
+    reps[1].assert_equal(exps[1])
+    assert bars[0].epochs.tolist() == bars[1].epochs.tolist() == [1]
+    assert mla1.error_counter.item() == idx1.error_counter.item() == 2
+    for b in bars:
+        b.close()
+
+
+@requires_gpu
+def test_the_mla_custom_ops_run_the_ue8m0_variant_eagerly(dev):
+    lay = packed(3)
+    rep = Replicas(2, lay.region_bytes, dev)
+    mla, idx = targets(rep, lay, my_rank=1, idx_kind=MX, mla_kind=UE)
+    kv_c, k_pe, k = _ue8m0_mla_inputs(60, seed=79, device=dev)
+    slots = make_slots(60, lay.num_blocks, seed=80, dtype=torch.int64).to(dev)
+    exp = rep.poison(81)
+    torch.ops.vmmkv.store_ds_mla(
+        mla.cache, mla.error_counter, mla.ptr_table, mla.committed_bytes, kv_c, k_pe, slots,
+        mla._layout(), 5, UE,
+    )  # fmt: skip
+    expect_mla(exp, lay, 1, kv_c, k_pe, slots, nlo=5, kind=UE)
+    rep.assert_equal(exp)
+    exp = rep.poison(82)
+    torch.ops.vmmkv.store_layer(
+        mla.cache, mla.error_counter, idx.cache, idx.error_counter, mla.ptr_table,
+        mla.committed_bytes, idx.ptr_table, idx.committed_bytes, kv_c, k_pe, k, slots,
+        mla._layout(), idx._layout(), 0, True, MX, UE,
+    )  # fmt: skip
+    expect_layer(exp, lay, 1, kv_c, k_pe, k, slots, kind=MX, mla_kind=UE)
+    rep.assert_equal(exp)
+
+
 @requires_gpu
 def test_num_local_only_leading_tokens_reach_only_the_own_replica(dev):
     lay = packed(6)
@@ -614,9 +747,11 @@ def test_misaligned_inputs_are_rejected_before_launch(dev):
 @requires_gpu
 def test_reference_gives_the_same_bytes_on_cuda_and_cpu(dev):
     kv_c, k_pe, k = make_inputs(64, seed=23, device=dev)
-    assert torch.equal(
-        R.quantize_ds_mla(kv_c, k_pe).cpu(), R.quantize_ds_mla(kv_c.cpu(), k_pe.cpu())
-    )
+    for kind in ("fp8_ds_mla", "fp8_ds_mla_ue8m0"):
+        assert torch.equal(
+            R.quantize_ds_mla(kv_c, k_pe, kind=kind).cpu(),
+            R.quantize_ds_mla(kv_c.cpu(), k_pe.cpu(), kind=kind),
+        )
     for ue8m0 in (True, False):
         v_gpu, s_gpu = R.quantize_indexer_k(k, ue8m0)
         v_cpu, s_cpu = R.quantize_indexer_k(k.cpu(), ue8m0)
@@ -687,6 +822,13 @@ def test_the_build_without_cuda_headers_gives_the_same_bytes(dev, tmp_path):
         expect_mla(exp2, lay, 1, kv_c, k_pe, slots)
         expect_idx(exp2, lay, 1, k, slots, kind="indexer_k_mxfp8")
         rep2.assert_equal(exp2)
+        rep3 = Replicas(2, lay.region_bytes, dev)
+        mla3, idx3 = targets(rep3, lay, my_rank=0, mla_kind="fp8_ds_mla_ue8m0")
+        exp3 = rep3.poison(33)
+        store_layer(mla3, idx3, kv_c, k_pe, k, slots)
+        expect_mla(exp3, lay, 0, kv_c, k_pe, slots, kind="fp8_ds_mla_ue8m0")
+        expect_idx(exp3, lay, 0, k, slots)
+        rep3.assert_equal(exp3)
         print("BUILTIN-CONVERSION-OK")
         """
     )
@@ -992,7 +1134,9 @@ class _Case:
             self.nb = self.lay.num_blocks
             self.rep = Replicas(dests, self.lay.region_bytes, dev)
             self.idx_kind = "indexer_k_mxfp8" if kind.endswith("mxfp8") else "indexer_k"
-            mla, idx = targets(self.rep, self.lay, my_rank=my_rank, idx_kind=self.idx_kind)
+            self.mla_kind = "fp8_ds_mla_ue8m0" if "ue8m0" in kind else "fp8_ds_mla"
+            mla, idx = targets(self.rep, self.lay, my_rank=my_rank, idx_kind=self.idx_kind,
+                               mla_kind=self.mla_kind)  # fmt: skip
             kv_c, k_pe, k = make_inputs(tokens + 3, seed=seed, device=dev)
             self.targets, self.inputs = {
                 "fp8_ds_mla": ((mla,), (kv_c, k_pe)),
@@ -1000,6 +1144,9 @@ class _Case:
                 "layer": ((mla, idx), (kv_c, k_pe, k)),
                 "indexer_k_mxfp8": ((idx,), (k,)),
                 "layer_mxfp8": ((mla, idx), (kv_c, k_pe, k)),
+                "fp8_ds_mla_ue8m0": ((mla,), (kv_c, k_pe)),
+                "layer_ue8m0": ((mla, idx), (kv_c, k_pe, k)),
+                "layer_ue8m0_mxfp8": ((mla, idx), (kv_c, k_pe, k)),
             }[kind]
         self.slots = make_slots(tokens, self.nb, seed=seed + 1, dtype=slot_dtype).to(dev)
 
@@ -1007,16 +1154,17 @@ class _Case:
         ins, s, r, nlo = self.inputs, self.slots, self.my_rank, self.nlo
         if self.kind == "rows":
             _expect_rows(exp, self.nb, r, ins[0], s, nlo)
-        if self.kind in ("fp8_ds_mla", "layer", "layer_mxfp8"):
-            expect_mla(exp, self.lay, r, ins[0], ins[1], s, nlo=nlo)
-        if self.kind in ("indexer_k", "layer", "indexer_k_mxfp8", "layer_mxfp8"):
+        if self.kind.startswith(("fp8_ds_mla", "layer")):
+            expect_mla(exp, self.lay, r, ins[0], ins[1], s, nlo=nlo, kind=self.mla_kind)
+        if self.kind.startswith(("indexer_k", "layer")):
             expect_idx(exp, self.lay, r, ins[-1], s, nlo=nlo, kind=self.idx_kind)
 
     def counters_ok(self) -> bool:
         return all(t.error_counter.item() == 2 for t in self.targets)
 
 
-KINDS_UNDER_TEST = ["fp8_ds_mla", "indexer_k", "layer", "rows", "indexer_k_mxfp8", "layer_mxfp8"]
+KINDS_UNDER_TEST = ["fp8_ds_mla", "indexer_k", "layer", "rows", "indexer_k_mxfp8", "layer_mxfp8",
+                    "fp8_ds_mla_ue8m0", "layer_ue8m0", "layer_ue8m0_mxfp8"]  # fmt: skip
 
 
 @requires_gpu

@@ -301,3 +301,44 @@ def test_the_mxfp8_indexer_variants_compile_for_hopper_and_blackwell_as_compile_
         assert re.search(reads.format(plain), bodies[plain]), (plain, arch)
         assert not re.search(reads.format(mx), bodies[mx]), (mx, arch)
         assert "16843009" not in bodies[plain] and "16843009" in bodies[mx], (mx, arch)
+
+
+# every store that quantizes MLA -> its fp8_ds_mla_ue8m0 twin (the suffix goes after the store
+# name, before the indexer kind's suffix)
+_MLA_TWINS = {
+    "vmmkv_store_ds_mla": "vmmkv_store_ds_mla_ue8m0",
+    "vmmkv_store_ds_mla_barrier": "vmmkv_store_ds_mla_ue8m0_barrier",
+    "vmmkv_store_layer": "vmmkv_store_layer_ue8m0",
+    "vmmkv_store_layer_barrier": "vmmkv_store_layer_ue8m0_barrier",
+    "vmmkv_store_layer_mxfp8": "vmmkv_store_layer_ue8m0_mxfp8",
+    "vmmkv_store_layer_mxfp8_barrier": "vmmkv_store_layer_ue8m0_mxfp8_barrier",
+}
+
+
+def _entry(ptx: str, name: str) -> tuple[list[str], str]:
+    """(parameter types, body) of the PTX entry ``name``."""
+    m = re.search(rf"\.entry {name}\((.*?)\)\s*(?:\.maxntid[^\n]*\s*)?\{{(.*?)\n}}\n", ptx, re.S)
+    assert m is not None, name
+    return re.findall(r"\.param (\.[\w.]+(?: \.align \d+)?)", m.group(1)), m.group(2)
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_the_ue8m0_mla_variants_compile_for_hopper_and_blackwell_as_compile_time_twins(arch, cache):
+    cubin = build.compile_source("kv_store.cu", arch)
+    ptx = build.compile_ptx("kv_store.cu", arch, build.cuda_include_dir())
+    assert set(_MLA_TWINS.values()) <= set(build.KERNELS["kv_store.cu"])
+    for plain, twin in _MLA_TWINS.items():
+        assert twin.encode() in cubin, (twin, arch)
+        (plain_params, plain_body), (twin_params, twin_body) = _entry(ptx, plain), _entry(ptx, twin)
+        assert plain_params == twin_params and plain_params, (twin, arch)  # same parameters
+        # the twin rounds the tile scale: one more ceil and 1e-4f (0x38d1b717) than its plain
+        # kernel, so the choice is made at compile time, not by a runtime flag
+        for marker in ("cvt.rpi.f32.f32", "0f38D1B717", "ex2.approx"):
+            assert twin_body.count(marker) > plain_body.count(marker), (twin, marker, arch)
+    plain_mla = _entry(ptx, "vmmkv_store_ds_mla")[1]
+    twin_mla = _entry(ptx, "vmmkv_store_ds_mla_ue8m0")[1]
+    # fp8_ds_mla: the raw quotient floored at FLT_MIN, no rounding at all; the ue8m0 twin: no
+    # FLT_MIN floor (0f00800000 only in log2f's subnormal test)
+    flt_min_floor = r"(mov|max)\.f32\s[^;]*0f00800000;"
+    assert re.search(flt_min_floor, plain_mla) and not re.search(flt_min_floor, twin_mla)
+    assert not any(m in plain_mla for m in ("cvt.rpi", "ex2.approx", "0f38D1B717"))

@@ -767,3 +767,37 @@ def test_prepared_mxfp8_stores_launch_their_own_kernel_variants_with_the_same_pa
     ]
     with pytest.raises(ValueError, match="ue8m0=False is not possible for a 'indexer_k_mxfp8'"):
         vmmkv.ops.prepare((mla, mx), ue8m0=False)
+
+
+def test_prepared_ue8m0_mla_stores_launch_their_own_kernel_variants_with_the_same_parameters(
+    recorded_launches,
+):
+    import dataclasses
+
+    mla, idx = _layer_targets()
+    ue = _with_dest(dataclasses.replace(mla, kind="fp8_ds_mla_ue8m0"), 0)
+    mx = _with_dest(dataclasses.replace(idx, kind="indexer_k_mxfp8"), 100)
+    idx = _with_dest(idx, 150)
+    bar = _cpu_barrier(lanes=1)
+    kv_c, k_pe, k = _layer_inputs(20, seed=9)
+    slots = torch.arange(20, dtype=torch.int32)
+    for targets in ((ue,), (ue, idx), (ue, mx)):
+        p = _cpu_prepared(targets)
+        inputs = (kv_c, k_pe) if len(targets) == 1 else (kv_c, k_pe, k)
+        p.store(inputs, slots, 2)
+        p.publish(inputs, slots, 2, bar, 0)
+    tail = [slots.data_ptr(), 0, 20, 2]  # int32 slots, 20 tokens, nlo 2
+    mla_params = [ue._dest, kv_c.data_ptr(), 512, k_pe.data_ptr(), 64, *tail]
+
+    def layer(i):  # the indexer's ue8m0 flag last, as for the fp8_ds_mla layer kernels
+        return [ue._dest, i._dest, kv_c.data_ptr(), 512, k_pe.data_ptr(), 64, k.data_ptr(), 128,
+                *tail, 1]  # fmt: skip
+
+    assert recorded_launches == [
+        ("vmmkv_store_ds_mla_ue8m0", 3, 256, 0x4FFF, mla_params),
+        ("vmmkv_store_ds_mla_ue8m0_barrier", 3, 256, 0x4FFF, [*mla_params, bar._args[0]]),
+        ("vmmkv_store_layer_ue8m0", 3, 256, 0x4FFF, layer(idx)),
+        ("vmmkv_store_layer_ue8m0_barrier", 3, 256, 0x4FFF, [*layer(idx), bar._args[0]]),
+        ("vmmkv_store_layer_ue8m0_mxfp8", 3, 256, 0x4FFF, layer(mx)),
+        ("vmmkv_store_layer_ue8m0_mxfp8_barrier", 3, 256, 0x4FFF, [*layer(mx), bar._args[0]]),
+    ]

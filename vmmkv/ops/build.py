@@ -76,6 +76,13 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "vmmkv_store_layer_mxfp8",
         "vmmkv_store_indexer_k_mxfp8_barrier",
         "vmmkv_store_layer_mxfp8_barrier",
+        # the fp8_ds_mla_ue8m0 variants (power-of-two tile scales) of the stores that write MLA
+        "vmmkv_store_ds_mla_ue8m0",
+        "vmmkv_store_layer_ue8m0",
+        "vmmkv_store_layer_ue8m0_mxfp8",
+        "vmmkv_store_ds_mla_ue8m0_barrier",
+        "vmmkv_store_layer_ue8m0_barrier",
+        "vmmkv_store_layer_ue8m0_mxfp8_barrier",
     ),
     "barrier.cu": ("vmmkv_barrier", "vmmkv_noop"),
 }

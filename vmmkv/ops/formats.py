@@ -6,18 +6,22 @@ here.
 The byte layouts themselves are described in docs/design.md ("KV byte formats"); the pure-torch
 reference (``vmmkv.ops.reference``) is their executable definition. Local, no device work.
 
-The kinds, and the vLLM 0.33.0 writer whose bytes each one reproduces:
+The kinds, and the vLLM writer whose bytes each one reproduces:
 
 - ``fp8_ds_mla``: DeepSeek-V3.2 Main-KV, 656 bytes per token (512 e4m3 values in 4 tiles of
   128, 4 little-endian fp32 tile scales, 64 bf16 ``k_pe``). Tile scale
-  ``fmaxf(amax / 448, FLT_MIN)``, the raw fp32 quotient (not a power of two). The writer it is
-  specified after: vLLM's C++ ``concat_and_cache_mla`` (kernel ``concat_and_cache_ds_mla_kernel``),
-  the one vLLM's PCP path calls after its gather; not 0.33's fused Triton writer of the non-PCP
-  path (``_fused_norm_rope_kernel``), which rounds the tile scale up to a power of two
-  (``max(amax * (1/448), 1e-4)``, then ``exp2(ceil(log2))``). OPEN: the C++ kernel compiled
-  into the vLLM 0.33.0 wheel (sm_90 and sm_100 SASS) rounds too,
-  ``exp2f(ceilf(log2f(fmaxf(amax / 448, 1e-4))))``, so this kind does not reproduce 0.33.0's
-  own bytes for tiles whose ``amax / 448`` is not a power of two (docs/design.md).
+  ``fmaxf(amax / 448, FLT_MIN)``, the raw fp32 quotient (not a power of two): the rule of
+  vLLM's C++ ``concat_and_cache_mla`` (kernel ``concat_and_cache_ds_mla_kernel``) before vLLM
+  made every fp8_ds_mla writer round the scale (vLLM PR 49435). NOT what vLLM 0.33.0 writes.
+- ``fp8_ds_mla_ue8m0``: the same entries, inputs and layout with the tile scale rounded up to a
+  power of two, ``exp2f(ceilf(log2f(fmaxf(amax / 448, 1e-4f))))``, still stored as an fp32 (the
+  "ue8m0" rounding in vLLM's words: its indexer's ``scale_fmt="ue8m0"``, its Triton
+  ``_fp8_ue8m0_quantize``). This is what vLLM 0.33.0 writes: established from the SASS of
+  ``concat_and_cache_ds_mla_kernel`` in the 0.33.0 wheel (sm_90 and sm_100: IEEE ``amax / 448``,
+  ``fmaxf`` with 1e-4f, accurate ``log2f``, ``FRND.CEIL``, ``exp2f``; each value ``x / s`` by
+  IEEE division, then ``cvt.rn.satfinite`` to e4m3) and from its fused Triton writer of the
+  non-PCP path (``_fused_norm_rope_kernel``: ``max(amax * (1/448), 1e-4)`` rounded the same way,
+  which gives the same power of two for every bf16 amax). :func:`mla_kind_for` names it.
 - ``indexer_k``: DeepSeek-V3.2 sparse-indexer K, 132 bytes per token split inside the block
   (``block_size * 128`` e4m3 values, then one 4-byte scale per token). The scale is an fp32:
   ``fmaxf(amax, 1e-4) / 448``, rounded up to a power of two with vLLM's ``scale_fmt="ue8m0"``
@@ -35,6 +39,7 @@ The kinds, and the vLLM 0.33.0 writer whose bytes each one reproduces:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +52,7 @@ __all__ = [
     "INDEXER_ENTRY_BYTES",
     "INDEXER_KINDS",
     "MLA_ENTRY_BYTES",
+    "MLA_KINDS",
     "MLA_KV_DIM",
     "MLA_ROPE_DIM",
     "MLA_TILE",
@@ -54,6 +60,7 @@ __all__ = [
     "STORE_KINDS",
     "get_format",
     "indexer_kind_for",
+    "mla_kind_for",
 ]
 
 MLA_KV_DIM = 512
@@ -75,7 +82,9 @@ class KVFormat:
     block holds every token's values first, then every token's scales (the indexer kinds), so a
     block must be contiguous. ``scale``: how each 4-byte scale is stored: ``"fp32"`` (a
     little-endian float), ``"ue8m0x4"`` (four equal UE8M0 bytes, the biased exponent of a
-    power-of-two scale), None (no scale: rows).
+    power-of-two scale), None (no scale: rows). ``pow2``: every scale is rounded up to a power
+    of two whatever a store's ``ue8m0`` flag (``fp8_ds_mla_ue8m0``, ``indexer_k_mxfp8``);
+    ``indexer_k`` rounds when ``ue8m0`` is True, ``fp8_ds_mla`` never.
     """
 
     kind: str
@@ -84,19 +93,16 @@ class KVFormat:
     align: int
     split_block: bool = False
     scale: str | None = "fp32"
+    pow2: bool = False
 
 
+_MLA_INPUTS = (("kv_c", torch.bfloat16, MLA_KV_DIM), ("k_pe", torch.bfloat16, MLA_ROPE_DIM))
 _INDEXER_INPUTS = (("k", torch.bfloat16, INDEXER_DIM),)
 
 FORMATS: dict[str, KVFormat] = {
     f.kind: f
     for f in (
-        KVFormat(
-            "fp8_ds_mla",
-            MLA_ENTRY_BYTES,
-            (("kv_c", torch.bfloat16, MLA_KV_DIM), ("k_pe", torch.bfloat16, MLA_ROPE_DIM)),
-            align=16,
-        ),
+        KVFormat("fp8_ds_mla", MLA_ENTRY_BYTES, _MLA_INPUTS, align=16),
         KVFormat("indexer_k", INDEXER_ENTRY_BYTES, _INDEXER_INPUTS, align=4, split_block=True),
         KVFormat(
             "indexer_k_mxfp8",
@@ -105,13 +111,17 @@ FORMATS: dict[str, KVFormat] = {
             align=4,
             split_block=True,
             scale="ue8m0x4",
+            pow2=True,
         ),
         KVFormat("rows", None, (("rows", torch.uint8, None),), align=1, scale=None),
+        KVFormat("fp8_ds_mla_ue8m0", MLA_ENTRY_BYTES, _MLA_INPUTS, align=16, pow2=True),
     )
 }
 
 # The indexer kinds: the same inputs, entry bytes and split block, differing only in the scale.
 INDEXER_KINDS = tuple(kind for kind, f in FORMATS.items() if f.split_block)
+# The MLA kinds: the same inputs, entries and layout, differing only in the tile scale's rounding.
+MLA_KINDS = tuple(kind for kind, f in FORMATS.items() if f.entry_bytes == MLA_ENTRY_BYTES)
 
 # The combinations of bound caches one store call takes (store_layer: both caches of a layer).
 STORE_KINDS = (
@@ -121,6 +131,9 @@ STORE_KINDS = (
     ("fp8_ds_mla", "indexer_k"),
     ("indexer_k_mxfp8",),
     ("fp8_ds_mla", "indexer_k_mxfp8"),
+    ("fp8_ds_mla_ue8m0",),
+    ("fp8_ds_mla_ue8m0", "indexer_k"),
+    ("fp8_ds_mla_ue8m0", "indexer_k_mxfp8"),
 )
 
 
@@ -148,3 +161,35 @@ def indexer_kind_for(capability: tuple[int, int]) -> str:
     major = require_int("capability major", capability[0], 0)
     minor = require_int("capability minor", capability[1], 0, 9)
     return "indexer_k_mxfp8" if (10 * major + minor) // 10 == 10 else "indexer_k"
+
+
+# The vLLM releases whose fp8_ds_mla writers were read (SASS and Triton source) and the kind each
+# one's bytes are: see mla_kind_for.
+_MLA_KIND_OF_VLLM = {(0, 33): "fp8_ds_mla_ue8m0"}
+
+
+def mla_kind_for(vllm_version: str) -> str:
+    """The MLA kind whose bytes vLLM ``vllm_version`` (e.g. ``vllm.__version__``) writes into
+    its ``kv_cache_dtype="fp8_ds_mla"`` cache.
+
+    0.33.x: ``"fp8_ds_mla_ue8m0"`` (power-of-two tile scales). Established for 0.33.0 from the
+    wheel itself, not from a source tree: the SASS (sm_90, sm_100) of its C++
+    ``concat_and_cache_ds_mla_kernel``, which vLLM's PCP path calls after its gather, computes
+    ``exp2f(ceilf(log2f(fmaxf(amax / 448.0f, 1e-4f))))``, and its fused Triton writer of the
+    non-PCP path rounds the same way (vLLM PR 49435 made this the contract of every
+    fp8_ds_mla writer). ``"fp8_ds_mla"`` (raw ``amax / 448``, FLT_MIN floor) is the rule of the
+    older C++ source, from before that change; which release first shipped the rounding was
+    not established, so any version other than 0.33.x raises ValueError rather than guess:
+    bind the kind you checked explicitly. Local, reads nothing."""
+    if not isinstance(vllm_version, str):
+        raise TypeError(f"vllm_version must be a str, got {type(vllm_version).__name__}")
+    m = re.match(r"(\d+)\.(\d+)(?:\.|$|[a-z+])", vllm_version)
+    kind = _MLA_KIND_OF_VLLM.get((int(m.group(1)), int(m.group(2)))) if m else None
+    if kind is None:
+        known = ", ".join(f"{a}.{b}.x" for a, b in _MLA_KIND_OF_VLLM)
+        raise ValueError(
+            f"vllm_version {vllm_version!r}: the fp8_ds_mla scale rule of this vLLM release was "
+            f"not established (known: {known}); pass the kind explicitly ('fp8_ds_mla': raw "
+            f"amax/448 scales, 'fp8_ds_mla_ue8m0': power-of-two scales)"
+        )
+    return kind

@@ -5,9 +5,9 @@ Same signatures as ``vmmkv.ops.kv``; a :class:`KVTarget` whose tensors live on t
 memfds). For each token: ``slot < 0`` skipped; a block beyond the view or beyond
 ``committed_bytes`` counted in ``error_counter`` once and skipped; tokens below
 ``num_local_only`` go to the own replica only. Each token's bytes are computed once and written
-to every destination. The indexer stores take either indexer kind (``indexer_k``,
-``indexer_k_mxfp8``: the target's kind picks the scale encoding). Local, synchronous, never
-collective.
+to every destination. The stores take either kind of their cache (``fp8_ds_mla``,
+``fp8_ds_mla_ue8m0``; ``indexer_k``, ``indexer_k_mxfp8``): the target's kind picks the scale
+rule and encoding. Local, synchronous, never collective.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from .._util import require_int
 from ..alloc.dlpack import tensor_at
 from . import reference as ref
-from .formats import INDEXER_ENTRY_BYTES, INDEXER_KINDS, get_format
+from .formats import INDEXER_ENTRY_BYTES, INDEXER_KINDS, MLA_KINDS, get_format
 from .kv import KVTarget, _check_ue8m0
 
 __all__ = ["publish_rows", "store_ds_mla", "store_indexer_k", "store_layer"]
@@ -89,9 +89,9 @@ def publish_rows(target, rows, slot_mapping, *, num_local_only=0) -> None:
 
 
 def store_ds_mla(target, kv_c, k_pe, slot_mapping, *, num_local_only=0) -> None:
-    slots = _checked(target, ("fp8_ds_mla",), slot_mapping, num_local_only, kv_c, k_pe)
+    slots = _checked(target, MLA_KINDS, slot_mapping, num_local_only, kv_c, k_pe)
     n = slots.numel()
-    rows = ref.quantize_ds_mla(kv_c[:n], k_pe[:n])
+    rows = ref.quantize_ds_mla(kv_c[:n], k_pe[:n], kind=target.kind)
     for view, sel in _each_destination(target, slots, num_local_only):
         ref.insert_rows(view, rows[sel], slots[sel])
 

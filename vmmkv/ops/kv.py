@@ -18,9 +18,11 @@ Contract:
   are different views of one storage work eagerly, but a compiled graph copies one of them
   (the ops then refuse to run, see below).
 - ``store_ds_mla``/``store_indexer_k``/``store_layer``/``publish_rows``/``publish_layer``
-  (``store_layer`` + barrier in one launch) take an indexer target of either indexer kind
-  (``indexer_k``: fp32 scales; ``indexer_k_mxfp8``: four UE8M0 bytes, its own compile-time
-  kernel variants, ``ue8m0`` must stay True) and validate everything
+  (``store_layer`` + barrier in one launch) take an MLA target of either MLA kind
+  (``fp8_ds_mla``: raw tile scales; ``fp8_ds_mla_ue8m0``: power-of-two tile scales) and an
+  indexer target of either indexer kind (``indexer_k``: fp32 scales; ``indexer_k_mxfp8``: four
+  UE8M0 bytes, ``ue8m0`` must stay True); each kind combination has its own compile-time kernel
+  variant (``vmmkv.ops.launch.STORES``). They validate everything
   (types, shapes, devices, alignment, ranges) before launching and raise TypeError/ValueError
   naming the value got and what was expected. Token count = ``slot_mapping.numel()``; inputs may
   be longer. Tokens ``i < num_local_only`` go to the own replica only, the others to every
@@ -46,7 +48,7 @@ import torch
 from vmmkv._util import require_int
 from vmmkv.ops import launch as _launch
 from vmmkv.ops.barrier import DeviceBarrier
-from vmmkv.ops.formats import FORMATS, INDEXER_ENTRY_BYTES, INDEXER_KINDS
+from vmmkv.ops.formats import FORMATS, INDEXER_ENTRY_BYTES, INDEXER_KINDS, MLA_KINDS
 from vmmkv.ops.reference import check_slot_mapping, check_store_input
 
 __all__ = [
@@ -59,7 +61,7 @@ __all__ = [
     "store_layer",
 ]
 
-KINDS = tuple(FORMATS)  # ("fp8_ds_mla", "indexer_k", "indexer_k_mxfp8", "rows")
+KINDS = tuple(FORMATS)  # every kind of the formats table
 _WARPS_PER_CTA = 8
 _THREADS = 32 * _WARPS_PER_CTA
 _MAX_GRID = 65535
@@ -80,8 +82,8 @@ class KVTarget:
     ``my_rank`` (peers' regions mapped into this process). Region bases must be 16-byte aligned
     (VMM reservations are). The view starts at ``offset_bytes`` in every region; block ``b``
     starts ``b * block_stride`` later; inside a block token ``o`` is at ``o * entry_stride``
-    (fp8_ds_mla, rows) or split (the indexer kinds: values at ``o*128``, scale at
-    ``block_size*128 + 4*o``). ``entry_bytes``: 656 (fp8_ds_mla), 132 (indexer kinds), the row
+    (the MLA kinds, rows) or split (the indexer kinds: values at ``o*128``, scale at
+    ``block_size*128 + 4*o``). ``entry_bytes``: 656 (MLA kinds), 132 (indexer kinds), the row
     size (rows). ``cache``: see the module docstring (the whole own region in the engine).
     """
 
@@ -144,7 +146,7 @@ class KVTarget:
             )
         align = fmt.align
         for name in ("offset_bytes", "block_stride") + (
-            ("entry_stride",) if self.kind == "fp8_ds_mla" else ()
+            ("entry_stride",) if self.kind in MLA_KINDS else ()
         ):
             if getattr(self, name) % align:
                 raise ValueError(
@@ -173,9 +175,9 @@ class KVTarget:
                 )
         object.__setattr__(self, "_dest", self._pack(ec))
         object.__setattr__(self, "_cache_ptr", cache.data_ptr() if cache.is_cuda else 0)
-        if self.kind == "fp8_ds_mla" and self._cache_ptr % 16:
+        if self.kind in MLA_KINDS and self._cache_ptr % 16:
             raise ValueError(
-                f"the fp8_ds_mla cache view must be 16-byte aligned, got address "
+                f"the {self.kind} cache view must be 16-byte aligned, got address "
                 f"{self._cache_ptr:#x}"
             )
 
@@ -295,7 +297,7 @@ def _check_call(
 
 
 def _check_layer(mla_target: object, idx_target: object) -> tuple[KVTarget, KVTarget]:
-    mla = _check_target("mla_target", mla_target, ("fp8_ds_mla",))
+    mla = _check_target("mla_target", mla_target, MLA_KINDS)
     idx = _check_target("idx_target", idx_target, INDEXER_KINDS)
     if idx.device != mla.device:
         raise ValueError(f"idx_target is on {idx.device} but mla_target is on {mla.device}")
@@ -339,26 +341,13 @@ def _compiling() -> bool:
 # Launches (eager path, also the custom ops' implementations)
 
 
-# the kernel of each indexer kind (a compile-time variant per scale encoding)
-_STORE_INDEXER = {
-    "indexer_k": _launch.STORE_INDEXER_K,
-    "indexer_k_mxfp8": _launch.STORE_INDEXER_K_MXFP8,
-}
-_STORE_LAYER = {"indexer_k": _launch.STORE_LAYER, "indexer_k_mxfp8": _launch.STORE_LAYER_MXFP8}
-_PUBLISH_LAYER = {
-    "indexer_k": _launch.STORE_LAYER_BARRIER,
-    "indexer_k_mxfp8": _launch.STORE_LAYER_MXFP8_BARRIER,
-}
-assert set(_STORE_INDEXER) == set(_STORE_LAYER) == set(_PUBLISH_LAYER) == set(INDEXER_KINDS)
-
-
 def _launch_ds_mla(t: KVTarget, kv_c, k_pe, slots, tokens: int, nlo: int) -> None:
     ordinal = _check_cuda(t.device)
     _check_aligned("kv_c", kv_c, 16)
     _check_aligned("k_pe", k_pe, 16)
     if tokens == 0:
         return
-    _launch.STORE_DS_MLA.launch(
+    _launch.STORES[(t.kind,)].launch(
         ordinal, _grid(tokens), _THREADS, t._dest,
         kv_c.data_ptr(), kv_c.stride(0), k_pe.data_ptr(), k_pe.stride(0),
         slots.data_ptr(), int(slots.dtype == torch.int64), tokens, nlo,
@@ -370,7 +359,7 @@ def _launch_indexer(t: KVTarget, k, slots, tokens: int, nlo: int, ue8m0: bool) -
     _check_aligned("k", k, 8)
     if tokens == 0:
         return
-    _STORE_INDEXER[t.kind].launch(
+    _launch.STORES[(t.kind,)].launch(
         ordinal, _grid(tokens), _THREADS, t._dest,
         k.data_ptr(), k.stride(0), slots.data_ptr(), int(slots.dtype == torch.int64),
         tokens, nlo, int(ue8m0),
@@ -394,7 +383,7 @@ def _launch_layer(mla: KVTarget, idx: KVTarget, kv_c, k_pe, k, slots, tokens, nl
     params = _layer_params(mla, idx, kv_c, k_pe, k, slots, tokens, nlo, ue8m0)
     if tokens == 0:
         return
-    _STORE_LAYER[idx.kind].launch(ordinal, _grid(tokens), _THREADS, *params)
+    _launch.STORES[(mla.kind, idx.kind)].launch(ordinal, _grid(tokens), _THREADS, *params)
 
 
 def _launch_rows(t: KVTarget, rows: torch.Tensor, slots, tokens: int, nlo: int) -> None:
@@ -433,14 +422,14 @@ def store_ds_mla(
     *,
     num_local_only: int = 0,
 ) -> None:
-    """Quantize ``kv_c [T, 512]`` / ``k_pe [T, 64]`` (bf16) to fp8_ds_mla entries and store
-    them into every replica of ``target``."""
-    target = _check_target("target", target, ("fp8_ds_mla",))
+    """Quantize ``kv_c [T, 512]`` / ``k_pe [T, 64]`` (bf16) to the entries of ``target``'s MLA
+    kind (``fp8_ds_mla`` or ``fp8_ds_mla_ue8m0``) and store them into every replica."""
+    target = _check_target("target", target, MLA_KINDS)
     tokens, nlo = _check_call((target,), (kv_c, k_pe), slot_mapping, num_local_only)
     if _compiling():
         torch.ops.vmmkv.store_ds_mla(
             target.cache, target.error_counter, target.ptr_table, target.committed_bytes,
-            kv_c, k_pe, slot_mapping, target._layout(), nlo,
+            kv_c, k_pe, slot_mapping, target._layout(), nlo, target.kind,
         )  # fmt: skip
         return
     _launch_ds_mla(target, kv_c, k_pe, slot_mapping, tokens, nlo)
@@ -486,6 +475,7 @@ def store_layer(
             mla.cache, mla.error_counter, idx.cache, idx.error_counter,
             mla.ptr_table, mla.committed_bytes, idx.ptr_table, idx.committed_bytes,
             kv_c, k_pe, k, slot_mapping, mla._layout(), idx._layout(), nlo, ue8m0, idx.kind,
+            mla.kind,
         )  # fmt: skip
         return
     _launch_layer(mla, idx, kv_c, k_pe, k, slot_mapping, tokens, nlo, ue8m0)
@@ -524,7 +514,8 @@ def publish_layer(
     if barrier.ordinal != ordinal:
         raise ValueError(f"barrier is on {barrier.device}, the targets on {mla.device}")
     params = _layer_params(mla, idx, kv_c, k_pe, k, slot_mapping, tokens, nlo, ue8m0)
-    _PUBLISH_LAYER[idx.kind].launch(ordinal, _grid(tokens), _THREADS, *params, bar_args)
+    kernel = _launch.PUBLISHES[(mla.kind, idx.kind)]
+    kernel.launch(ordinal, _grid(tokens), _THREADS, *params, bar_args)
 
 
 def publish_rows(
@@ -567,9 +558,9 @@ def _target_from_op(kind, cache, error_counter, ptr_table, committed_bytes, layo
     )  # fmt: skip
 
 
-def _indexer_kind(kind: str) -> str:
-    if kind not in INDEXER_KINDS:
-        raise ValueError(f"kind must be one of {INDEXER_KINDS}, got {kind!r}")
+def _op_kind(kind: str, kinds: tuple[str, ...]) -> str:
+    if kind not in kinds:
+        raise ValueError(f"kind must be one of {kinds}, got {kind!r}")
     return kind
 
 
@@ -584,13 +575,17 @@ def _op_store_ds_mla(
     slot_mapping: torch.Tensor,
     layout: list[int],
     num_local_only: int,
+    kind: str = "fp8_ds_mla",
 ) -> None:
-    t = _target_from_op("fp8_ds_mla", cache, error_counter, ptr_table, committed_bytes, layout)
+    t = _target_from_op(
+        _op_kind(kind, MLA_KINDS), cache, error_counter, ptr_table, committed_bytes, layout
+    )
     store_ds_mla(t, kv_c, k_pe, slot_mapping, num_local_only=num_local_only)
 
 
 @_op_store_ds_mla.register_fake
-def _(cache, error_counter, ptr_table, committed_bytes, kv_c, k_pe, slot_mapping, layout, nlo):
+def _(cache, error_counter, ptr_table, committed_bytes, kv_c, k_pe, slot_mapping, layout, nlo,
+      kind="fp8_ds_mla"):  # fmt: skip
     return None
 
 
@@ -608,7 +603,7 @@ def _op_store_indexer_k(
     kind: str,
 ) -> None:
     t = _target_from_op(
-        _indexer_kind(kind), cache, error_counter, ptr_table, committed_bytes, layout
+        _op_kind(kind, INDEXER_KINDS), cache, error_counter, ptr_table, committed_bytes, layout
     )
     store_indexer_k(t, k, slot_mapping, num_local_only=num_local_only, ue8m0=ue8m0)
 
@@ -640,12 +635,14 @@ def _op_store_layer(
     num_local_only: int,
     ue8m0: bool,
     idx_kind: str,
+    mla_kind: str = "fp8_ds_mla",
 ) -> None:
     mla = _target_from_op(
-        "fp8_ds_mla", mla_cache, mla_error_counter, mla_ptr_table, mla_committed_bytes, mla_layout
-    )
+        _op_kind(mla_kind, MLA_KINDS), mla_cache, mla_error_counter, mla_ptr_table,
+        mla_committed_bytes, mla_layout,
+    )  # fmt: skip
     idx = _target_from_op(
-        _indexer_kind(idx_kind), idx_cache, idx_error_counter, idx_ptr_table,
+        _op_kind(idx_kind, INDEXER_KINDS), idx_cache, idx_error_counter, idx_ptr_table,
         idx_committed_bytes, idx_layout,
     )  # fmt: skip
     store_layer(mla, idx, kv_c, k_pe, k, slot_mapping, num_local_only=num_local_only, ue8m0=ue8m0)

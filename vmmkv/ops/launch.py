@@ -25,12 +25,15 @@ import torch
 
 from vmmkv.alloc import driver
 from vmmkv.ops import build
+from vmmkv.ops.formats import STORE_KINDS
 
 __all__ = [
     "BARRIER_ARGS",
     "KVDEST",
     "Kernel",
+    "PUBLISHES",
     "PreparedLaunch",
+    "STORES",
     "device_ordinal",
     "lookup_handle",
     "warm_up",
@@ -279,3 +282,39 @@ STORE_INDEXER_K_MXFP8_BARRIER = Kernel(
     "vmmkv_store_indexer_k_mxfp8_barrier", STORE_INDEXER_K_BARRIER.layout
 )
 STORE_LAYER_MXFP8_BARRIER = Kernel("vmmkv_store_layer_mxfp8_barrier", STORE_LAYER_BARRIER.layout)
+# the fp8_ds_mla_ue8m0 variants: the same parameters as their fp8_ds_mla twins
+STORE_DS_MLA_UE8M0 = Kernel("vmmkv_store_ds_mla_ue8m0", STORE_DS_MLA.layout)
+STORE_LAYER_UE8M0 = Kernel("vmmkv_store_layer_ue8m0", STORE_LAYER.layout)
+STORE_LAYER_UE8M0_MXFP8 = Kernel("vmmkv_store_layer_ue8m0_mxfp8", STORE_LAYER.layout)
+STORE_DS_MLA_UE8M0_BARRIER = Kernel("vmmkv_store_ds_mla_ue8m0_barrier", STORE_DS_MLA_BARRIER.layout)
+STORE_LAYER_UE8M0_BARRIER = Kernel("vmmkv_store_layer_ue8m0_barrier", STORE_LAYER_BARRIER.layout)
+STORE_LAYER_UE8M0_MXFP8_BARRIER = Kernel(
+    "vmmkv_store_layer_ue8m0_mxfp8_barrier", STORE_LAYER_BARRIER.layout
+)
+
+# The kernel of each store call (its targets' kinds, vmmkv.ops.formats.STORE_KINDS): STORES
+# stores, PUBLISHES stores and then runs the barrier in the same launch. Each scale rule has
+# its own compile-time kernel variant (csrc/kv_store.cu), so the kinds pick it once, here.
+STORES: dict[tuple[str, ...], Kernel] = {
+    ("fp8_ds_mla",): STORE_DS_MLA,
+    ("indexer_k",): STORE_INDEXER_K,
+    ("rows",): PUBLISH_ROWS,
+    ("fp8_ds_mla", "indexer_k"): STORE_LAYER,
+    ("indexer_k_mxfp8",): STORE_INDEXER_K_MXFP8,
+    ("fp8_ds_mla", "indexer_k_mxfp8"): STORE_LAYER_MXFP8,
+    ("fp8_ds_mla_ue8m0",): STORE_DS_MLA_UE8M0,
+    ("fp8_ds_mla_ue8m0", "indexer_k"): STORE_LAYER_UE8M0,
+    ("fp8_ds_mla_ue8m0", "indexer_k_mxfp8"): STORE_LAYER_UE8M0_MXFP8,
+}
+PUBLISHES: dict[tuple[str, ...], Kernel] = {
+    ("fp8_ds_mla",): STORE_DS_MLA_BARRIER,
+    ("indexer_k",): STORE_INDEXER_K_BARRIER,
+    ("rows",): PUBLISH_ROWS_BARRIER,
+    ("fp8_ds_mla", "indexer_k"): STORE_LAYER_BARRIER,
+    ("indexer_k_mxfp8",): STORE_INDEXER_K_MXFP8_BARRIER,
+    ("fp8_ds_mla", "indexer_k_mxfp8"): STORE_LAYER_MXFP8_BARRIER,
+    ("fp8_ds_mla_ue8m0",): STORE_DS_MLA_UE8M0_BARRIER,
+    ("fp8_ds_mla_ue8m0", "indexer_k"): STORE_LAYER_UE8M0_BARRIER,
+    ("fp8_ds_mla_ue8m0", "indexer_k_mxfp8"): STORE_LAYER_UE8M0_MXFP8_BARRIER,
+}
+assert list(STORES) == list(PUBLISHES) == list(STORE_KINDS)

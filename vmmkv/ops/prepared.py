@@ -7,17 +7,19 @@ Contract:
   call, of kinds ``vmmkv.ops.formats.STORE_KINDS``: ``("fp8_ds_mla",)``, ``("indexer_k",)``,
   ``("rows",)``, ``("fp8_ds_mla", "indexer_k")`` (both caches of a layer), and the same with
   ``"indexer_k_mxfp8"`` for ``"indexer_k"`` (whose scales are always powers of two: ``ue8m0``
-  must stay True, ValueError otherwise). Targets on a CUDA
-  device give a :class:`PreparedStore`; CPU targets (host backend) a :class:`HostPreparedStore`
-  with the same methods. ``prepare`` loads the kernels (compiles on the first use of a device:
-  call it before CUDA-graph capture, e.g. when binding), allocates nothing on the device, keeps
+  must stay True, ValueError otherwise) and with ``"fp8_ds_mla_ue8m0"`` for ``"fp8_ds_mla"``
+  (power-of-two tile scales; ``ue8m0`` concerns the indexer only). Targets on a CUDA device
+  give a :class:`PreparedStore`; CPU targets (host backend) a :class:`HostPreparedStore` with
+  the same methods. ``prepare`` loads the kernels (compiles on the first use of a device: call
+  it before CUDA-graph capture, e.g. when binding), allocates nothing on the device, keeps
   references to the targets (so to their tensors) and is local (not collective).
 - ``store(inputs, slot_mapping, num_local_only=0)``: ``inputs`` in the order of the formats
   table: ``(kv_c, k_pe)``, ``(k,)``, ``(kv_c, k_pe, k)`` or ``(rows,)``. The kernel is picked
-  by the kinds once, here (the mxfp8 kinds have their own compile-time kernel variants). Validated before the
-  launch like the functional API (``vmmkv.ops.kv``): TypeError/ValueError naming the value got
-  and what was expected; token count = ``slot_mapping.numel()``. One launch on torch's current
-  stream; capture-safe. Zero tokens launch nothing.
+  by the kinds once, in ``prepare`` (``vmmkv.ops.launch.STORES``: each scale rule has its own
+  compile-time kernel variant). Validated before the launch like the functional API
+  (``vmmkv.ops.kv``): TypeError/ValueError naming the value got and what was expected; token
+  count = ``slot_mapping.numel()``. One launch on torch's current stream; capture-safe. Zero
+  tokens launch nothing.
 - ``publish(inputs, slot_mapping, num_local_only, barrier, lane)``: the same stores and then the
   barrier of ``barrier`` (a :class:`~vmmkv.ops.barrier.DeviceBarrier` of the same device) on
   ``lane``, in the same launch: the last CTA to finish its stores runs the barrier exactly as
@@ -51,7 +53,7 @@ from vmmkv._util import require_int
 from vmmkv.ops import barrier as _barrier
 from vmmkv.ops import kv as _kv
 from vmmkv.ops import launch as _launch
-from vmmkv.ops.formats import FORMATS, INDEXER_KINDS, STORE_KINDS
+from vmmkv.ops.formats import FORMATS, INDEXER_KINDS, MLA_KINDS, STORE_KINDS
 from vmmkv.ops.reference import check_store_input
 
 __all__ = ["HostPreparedStore", "PreparedStore", "lookup", "prepare"]
@@ -62,23 +64,6 @@ _THREADS = _kv._THREADS
 _DeviceBarrier = _barrier.DeviceBarrier
 # Row alignment the kernels need of each input (16-byte vector loads for fp8_ds_mla, 8 for k).
 _INPUT_ALIGN = {"kv_c": 16, "k_pe": 16, "k": 8, "rows": 1}
-_STORE = {
-    ("fp8_ds_mla",): _launch.STORE_DS_MLA,
-    ("indexer_k",): _launch.STORE_INDEXER_K,
-    ("rows",): _launch.PUBLISH_ROWS,
-    ("fp8_ds_mla", "indexer_k"): _launch.STORE_LAYER,
-    ("indexer_k_mxfp8",): _launch.STORE_INDEXER_K_MXFP8,
-    ("fp8_ds_mla", "indexer_k_mxfp8"): _launch.STORE_LAYER_MXFP8,
-}
-_PUBLISH = {
-    ("fp8_ds_mla",): _launch.STORE_DS_MLA_BARRIER,
-    ("indexer_k",): _launch.STORE_INDEXER_K_BARRIER,
-    ("rows",): _launch.PUBLISH_ROWS_BARRIER,
-    ("fp8_ds_mla", "indexer_k"): _launch.STORE_LAYER_BARRIER,
-    ("indexer_k_mxfp8",): _launch.STORE_INDEXER_K_MXFP8_BARRIER,
-    ("fp8_ds_mla", "indexer_k_mxfp8"): _launch.STORE_LAYER_MXFP8_BARRIER,
-}
-assert set(_STORE) == set(_PUBLISH) == set(STORE_KINDS)
 
 _prepared: weakref.WeakValueDictionary[int, PreparedStore] = weakref.WeakValueDictionary()
 _next_handle = itertools.count(1)
@@ -145,8 +130,10 @@ class PreparedStore(_Prepared):
         self._cache_ptrs = [c.data_ptr() for c in self._caches]
         self._counter_ptrs = [c.data_ptr() for c in self._counters]
         dests = tuple(t._dest for t in targets)
-        self._store = _launch.PreparedLaunch(_STORE[kinds], self.ordinal, _THREADS, dests)
-        self._publish = _launch.PreparedLaunch(_PUBLISH[kinds], self.ordinal, _THREADS, dests)
+        self._store = _launch.PreparedLaunch(_launch.STORES[kinds], self.ordinal, _THREADS, dests)
+        self._publish = _launch.PreparedLaunch(
+            _launch.PUBLISHES[kinds], self.ordinal, _THREADS, dests
+        )
         self.handle = next(_next_handle)
         _prepared[self.handle] = self
 
@@ -311,7 +298,7 @@ def _compile_values(p: PreparedStore) -> Callable[[Any, Any, Any], tuple[int, in
         params += [str(int(p.targets[0].entry_bytes)), *slots, vec16]
     else:
         params += slots
-        if p.kinds != ("fp8_ds_mla",):
+        if any(k in INDEXER_KINDS for k in p.kinds):  # the stores that write an indexer view
             params.append(str(int(p.ue8m0)))
     src.append(f"    return tokens, grid, ({', '.join(params)},)")
     exec("\n".join(src), env)  # noqa: S102 -- our own text, see the docstring
@@ -347,14 +334,15 @@ class HostPreparedStore(_Prepared):
         from vmmkv.ops import host
 
         super().__init__(targets, kinds, ue8m0)
-        self._fn = {
-            ("fp8_ds_mla",): host.store_ds_mla,
-            ("indexer_k",): host.store_indexer_k,
-            ("rows",): host.publish_rows,
-            ("fp8_ds_mla", "indexer_k"): host.store_layer,
-            ("indexer_k_mxfp8",): host.store_indexer_k,
-            ("fp8_ds_mla", "indexer_k_mxfp8"): host.store_layer,
-        }[kinds]
+        # the host stores take every kind of their shape (the target's kind picks the scales)
+        if len(kinds) == 2:
+            self._fn = host.store_layer
+        elif kinds[0] in MLA_KINDS:
+            self._fn = host.store_ds_mla
+        elif kinds[0] in INDEXER_KINDS:
+            self._fn = host.store_indexer_k
+        else:
+            self._fn = host.publish_rows
 
     def __repr__(self) -> str:
         return f"HostPreparedStore(kinds={self.kinds})"

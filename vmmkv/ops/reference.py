@@ -15,6 +15,9 @@ CUDA kernels bit for bit, on any device (CPU or CUDA tensors):
 - ``indexer_k_mxfp8`` stores the indexer's power-of-two scale ``2^e`` as four equal UE8M0
   bytes ``e + 127`` (:func:`ue8m0_x4`): an all-zero row gives ``0x69`` (the 1e-4 floor, scale
   2^-22), an inf input ``0xff`` (inf scale), the largest finite bf16 ``0xf7`` (2^120).
+- ``fp8_ds_mla_ue8m0`` rounds each tile scale up to a power of two, ``ue8m0(max(amax / 448,
+  1e-4))`` (:func:`ds_mla_scale`), as vLLM 0.33.0 writes it: an all-zero tile gives 2^-13, a
+  tile amax of exactly ``448 * 2^k`` the scale ``2^k``, anything above it ``2^(k+1)``.
 
 The format facts (entry bytes, widths, tile) come from ``vmmkv.ops.formats``; the old names
 (``MLA_ENTRY_BYTES``...) are re-exported here. ``check_store_input`` and ``check_slot_mapping``
@@ -40,6 +43,7 @@ from .formats import (
     INDEXER_ENTRY_BYTES,
     INDEXER_KINDS,
     MLA_ENTRY_BYTES,
+    MLA_KINDS,
     MLA_KV_DIM,
     MLA_ROPE_DIM,
     MLA_TILE,
@@ -50,16 +54,20 @@ from .formats import (
 __all__ = [
     "FP8_MAX",
     "INDEXER_AMAX_FLOOR",
+    "MLA_UE8M0_SCALE_FLOOR",
     "check_slot_mapping",
     "check_store_input",
+    "ds_mla_scale",
     "e4m3_satfinite",
     "indexer_scale",
     "insert_ds_mla",
+    "insert_ds_mla_ue8m0",
     "indexer_scale_bytes",
     "insert_indexer_k",
     "insert_indexer_k_mxfp8",
     "insert_rows",
     "quantize_ds_mla",
+    "quantize_ds_mla_ue8m0",
     "quantize_indexer_k",
     "quantize_indexer_k_mxfp8",
     "ue8m0",
@@ -74,6 +82,8 @@ FLT_MIN = 2.0**-126
 # The float nearest to 1e-4 (0x38d1b717): vLLM writes fmaxf(amax, 1e-4), the double literal
 # converted to float, which is this same float.
 INDEXER_AMAX_FLOOR = struct.unpack("<f", struct.pack("<I", 0x38D1B717))[0]
+# fp8_ds_mla_ue8m0's floor of amax / 448: the same float (vLLM's fmaxf(amax / 448.f, 1e-4f)).
+MLA_UE8M0_SCALE_FLOOR = INDEXER_AMAX_FLOOR
 
 
 def check_store_input(
@@ -139,8 +149,29 @@ def e4m3_satfinite(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), torch.full_like(q, 0x7F), q)
 
 
-def quantize_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
-    """bf16 ``kv_c [T, 512]`` and ``k_pe [T, 64]`` -> uint8 ``[T, 656]`` fp8_ds_mla entries."""
+def ds_mla_scale(amax: torch.Tensor, kind: str = "fp8_ds_mla") -> torch.Tensor:
+    """The tile scales of float32 tile maxima ``amax`` (NaN already ignored) for the MLA
+    ``kind``: ``fmaxf(amax / 448, FLT_MIN)`` (``fp8_ds_mla``), or
+    ``exp2f(ceilf(log2f(fmaxf(amax / 448, 1e-4f))))`` (``fp8_ds_mla_ue8m0``)."""
+    if kind not in MLA_KINDS:
+        raise ValueError(f"kind must be one of {MLA_KINDS}, got {kind!r}")
+    if amax.dtype != torch.float32:
+        raise TypeError(f"amax must be float32, got {amax.dtype}")
+    s = amax / _full(amax, FP8_MAX)
+    # amax / 448 of a bf16 amax (m * 2^e, 8-bit mantissa m) is m / 7 * 2^(e - 6): a power of two
+    # exactly when m = 224, otherwise at least 0.44% away from one: ue8m0's precondition holds
+    if get_format(kind).pow2:
+        return _ue8m0(torch.maximum(s, _full(amax, MLA_UE8M0_SCALE_FLOOR)))
+    return torch.maximum(s, _full(amax, FLT_MIN))
+
+
+def quantize_ds_mla(
+    kv_c: torch.Tensor, k_pe: torch.Tensor, *, kind: str = "fp8_ds_mla"
+) -> torch.Tensor:
+    """bf16 ``kv_c [T, 512]`` and ``k_pe [T, 64]`` -> uint8 ``[T, 656]`` entries of the MLA
+    ``kind`` (``fp8_ds_mla`` or ``fp8_ds_mla_ue8m0``: they differ only in the tile scale)."""
+    if kind not in MLA_KINDS:
+        raise ValueError(f"kind must be one of {MLA_KINDS}, got {kind!r}")
     check_store_input("kv_c", kv_c, torch.bfloat16, MLA_KV_DIM)
     check_store_input("k_pe", k_pe, torch.bfloat16, MLA_ROPE_DIM)
     if kv_c.shape[0] != k_pe.shape[0] or kv_c.device != k_pe.device:
@@ -150,13 +181,17 @@ def quantize_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
         )
     t = kv_c.shape[0]
     x = kv_c.float().reshape(t, MLA_KV_DIM // MLA_TILE, MLA_TILE)
-    amax = _abs_ignoring_nan(x).amax(dim=-1)  # [T, 4]
-    scale = torch.maximum(amax / _full(amax, FP8_MAX), _full(amax, FLT_MIN))
+    scale = ds_mla_scale(_abs_ignoring_nan(x).amax(dim=-1), kind)  # [T, 4]
     values = e4m3_satfinite(x / scale.unsqueeze(-1)).reshape(t, MLA_KV_DIM)
     # one little-endian fp32 scale per tile
     scale_bytes = scale.contiguous().view(torch.uint8).reshape(t, 4 * (MLA_KV_DIM // MLA_TILE))
     rope_bytes = k_pe.contiguous().view(torch.uint8).reshape(t, 2 * MLA_ROPE_DIM)
     return torch.cat([values, scale_bytes, rope_bytes], dim=1)
+
+
+def quantize_ds_mla_ue8m0(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """``quantize_ds_mla`` of the ``fp8_ds_mla_ue8m0`` kind (power-of-two tile scales)."""
+    return quantize_ds_mla(kv_c, k_pe, kind="fp8_ds_mla_ue8m0")
 
 
 def ue8m0(s: torch.Tensor) -> torch.Tensor:
@@ -265,17 +300,31 @@ def insert_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Ten
 
 
 def insert_ds_mla(
-    cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor
+    cache: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    kind: str = "fp8_ds_mla",
 ) -> int:
-    """Quantize and insert into an fp8_ds_mla view ``[num_blocks, block_size, 656]`` (any
-    strides, e.g. one layer of a layer-interleaved buffer)."""
+    """Quantize and insert into an MLA view ``[num_blocks, block_size, 656]`` (any strides, e.g.
+    one layer of a layer-interleaved buffer) of ``kind`` (``fp8_ds_mla``, ``fp8_ds_mla_ue8m0``)."""
+    if kind not in MLA_KINDS:
+        raise ValueError(f"kind must be one of {MLA_KINDS}, got {kind!r}")
     slots = check_slot_mapping(slot_mapping).long()
     _check_cache(cache, MLA_ENTRY_BYTES)
     n = slots.numel()
     check_store_input("kv_c", kv_c, torch.bfloat16, MLA_KV_DIM, tokens=n)
     check_store_input("k_pe", k_pe, torch.bfloat16, MLA_ROPE_DIM, tokens=n)
-    rows = quantize_ds_mla(kv_c[:n], k_pe[:n])
+    rows = quantize_ds_mla(kv_c[:n], k_pe[:n], kind=kind)
     return _scatter(cache, rows, slots.to(cache.device), cache.shape[1])
+
+
+def insert_ds_mla_ue8m0(
+    cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor
+) -> int:
+    """``insert_ds_mla`` of the ``fp8_ds_mla_ue8m0`` kind (power-of-two tile scales)."""
+    return insert_ds_mla(cache, kv_c, k_pe, slot_mapping, kind="fp8_ds_mla_ue8m0")
 
 
 def _indexer_block_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
