@@ -763,6 +763,10 @@ def _api_errors(rank, world):
         outside = buf[:IDX_PAGE].view(1, BS, INDEXER_ENTRY_BYTES)
         out["bind_outside"] = _outcome(lambda: c.bind("outside", outside, "indexer_k"))
         out["blocks"] = c.committed_blocks
+    with cache_(direct=False) as c:  # no peer mappings: the same protocol, commits only
+        c.set_block_layout([(256, MLA_PAGE)], 4)
+        grown = (c.grow_blocks(3), c.region.region.chunks())
+        out["gather_only"] = (c.path, grown, c.shrink_blocks(1), c.region.region.chunks())
     with cache_(initial_bytes=chunk) as c:
         out["committed"] = _outcome(lambda: c.set_block_layout([(0, MLA_PAGE)], 2))
     with cache_() as c:
@@ -802,6 +806,8 @@ def test_bad_mismatched_or_late_layouts_and_wrong_resize_kinds_raise_on_every_ra
         raised("bind_across", "ValueError", "bind 'across'", "inside no single segment", "#0")
         raised("bind_outside", "ValueError", "bind 'outside'", "inside no single segment")
         assert res["blocks"] == 2
+        covering = [Chunk(o, 4 * _g()) for o in range(0, 256 + 3 * MLA_PAGE, 4 * _g())]
+        assert res["gather_only"] == ("gather", (3, covering), 1, covering[:3]), res
         raised("committed", "RuntimeError", "bytes are committed")
         raised(
             "after_bind",

@@ -341,18 +341,19 @@ class ReplicatedKVCache:
                 refuse = f"views are bound already ({self._bound}); set the layout before bind"
             self._sr.set_block_layout(segments, max_blocks, refuse=refuse)
 
-    def grow_blocks(self, blocks: int) -> int:
-        """Collective: every segment of the block layout holds ``blocks`` committed blocks
+    def grow_blocks(self, n: int) -> int:
+        """Collective: every segment of the block layout holds ``n`` committed blocks
         afterwards, in every replica (the chunks covering them). Allowed after graph capture;
         refused during capture. Returns the block count."""
         self._check_open()
-        return self._sr.resize_blocks(blocks, direction="grow")
+        return self._sr.resize_blocks(n, direction="grow")
 
-    def shrink_blocks(self, blocks: int) -> int:
-        """Collective: lower every segment to ``blocks`` blocks (bounds first: blocks beyond
-        are never written afterwards), then decommit the chunks no segment needs."""
+    def shrink_blocks(self, n: int) -> int:
+        """Collective: lower every segment to ``n`` blocks (bounds first: blocks beyond are
+        never written afterwards), then decommit the chunks no segment needs (e.g. to sleep).
+        Returns the block count."""
         self._check_open()
-        return self._sr.resize_blocks(blocks, direction="shrink")
+        return self._sr.resize_blocks(n, direction="shrink")
 
     # -- stores (see the module docstring) -------------------------------------------------
     def store_ds_mla(self, b, kv_c, k_pe, slot_mapping, *, num_local_only=0, mode=None,
