@@ -1,6 +1,6 @@
 """vmmkv.alloc: the driver layer and the region (knows nothing of process groups or kernels).
 
-- ``VirtualRegion``: stable VA reservation of full capacity, growable committed prefix,
+- ``VirtualRegion``: stable VA reservation of full capacity, committed chunks that grow and shrink (a prefix, or ranges),
   exportable chunks, DLPack views. CUDA backend (VMM) or host backend (memfd + mmap), chosen by
   ``backend="auto"``; nothing above this package branches on the backend.
 - ``PeerRegion``: a reservation into which a peer's exported chunks are mapped.
