@@ -1,8 +1,9 @@
 """vmmkv.alloc: the driver layer and the region (knows nothing of process groups or kernels).
 
 - ``VirtualRegion``: stable VA reservation of full capacity, committed chunks that grow and
-  shrink (a prefix, or ranges), exportable chunks, DLPack views. CUDA backend (VMM) or host backend (memfd + mmap), chosen by
-  ``backend="auto"``; nothing above this package branches on the backend.
+  shrink (a prefix, or ranges), exportable chunks, DLPack views. CUDA backend (VMM) or host
+  backend (memfd + mmap), chosen by ``backend="auto"``; nothing above this package branches on
+  the backend.
 - ``PeerRegion``: a reservation into which a peer's exported chunks are mapped.
 - ``Backend``: the interface both backends implement (``backend.py``).
 - ``CudaError``: every failed driver call, naming the call, the CUresult and the context.
