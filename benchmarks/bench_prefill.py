@@ -1367,12 +1367,13 @@ class _Rank:
                                "to_bytes": self.capacity, "graphs": not self.cpu}  # fmt: skip
         done = res["paths"] = {}
         problems: list[str] = []
-        pool = None if self.cpu else torch.cuda.graph_pool_handle()
 
         def runner(path):
             if self.cpu:
                 return lambda: self.forward(path, wl)
-            return self.graph_forward(path, wl, pool)
+            # A fresh pool each time: the previous path's graphs are gone by the next capture,
+            # and capturing into a pool whose graphs were all freed trips torch's allocator.
+            return self.graph_forward(path, wl, torch.cuda.graph_pool_handle())
 
         def run_checked(fn, path, expect_bytes, expect_sum, what) -> None:
             wl.reset()
