@@ -164,6 +164,37 @@ def _same_views(got, buf, plain, plain_buf):
     )
 
 
+def _refusal(pcp_size, tp):
+    """Allocation of MLA layers in bfloat16 ('auto' cache dtype) through the plugin: refused on
+    every rank before any collective, naming the model, the layer and its spec."""
+    import dataclasses
+
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker import gpu_model_runner
+
+    from vmmkv.integrations import vllm as integration
+    from vmmkv.integrations.vllm import testing
+
+    cfg = testing.vllm_config("LBNHC", NUM_BLOCKS, tp=tp, pcp=pcp_size)
+    specs = testing.layer_specs(cfg)
+    for n in [n for n in specs if n.endswith(".attn")]:
+        specs[n] = dataclasses.replace(
+            specs[n], cache_dtype_str="auto", dtype=torch.bfloat16, state_content_bytes=None
+        )
+    cfg, config = testing.build_kv_cache_config("LBNHC", NUM_BLOCKS, tp=tp, pcp=pcp_size,
+                                                specs=specs)  # fmt: skip
+    with set_current_vllm_config(cfg), integration.patched():
+        try:
+            gpu_model_runner.allocate_kv_cache(
+                config, torch.device("cpu"), KVCacheLayout.LBNHC, [BS]
+            )
+        except integration.UnsupportedKVCache as exc:
+            return f"{exc} (active: {integration.active_cache()})"
+    return "no error"
+
+
 def _scenario(rank, world, port, tp, runs):
     """Per (layout, direct) run: allocate through the plugin, poison, the three cases through
     the call sites; returns what each rank saw."""
@@ -185,6 +216,7 @@ def _scenario(rank, world, port, tp, runs):
     pcp, tpg = ps.get_pcp_group(), ps.get_tp_group()
     out = {"pcp_ranks": pcp.ranks, "tp_ranks": tpg.ranks, "runs": {}}
     try:
+        out["refused"] = _refusal(pcp_size, tp)
         for layout, direct in runs:
             os.environ["VMMKV_DIRECT"] = "1" if direct else "0"
             cfg, config = testing.build_kv_cache_config(layout, NUM_BLOCKS, tp=tp, pcp=pcp_size)
@@ -264,6 +296,9 @@ def test_two_pcp_ranks_publish_every_case_through_vllm_call_sites_in_every_layou
     out = run_world(_scenario, 2, args=(free_port(), 1, runs), init_group=False, timeout=560)
     for rank, o in enumerate(out):
         assert o["pcp_ranks"] == [0, 1] and o["tp_ranks"] == [rank]
+        assert "cannot hold the KV cache of '/" in o["refused"] and "vmmkv-dsv32-" in o["refused"]
+        assert "layer 'model.layers.0.self_attn.attn' has MLAAttentionSpec(" in o["refused"]
+        assert "cache_dtype_str='auto'" in o["refused"] and o["refused"].endswith("(active: None)")
         for name, rep in o["runs"].items():
             assert rep["cache_rank"] == rank, name
             _check(rep, 2, name.endswith("direct"))

@@ -180,7 +180,7 @@ def test_unsupported_layouts_specs_and_kernel_blocks_are_refused_naming_them(con
     assert "fp8_ds_mla" in str(err.value) and "indexer" in str(err.value)
 
 
-def test_the_vllm_config_check_refuses_float16_models_and_hisparse():
+def test_the_vllm_config_check_refuses_float16_models_and_micro_batching():
     import torch
 
     from vmmkv.integrations.vllm import UnsupportedKVCache
@@ -193,6 +193,10 @@ def test_the_vllm_config_check_refuses_float16_models_and_hisparse():
     with pytest.raises(UnsupportedKVCache, match="bfloat16 activations only.*torch.float16"):
         check_vllm_config(cfg)
     cfg.model_config.dtype = torch.bfloat16
+    cfg.parallel_config.enable_dbo = True
+    with pytest.raises(UnsupportedKVCache, match="micro-batching"):
+        check_vllm_config(cfg)
+    cfg.parallel_config.enable_dbo = False
 
 
 def test_the_three_pcp_cases_map_to_num_local_only_and_this_ranks_slots():

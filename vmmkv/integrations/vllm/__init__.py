@@ -32,7 +32,7 @@ the zeroing traffic by the group size. Growth zeroes new blocks the same way (ze
 Supported (anything else is refused with :class:`UnsupportedKVCache` naming the layer and spec,
 or the layout): DeepSeek-V3.2-style caches (``fp8_ds_mla`` MLA layers + indexer K layers,
 bfloat16 activations) in layouts LBHNC, LBNHC (vLLM's default), BLHNC, BLNHC; no HiSparse, no
-kernel-block splitting. The bytes are the ones the installed vLLM writes: the MLA kind from
+kernel-block splitting, no micro-batching (DBO). The bytes are the ones the installed vLLM writes: the MLA kind from
 ``vmmkv.ops.formats.mla_kind_for(vllm.__version__)`` (0.33: power-of-two tile scales,
 ``fp8_ds_mla_ue8m0``), the indexer kind from vLLM's own ``mqa_logits_use_mx_scales()``
 (``indexer_k``; ``indexer_k_mxfp8`` on SM100).

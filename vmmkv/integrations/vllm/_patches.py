@@ -116,7 +116,7 @@ def vllm_mla_kind() -> str:
 
 def check_vllm_config(cfg: Any) -> None:
     """Refuse (UnsupportedKVCache) what the vLLM config asks and vmmkv cannot do: activations
-    other than bfloat16 (the stores take bf16), HiSparse KV caches."""
+    other than bfloat16 (the stores take bf16), HiSparse KV caches, micro-batching (DBO)."""
     from ._layout import UnsupportedKVCache
 
     model = cfg.model_config
@@ -127,6 +127,12 @@ def check_vllm_config(cfg: Any) -> None:
         )
     if getattr(cfg.attention_config, "hisparse_config", None) is not None:
         raise UnsupportedKVCache("vmmkv does not support HiSparse KV caches (hisparse_config)")
+    if cfg.parallel_config.use_ubatching:
+        # microbatches interleave their layers: the pairing of a gather with its insert and the
+        # barrier lane per microbatch are not implemented
+        raise UnsupportedKVCache(
+            "vmmkv does not support micro-batching (enable_dbo / ubatch_size > 1) yet"
+        )
 
 
 # -- the replacements ------------------------------------------------------------------------
@@ -138,6 +144,7 @@ def _allocate(orig: Callable[..., Any]) -> Callable[..., Any]:
         from vllm.distributed.parallel_state import get_pcp_group
 
         from ._cache import VllmKVCache
+        from ._layout import UnsupportedKVCache
 
         pcp = get_pcp_group()
         if pcp.world_size == 1:
@@ -151,11 +158,15 @@ def _allocate(orig: Callable[..., Any]) -> Callable[..., Any]:
                 f"rank {_STATE.active.rank}: vmmkv already allocated this worker's KV cache; "
                 "vmmkv.integrations.vllm.unregister() closes it"
             )
-        cache = VllmKVCache(
-            kv_cache_config, layout, cpu_group=pcp.cpu_group, device=device,
-            device_group=pcp.device_group, kernel_block_sizes=kernel_block_sizes,
-            mla_kind=vllm_mla_kind(), indexer_kind=vllm_indexer_kind(),
-        )  # fmt: skip
+        try:
+            cache = VllmKVCache(
+                kv_cache_config, layout, cpu_group=pcp.cpu_group, device=device,
+                device_group=pcp.device_group, kernel_block_sizes=kernel_block_sizes,
+                mla_kind=vllm_mla_kind(), indexer_kind=vllm_indexer_kind(),
+            )  # fmt: skip
+        except UnsupportedKVCache as exc:  # name the model too (every rank refuses alike)
+            model = cfg.model_config.model if cfg is not None and cfg.model_config else "?"
+            raise UnsupportedKVCache(f"vmmkv cannot hold the KV cache of {model!r}: {exc}") from exc
         _STATE.active = cache
         return dict(cache.views)
 
