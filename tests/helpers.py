@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+from typing import NamedTuple
 
 import torch
 
@@ -290,3 +292,93 @@ class KVStep:
                 f"rank {self.cache.rank}: {what}: {bad.numel()} bytes differ from the oracle, "
                 f"first at {bad[:4].tolist()}"
             )
+
+
+# --------------------------------------------------------------------------------------------
+# ranks as plain interpreters, for tests of how a process exits (tests/test_exit*.py)
+# --------------------------------------------------------------------------------------------
+
+
+class ScriptRun(NamedTuple):
+    """One rank's plain interpreter: ``returncode`` (None: still running at the deadline, then
+    killed), and everything it wrote to stdout and stderr."""
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+
+
+def run_rank_scripts(script: str, world: int, args=(), timeout: float = 60.0) -> list[ScriptRun]:
+    """Run ``python -c script <rank> *args`` once per rank at the same time; results in rank order.
+
+    For tests of a rank's own exit: the spawner's children return into its child loop (which
+    destroys the group and sends a result) and share the parent's stderr, so these are plain
+    interpreters whose exit is their own and whose stdout/stderr are kept apart (in files: no
+    pipe can fill and block a rank). Each runs in its own session with the repository first on
+    ``PYTHONPATH``, the spawner's ``MULTICAST_OFF`` defaults and no ``VMMKV_DIRECT``. Bounded: a
+    rank still running ``timeout`` seconds after the start is killed with its process group.
+    Local; the caller owns nothing afterwards (every rank reaped, every file closed)."""
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from vmmkv._util import require_int, require_timeout
+    from vmmkv.testing.spawn import MULTICAST_OFF
+
+    require_int("world", world, lo=1)
+    timeout = require_timeout("timeout", timeout)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**MULTICAST_OFF, **os.environ}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env.pop("VMMKV_DIRECT", None)
+    deadline = time.monotonic() + timeout
+    files, procs, codes = [], [], []
+    try:
+        for rank in range(world):
+            out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+            files.append((out, err))
+            argv = [sys.executable, "-c", script, str(rank), *(str(a) for a in args)]
+            kw = dict(stdout=out, stderr=err, env=env, cwd=root, start_new_session=True)
+            procs.append(subprocess.Popen(argv, **kw))
+        for proc in procs:
+            try:
+                codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:  # unreaped: its pid (and group id) cannot be reused yet
+                for kill in (os.killpg, os.kill):
+                    try:
+                        kill(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                proc.wait()
+        texts = []
+        for pair in files:
+            for f in pair:
+                f.seek(0)
+                texts.append(f.read().decode(errors="replace"))
+                f.close()
+    return [ScriptRun(codes[r], texts[2 * r], texts[2 * r + 1]) for r in range(world)]
+
+
+# What a clean exit never prints: lower-cased substrings of a stderr line, and the prefix of
+# torch's C++ warning/error/fatal log lines ("[W1130 12:00:00 ...]").
+_NOISE = (
+    "traceback", "exception ignored", "error", "warning", "cuda", "leak", "segmentation",
+    "fatal", "terminate called", "abort", "core dumped",
+)  # fmt: skip
+_CXX_LOG = re.compile(r"^\[[WEF]\d")
+
+
+def stderr_noise(stderr: str) -> list[str]:
+    """The lines of ``stderr`` that a clean run never prints (tracebacks, "Exception ignored",
+    warnings, errors, anything naming CUDA such as CUDA_ERROR_*, crashes, torch's C++ log)."""
+    return [
+        line
+        for line in stderr.splitlines()
+        if any(w in line.lower() for w in _NOISE) or _CXX_LOG.match(line)
+    ]
