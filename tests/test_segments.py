@@ -413,12 +413,22 @@ class _Replica:
         return self.cache.region.region.chunks()
 
     def resized(self, blocks):
-        """After a grow/shrink to ``blocks`` blocks: the oracle's new chunks read zero."""
+        """After a grow/shrink to ``blocks`` blocks: the oracle's new chunks read zero, and so
+        do the new blocks in chunks that stayed committed (a grow zeroes them)."""
         old = {c.offset for c in self.expected_chunks(self.blocks)}
         for c in self.expected_chunks(blocks):
             if c.offset not in old:
                 self.model[c.offset : c.offset + c.size] = 0
+        self.zero_exposed(blocks)
         self.blocks = blocks
+
+    def zero_exposed(self, blocks):
+        """A grow to ``blocks`` zeroes the blocks beyond the current count before anything
+        else (also when the grow then fails)."""
+        for off, page in self.segments:
+            lo, hi = off + self.blocks * page, off + blocks * page
+            if hi > lo:
+                self.model[lo:hi] = 0
 
     # -- the bytes ------------------------------------------------------------------------
     def sync(self):
@@ -664,6 +674,7 @@ def _grow_publish_shrink(rank, world, backend, fail_at, device, setup):
             failure = _outcome(lambda: cache.grow_blocks(plan["fail"]))
         finally:
             undo()
+        rep.zero_exposed(plan["fail"])
         rep.check(f"after a grow that failed at the {fail_at}")  # all at the old count
         publish(f"publish after the failed grow, at {plan['low']} blocks")
 
@@ -762,6 +773,13 @@ def _api_errors(rank, world):
         out["bind_across"] = _outcome(lambda: c.bind("across", across, "fp8_ds_mla"))
         outside = buf[:IDX_PAGE].view(1, BS, INDEXER_ENTRY_BYTES)
         out["bind_outside"] = _outcome(lambda: c.bind("outside", outside, "indexer_k"))
+        # blocks that straddle the segment's blocks (one token in) are refused; vLLM-style
+        # kernel blocks (half a segment block each) are accepted
+        skew = buf[256 + MLA_ENTRY_BYTES : 256 + (nb - 1) * MLA_PAGE + MLA_ENTRY_BYTES]
+        skew = skew.view(nb - 1, BS, MLA_ENTRY_BYTES)
+        out["bind_skewed"] = _outcome(lambda: c.bind("skewed", skew, "fp8_ds_mla"))
+        halves = buf[256 : 256 + nb * MLA_PAGE].view(2 * nb, BS // 2, MLA_ENTRY_BYTES)
+        out["bind_halves"] = _outcome(lambda: c.bind("halves", halves, "fp8_ds_mla").kind)
         out["blocks"] = c.committed_blocks
     with cache_(direct=False) as c:  # no peer mappings: the same protocol, commits only
         c.set_block_layout([(256, MLA_PAGE)], 4)
@@ -794,6 +812,8 @@ def test_bad_mismatched_or_late_layouts_and_wrong_resize_kinds_raise_on_every_ra
         raised("capacity", "ValueError", "beyond the capacity")
         raised("empty", "ValueError", "at least one")
         raised("mismatch", "ConfigMismatch", "identical on every rank", "ranks [0]", "ranks [1]")
+        raised("bind_skewed", "ValueError", f"rank {rank}", "'skewed'", "do not fit")
+        assert res["bind_halves"] == ("ok", "fp8_ds_mla"), (rank, res["bind_halves"])
         raised("blocks_on_prefix", "RuntimeError", "no block layout is set")
         assert res["prefix_blocks"] is None
         raised("twice", "RuntimeError", "already set")

@@ -92,6 +92,7 @@ from .direct import DirectPath
 from .gather import GatherPath, check_padding_enabled
 from .ipc import ConfigMismatch, SymmetricRegion
 from .ipc.comm import check_cpu_group
+from .ops.formats import get_format
 from .ops.kv import KVTarget
 
 __all__ = ["Binding", "ReplicatedKVCache", "resolve_direct"]
@@ -305,6 +306,7 @@ class ReplicatedKVCache:
         end = end + 1 if view.numel() else start  # the last byte the view holds, + 1
         with self._lock:
             bound = self._sr.bound_for(start, end, f"bind {name!r}")
+            self._check_blocks_align(name, geometry, bound)
             self._bound += 1
         tensors = dict(committed_bytes=bound, error_counter=self.error_counter, cache=self._fence)
         local = self._gather.target(geometry, **tensors)
@@ -314,6 +316,29 @@ class ReplicatedKVCache:
         for path in (self._gather, self._direct) if self._direct else (self._gather,):
             path.prepare((binding,))  # per-binding launch state, built once (before capture)
         return binding
+
+    def _check_blocks_align(self, name: str, geometry: dict[str, Any], bound: Any) -> None:
+        """With a block layout, every block of the view must lie in one block of its segment
+        (the segment's block a whole number of view blocks, e.g. vLLM's kernel blocks), so
+        ``grow_blocks(n)`` opens exactly the view blocks inside the first ``n`` segment blocks."""
+        if bound is self._sr.committed_table:
+            return  # no block layout
+        i = bound.data_ptr() - self._sr.committed_table.data_ptr()
+        seg_off, seg_block = self._sr.segments[i // bound.element_size()]
+        stride = geometry["block_stride"]
+        size, es, entry = geometry["block_size"], geometry["entry_stride"], geometry["entry_bytes"]
+        split = get_format(geometry["kind"]).split_block
+        extent = size * entry if split else (size - 1) * es + entry
+        multi = geometry["num_blocks"] > 1
+        unit = stride if multi else seg_block  # segment blocks are whole multiples of `unit`
+        rel = (geometry["offset_bytes"] - seg_off) % unit
+        if (multi and seg_block % stride) or rel + extent > unit:
+            raise ValueError(
+                f"rank {self.rank}: bind {name!r}: the view's blocks (stride {stride}, "
+                f"{extent} bytes from segment offset {rel}) do not fit the segment's "
+                f"{seg_block}-byte blocks at {seg_off}: each view block must lie in one segment "
+                "block and the segment block must be a whole number of view block strides"
+            )
 
     def grow(self, committed_bytes: int) -> int:
         """Collective: grow every replica's committed prefix to ``committed_bytes`` (rounded up

@@ -132,6 +132,27 @@ class _Segments:
         return [(off, off + blocks * block) for off, block in self.segments]
 
     def commit(self, blocks: int) -> list[Chunk]:
+        """Commit the chunks of ``blocks`` blocks per segment; the new blocks read zero. Fresh
+        chunks are zero already; new blocks in chunks that stayed committed (a segment's tail
+        chunk after a shrink, a chunk shared with a neighbour) still hold old bytes: they are
+        zeroed first (beyond every bound, so nothing writes there) and synchronized before the
+        agreement lets any peer write into them. A grow that then fails leaves them zero."""
+        chunk = self._region.chunk_bytes
+        old = {c.offset for c in self._region.chunks()}
+        stale = []
+        for off, block in self.segments:
+            lo, hi = off + self.blocks * block, off + blocks * block
+            stale += [
+                (max(lo, c), min(hi, c + chunk))
+                for c in range(lo - lo % chunk, hi, chunk)
+                if c in old
+            ]
+        if stale:
+            whole = self._region.tensor()
+            for lo, hi in stale:
+                whole[lo:hi].zero_()
+            del whole
+            self._region.synchronize()
         return self._region.commit_ranges(self.ranges(blocks))
 
     def decommit(self, blocks: int) -> None:
@@ -554,7 +575,11 @@ class SymmetricRegion:
         deadline = time.monotonic() + self.timeout
         added: list[Chunk] = []
         error: Exception | None = None
+        bounds = None
         try:
+            # The new bounds are built before the agreement: after it, nothing that can fail
+            # on one rank alone may stand between the agreement and the bounds' device write.
+            bounds = self._bounds_tensor(layout, size)
             added = layout.commit(size)
         except Exception as exc:
             error = exc
@@ -573,7 +598,7 @@ class SymmetricRegion:
         except GroupError as exc:
             self._release_local(current)
             raise as_rendezvous_error(exc) from error
-        self._set_bounds(layout, size)
+        self._set_bounds(layout, size, bounds)
 
     def _release_local(self, current: int) -> None:
         """Roll a failed grow back to ``current``: peers' new chunks first, then our own. Errors
@@ -614,13 +639,17 @@ class SymmetricRegion:
                 raise as_rendezvous_error(exc) from exc
             raise
 
-    def _set_bounds(self, layout: _Prefix | _Segments, size: int) -> None:
+    @staticmethod
+    def _bounds_tensor(layout: _Prefix | _Segments, size: int) -> torch.Tensor:
+        return torch.tensor(layout.bounds(size), dtype=torch.int64)
+
+    def _set_bounds(
+        self, layout: _Prefix | _Segments, size: int, bounds: torch.Tensor | None = None
+    ) -> None:
         """Every element of ``committed_table`` in one device write, then a synchronize."""
-        bounds = layout.bounds(size)
-        if len(bounds) == 1:
-            self.committed_table.fill_(bounds[0])
-        else:
-            self.committed_table.copy_(torch.tensor(bounds, dtype=torch.int64))
+        if bounds is None:
+            bounds = self._bounds_tensor(layout, size)
+        self.committed_table.copy_(bounds)
         layout.moved(size)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
