@@ -291,10 +291,15 @@ class ReplicatedKVCache:
         """Validate a layer view ``[num_blocks, block_size, entry]`` inside the region and
         return the :class:`Binding` the store methods take.
 
-        ``kind``: ``"fp8_ds_mla"`` (entry 656), ``"indexer_k"`` (132, blocks contiguous: the
-        values and scales are split inside each block) or ``"rows"`` (any entry size). With a
-        block layout the view must lie inside one segment (ValueError naming the view and the
-        segments otherwise); its bound is that segment's."""
+        ``kind`` (the formats table, ``vmmkv.ops.formats``): ``"fp8_ds_mla"`` (entry 656, raw
+        ``amax/448`` tile scales) or ``"fp8_ds_mla_ue8m0"`` (power-of-two tile scales: what vLLM
+        0.33.0 writes, ``mla_kind_for``); ``"indexer_k"`` (132, blocks contiguous: the values
+        and scales are split inside each block; fp32 scales, Hopper) or ``"indexer_k_mxfp8"``
+        (four UE8M0 bytes per scale, sm_10x; ``indexer_kind_for``); ``"rows"`` (any entry
+        size). A 4-D single-head view ``[num_blocks, 1, block_size, entry]`` (vLLM's) is taken
+        as the 3-D one. With a block layout the view must lie inside one segment, each of its
+        blocks inside one segment block (ValueError naming the view and the segments
+        otherwise); its bound is that segment's."""
         self._check_open()
         geometry = target_geometry(
             view, kind, self._fence.data_ptr(), self.capacity_bytes, name=name
