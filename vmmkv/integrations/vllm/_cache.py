@@ -14,9 +14,10 @@ What it does, in order (the constructor):
 5. ``grow(initial_blocks)``.
 
 Growth: ``grow(n)``/``shrink(n)`` give every layer blocks ``[0, n)`` (collective over the PCP
-group). ``grow`` zeroes the new blocks of the own replica (as vLLM's ``torch.zeros`` would have)
-and then runs the cache's barrier, so that no peer publishes into a block before this rank
-zeroed it. vLLM 0.33 cannot resize its block pool: the engine must hand out blocks
+group). ``grow`` zeroes the new blocks of the own replica (as vLLM's ``torch.zeros`` would have;
+new device memory is not zeroed, and a chunk a neighbouring segment kept holds old bytes) and
+then runs the cache's barrier, so that no peer publishes into a block before this rank zeroed
+it. vLLM 0.33 cannot resize its block pool: the engine must hand out blocks
 ``< committed_blocks`` only (:meth:`check_blocks` refuses others before vLLM's zeroing kernel
 touches them).
 
@@ -25,9 +26,9 @@ cache's direct path (every rank writes its rows into every replica, then one bar
 the rows are visible before attention reads them) or its gather fallback (same bytes).
 
 Zeroing (:meth:`after_zeroing`): vLLM zeroes newly allocated blocks every step
-(``KVBlockZeroer``) in the own replica only; a peer that already published into those blocks
-would lose its rows. The barrier after zeroing orders every rank's zeroing before any rank's
-first publication of the step (see docs in the package ``__init__``).
+(``KVBlockZeroer``) in the own replica only; rows a peer already published into those blocks
+are lost. The barrier after zeroing orders every rank's zeroing before any rank's first
+publication of the step (the package docstring says why not replicated zeroing).
 
 Contract: collective over the PCP group: the constructor, ``grow``, ``shrink``,
 ``after_zeroing`` and the stores (direct: the barrier; gather: the all-gather), every rank in the
