@@ -267,9 +267,10 @@ class ReplicatedKVCache:
 
     # -- memory ----------------------------------------------------------------------------
     def allocate(self, nbytes: int, device: Any = None) -> torch.Tensor:
-        """1-D int8 view of the next ``nbytes`` of the region (256-byte aligned). Usable as
-        vLLM's ``buffer_allocator(nbytes, device)``; only committed bytes may be touched (the
-        committed prefix, or the committed blocks of a block layout)."""
+        """1-D int8 view of the next ``nbytes`` of the region (256-byte aligned): an engine's
+        ``(nbytes, device)`` allocation hook (vLLM 0.33.0 has none; ``vmmkv.integrations.vllm``
+        replaces its ``allocate_kv_cache`` and calls this). Only committed bytes may be
+        touched (the committed prefix, or the committed blocks of a block layout)."""
         self._check_open()
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"allocate: nbytes must be an int > 0, got {nbytes!r}")
