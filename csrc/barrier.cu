@@ -8,7 +8,8 @@ using namespace vmmkv;
 extern "C" __global__ void vmmkv_barrier(const i64* __restrict__ sig_table, int* __restrict__ epochs,
                                          int lane, int rank, int world, i64 timeout_ns,
                                          BarrierDiag* diag) {
-    barrier_cta(sig_table, epochs, lane, rank, world, timeout_ns, diag);
+    barrier_cta(sig_table, epochs, epoch_at_entry(epochs, lane), lane, rank, world, timeout_ns,
+                diag);
 }
 
 // Does nothing: the launch-overhead reference of the benchmarks (same launch path as the stores).

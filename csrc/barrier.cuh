@@ -84,16 +84,26 @@ __device__ __noinline__ void report_timeout(BarrierDiag* diag, int lane, int ran
            lane, rank, peer, epoch, observed, world, timeout_ns);
 }
 
+// The lane's epoch as thread 0 of a CTA reads it when its kernel starts, so that this load is
+// off the barrier's critical path (its value is used only once the CTA's stores are done).
+// Sound because nothing writes epochs[lane] between a launch's start and the barrier of that
+// launch: only the CTA that runs the barrier writes it, after this read, and launches on one lane
+// are stream-ordered.
+VMMKV_FN int epoch_at_entry(const int* epochs, int lane) {
+    return threadIdx.x == 0 ? epochs[lane] : 0;
+}
+
 // The barrier, run by every thread of one CTA (any multiple of 32 threads; threads loop over
-// peers): advance the lane's epoch, signal every rank with a system-scope release, wait
-// (acquire) until every rank signalled the same epoch. Stores this CTA's threads made, or that
-// are ordered before them, are visible to every peer once all ranks passed.
-VMMKV_FN void barrier_cta(const i64* sig_table, int* epochs, int lane, int rank, int world,
-                          i64 timeout_ns, BarrierDiag* diag) {
+// peers): advance the lane's epoch (`entry_epoch`, from epoch_at_entry, is thread 0's reading of
+// it), signal every rank with a system-scope release, wait (acquire) until every rank signalled
+// the same epoch. Stores this CTA's threads made, or that are ordered before them, are visible
+// to every peer once all ranks passed.
+VMMKV_FN void barrier_cta(const i64* sig_table, int* epochs, int entry_epoch, int lane, int rank,
+                          int world, i64 timeout_ns, BarrierDiag* diag) {
     __shared__ int s_epoch;
     __shared__ int s_reported;
     if (threadIdx.x == 0) {
-        const int e = (int)((u32)epochs[lane] + 1u);  // wraps without UB; compared modulo 2^32
+        const int e = (int)((u32)entry_epoch + 1u);  // wraps without UB; compared modulo 2^32
         epochs[lane] = e;
         s_epoch = e;
         s_reported = 0;
@@ -125,27 +135,35 @@ VMMKV_FN void barrier_cta(const i64* sig_table, int* epochs, int lane, int rank,
 }
 
 // The end of a store kernel that publishes: every CTA, once all its threads issued their
-// stores, releases them (system scope) and counts itself in arrivals[lane]; the last CTA to
+// stores, releases them (gpu scope) and counts itself in arrivals[lane]; the last CTA to
 // arrive acquires every CTA's stores, resets the counter for the next launch and runs the
-// barrier for the whole grid. Every thread of every CTA must call this exactly once.
-VMMKV_FN void arrive_then_barrier(const BarrierArgs& b) {
+// barrier for the whole grid. A grid of one CTA is its own last arrival and skips the count
+// (its threads' stores are ordered before the barrier by __syncthreads, as in any last CTA).
+// `entry_epoch` comes from epoch_at_entry at the kernel's start. Every thread of every CTA must
+// call this exactly once.
+VMMKV_FN void arrive_then_barrier(const BarrierArgs& b, int entry_epoch) {
     __shared__ int s_last;
     __syncthreads();  // every thread of this CTA issued its stores
-    if (threadIdx.x == 0) {
-        // gpu scope suffices: the last CTA runs on this GPU, and its system-scope signal
-        // release below is cumulative over what it acquired here (measured: one sys fence per
-        // CTA cost ~1 us of graph time per launch on 2x H200)
-        fence_acq_rel_gpu();  // release: this CTA's stores before its arrival
-        const u32 prev = atomicAdd(b.arrivals + b.lane, 1u);
-        const int last = prev == gridDim.x - 1;
-        if (last) {
-            fence_acq_rel_gpu();     // acquire: every CTA's stores before the signals below
-            b.arrivals[b.lane] = 0u;  // the next launch on this lane is stream-ordered after us
+    const bool alone = gridDim.x == 1;
+    if (!alone) {
+        if (threadIdx.x == 0) {
+            // gpu scope suffices: the last CTA runs on this GPU, and its system-scope signal
+            // release below is cumulative over what it acquired here (measured: one sys fence
+            // per CTA cost ~1 us of graph time per launch on 2x H200)
+            fence_acq_rel_gpu();  // release: this CTA's stores before its arrival
+            const u32 prev = atomicAdd(b.arrivals + b.lane, 1u);
+            const int last = prev == gridDim.x - 1;
+            if (last) {
+                fence_acq_rel_gpu();     // acquire: every CTA's stores before the signals below
+                b.arrivals[b.lane] = 0u;  // the next launch on this lane is stream-ordered after us
+            }
+            s_last = last;
         }
-        s_last = last;
+        __syncthreads();
     }
-    __syncthreads();
-    if (s_last) barrier_cta(b.sig_table, b.epochs, b.lane, b.rank, b.world, b.timeout_ns, b.diag);
+    if (alone || s_last)
+        barrier_cta(b.sig_table, b.epochs, entry_epoch, b.lane, b.rank, b.world, b.timeout_ns,
+                    b.diag);
 }
 
 }  // namespace vmmkv

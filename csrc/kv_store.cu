@@ -42,22 +42,29 @@ __device__ __forceinline__ uint2 quantize8(uint4 v, float s) {
 }
 
 // fp8_ds_mla: lane l owns kv_c elements [16 l, 16 l + 16) -> entry bytes [16 l, 16 l + 16);
-// lanes 8t..8t+7 form tile t; lanes 0..7 carry k_pe; lane 8 writes the four scales.
+// lanes 8t..8t+7 form tile t. The entry's last 144 bytes (four fp32 scales, then k_pe) go out as
+// one 16-byte store from each of lanes 0..8: lane 0 the scales, lane 1 + j the k_pe chunk j.
 // kPow2 (fp8_ds_mla_ue8m0, a compile-time variant): the tile scale is rounded up to a power of
 // two with vLLM 0.33's floor, exp2f(ceilf(log2f(fmaxf(amax / 448, 1e-4f)))), instead of the raw
 // fmaxf(amax / 448, FLT_MIN); still stored as an fp32, the values still divided by it.
+// Every token function loads its inputs before it looks at the slot (rows i < num_tokens always
+// exist), so the input and slot loads are in flight together.
 template <bool kPow2>
-__device__ __forceinline__ void mla_token(const KVDest& dst, const u16* __restrict__ kv_c,
-                                          i64 kv_c_stride, const u16* __restrict__ k_pe,
-                                          i64 k_pe_stride, i64 i, i64 slot, i64 num_local_only,
-                                          int lane) {
-    int o = 0;
-    const i64 block_off = dest_block_offset(dst, slot, lane == 0, &o);
-    if (block_off < 0) return;  // warp-uniform: every lane saw the same slot
-
+__device__ __forceinline__ void mla_token(const KVDest& dst, i64 committed,
+                                          const u16* __restrict__ kv_c, i64 kv_c_stride,
+                                          const u16* __restrict__ k_pe, i64 k_pe_stride, i64 i,
+                                          i64 slot, i64 num_local_only, int lane) {
     const uint4* src = reinterpret_cast<const uint4*>(kv_c + i * kv_c_stride) + 2 * lane;
     const uint4 v0 = src[0];
     const uint4 v1 = src[1];
+    uint4 tail = make_uint4(0u, 0u, 0u, 0u);
+    if (lane >= 1 && lane <= 8)
+        tail = reinterpret_cast<const uint4*>(k_pe + i * k_pe_stride)[lane - 1];
+
+    int o = 0;
+    const i64 block_off = dest_block_offset(dst, committed, slot, lane == 0, &o);
+    if (block_off < 0) return;  // warp-uniform: every lane saw the same slot
+
     const float amax = warp_max(fmaxf(abs_max8(v0), abs_max8(v1)), 8);
     const float s = kPow2 ? exp2f(ceilf(log2f(fmaxf(amax / kFp8Max, kMlaUe8m0Floor))))
                           : fmaxf(amax / kFp8Max, kFltMin);
@@ -69,17 +76,17 @@ __device__ __forceinline__ void mla_token(const KVDest& dst, const u16* __restri
     const float s1 = __shfl_sync(kFullMask, s, 8);
     const float s2 = __shfl_sync(kFullMask, s, 16);
     const float s3 = __shfl_sync(kFullMask, s, 24);
-    const uint4 scales = make_uint4(f32_bits(s0), f32_bits(s1), f32_bits(s2), f32_bits(s3));
-    uint4 pe = make_uint4(0u, 0u, 0u, 0u);
-    if (lane < 8) pe = reinterpret_cast<const uint4*>(k_pe + i * k_pe_stride)[lane];
+    if (lane == 0) tail = make_uint4(f32_bits(s0), f32_bits(s1), f32_bits(s2), f32_bits(s3));
+    static_assert(kMlaRopeOffset == kMlaScaleOffset + 16 && kMlaEntryBytes == kMlaRopeOffset + 128,
+                  "the scales and k_pe must be the entry's last 9 chunks of 16 bytes");
 
     int first, end;
     dest_range(dst, i, num_local_only, &first, &end);
     for (int r = first; r < end; ++r) {
-        u8* entry = region_base(dst, r) + block_off + (i64)o * dst.entry_stride;
-        reinterpret_cast<uint4*>(entry)[lane] = q;
-        if (lane < 8) reinterpret_cast<uint4*>(entry + kMlaRopeOffset)[lane] = pe;
-        if (lane == 8) *reinterpret_cast<uint4*>(entry + kMlaScaleOffset) = scales;
+        uint4* entry = reinterpret_cast<uint4*>(region_base(dst, r) + block_off +
+                                                (i64)o * dst.entry_stride);
+        entry[lane] = q;
+        if (lane <= 8) entry[kMlaScaleOffset / 16 + lane] = tail;
     }
 }
 
@@ -87,15 +94,19 @@ __device__ __forceinline__ void mla_token(const KVDest& dst, const u16* __restri
 // Block layout: fp8 values of token o at o*128, its 4-byte scale at block_size*128 + 4*o.
 // kMx (indexer_k_mxfp8, a compile-time variant): the scale is always rounded to a power of two
 // and stored as four equal UE8M0 bytes instead of an fp32.
+// `v` is the lane's 4 values of row i, loaded by the caller (indexer_row) ahead of its stores.
+__device__ __forceinline__ uint2 indexer_row(const u16* __restrict__ k, i64 k_stride, i64 i,
+                                             int lane) {
+    return reinterpret_cast<const uint2*>(k + i * k_stride)[lane];
+}
+
 template <bool kMx>
-__device__ __forceinline__ void indexer_token(const KVDest& dst, const u16* __restrict__ k,
-                                              i64 k_stride, i64 i, i64 slot,
-                                              i64 num_local_only, int ue8m0, int lane) {
+__device__ __forceinline__ void indexer_token(const KVDest& dst, i64 committed, uint2 v, i64 i,
+                                              i64 slot, i64 num_local_only, int ue8m0, int lane) {
     int o = 0;
-    const i64 block_off = dest_block_offset(dst, slot, lane == 0, &o);
+    const i64 block_off = dest_block_offset(dst, committed, slot, lane == 0, &o);
     if (block_off < 0) return;
 
-    const uint2 v = reinterpret_cast<const uint2*>(k + i * k_stride)[lane];
     const float x0 = bf16_lo(v.x), x1 = bf16_hi(v.x), x2 = bf16_lo(v.y), x3 = bf16_hi(v.y);
     float amax = fmaxf(fmaxf(fabsf(x0), fabsf(x1)), fmaxf(fabsf(x2), fabsf(x3)));
     amax = warp_max(amax, 32);
@@ -116,11 +127,12 @@ __device__ __forceinline__ void indexer_token(const KVDest& dst, const u16* __re
 }
 
 // rows: the warp copies row i (row_bytes) to the token's entry in every destination.
-__device__ __forceinline__ void rows_token(const KVDest& dst, const u8* __restrict__ rows,
-                                           i64 row_stride, i64 row_bytes, i64 i, i64 slot,
-                                           i64 num_local_only, int vec16, int lane) {
+__device__ __forceinline__ void rows_token(const KVDest& dst, i64 committed,
+                                           const u8* __restrict__ rows, i64 row_stride,
+                                           i64 row_bytes, i64 i, i64 slot, i64 num_local_only,
+                                           int vec16, int lane) {
     int o = 0;
-    const i64 block_off = dest_block_offset(dst, slot, lane == 0, &o);
+    const i64 block_off = dest_block_offset(dst, committed, slot, lane == 0, &o);
     if (block_off < 0) return;
     int first, end;
     dest_range(dst, i, num_local_only, &first, &end);
@@ -158,10 +170,11 @@ __device__ __forceinline__ void ds_mla_tokens(const KVDest& dst, const u16* kv_c
                                               int slots_is_64, i64 num_tokens,
                                               i64 num_local_only) {
     const TokenLoop t;
+    const i64 committed = committed_now(dst);
     for (i64 i = t.first; i < num_tokens; i += t.step) {
         const i64 slot = load_slot(slots, slots_is_64, i);
-        mla_token<kPow2>(dst, kv_c, kv_c_stride, k_pe, k_pe_stride, i, slot, num_local_only,
-                         t.lane);
+        mla_token<kPow2>(dst, committed, kv_c, kv_c_stride, k_pe, k_pe_stride, i, slot,
+                         num_local_only, t.lane);
     }
 }
 
@@ -170,9 +183,11 @@ __device__ __forceinline__ void indexer_k_tokens(const KVDest& dst, const u16* k
                                                  const void* slots, int slots_is_64,
                                                  i64 num_tokens, i64 num_local_only, int ue8m0) {
     const TokenLoop t;
+    const i64 committed = committed_now(dst);
     for (i64 i = t.first; i < num_tokens; i += t.step) {
         const i64 slot = load_slot(slots, slots_is_64, i);
-        indexer_token<kMx>(dst, k, k_stride, i, slot, num_local_only, ue8m0, t.lane);
+        const uint2 v = indexer_row(k, k_stride, i, t.lane);
+        indexer_token<kMx>(dst, committed, v, i, slot, num_local_only, ue8m0, t.lane);
     }
 }
 
@@ -184,11 +199,14 @@ __device__ __forceinline__ void layer_tokens(const KVDest& mla, const KVDest& id
                                              int slots_is_64, i64 num_tokens, i64 num_local_only,
                                              int ue8m0) {
     const TokenLoop t;
+    const i64 mla_committed = committed_now(mla);
+    const i64 idx_committed = committed_now(idx);
     for (i64 i = t.first; i < num_tokens; i += t.step) {
         const i64 slot = load_slot(slots, slots_is_64, i);
-        mla_token<kPow2>(mla, kv_c, kv_c_stride, k_pe, k_pe_stride, i, slot, num_local_only,
-                         t.lane);
-        indexer_token<kMx>(idx, k, k_stride, i, slot, num_local_only, ue8m0, t.lane);
+        const uint2 v = indexer_row(k, k_stride, i, t.lane);  // before the ds_mla stores
+        mla_token<kPow2>(mla, mla_committed, kv_c, kv_c_stride, k_pe, k_pe_stride, i, slot,
+                         num_local_only, t.lane);
+        indexer_token<kMx>(idx, idx_committed, v, i, slot, num_local_only, ue8m0, t.lane);
     }
 }
 
@@ -196,9 +214,11 @@ __device__ __forceinline__ void rows_tokens(const KVDest& dst, const u8* rows, i
                                             i64 row_bytes, const void* slots, int slots_is_64,
                                             i64 num_tokens, i64 num_local_only, int vec16) {
     const TokenLoop t;
+    const i64 committed = committed_now(dst);
     for (i64 i = t.first; i < num_tokens; i += t.step) {
         const i64 slot = load_slot(slots, slots_is_64, i);
-        rows_token(dst, rows, row_stride, row_bytes, i, slot, num_local_only, vec16, t.lane);
+        rows_token(dst, committed, rows, row_stride, row_bytes, i, slot, num_local_only, vec16,
+                   t.lane);
     }
 }
 
@@ -221,9 +241,10 @@ extern "C" __global__ void __launch_bounds__(256)
 vmmkv_publish_rows_barrier(KVDest dst, const u8* __restrict__ rows, i64 row_stride,
                            i64 row_bytes, const void* __restrict__ slots, int slots_is_64,
                            i64 num_tokens, i64 num_local_only, int vec16, BarrierArgs bar) {
+    const int entry_epoch = epoch_at_entry(bar.epochs, bar.lane);
     rows_tokens(dst, rows, row_stride, row_bytes, slots, slots_is_64, num_tokens, num_local_only,
                 vec16);
-    arrive_then_barrier(bar);
+    arrive_then_barrier(bar, entry_epoch);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -244,9 +265,10 @@ vmmkv_publish_rows_barrier(KVDest dst, const u8* __restrict__ rows, i64 row_stri
         KVDest dst, const u16* __restrict__ kv_c, i64 kv_c_stride, const u16* __restrict__ k_pe, \
         i64 k_pe_stride, const void* __restrict__ slots, int slots_is_64, i64 num_tokens,        \
         i64 num_local_only, BarrierArgs bar) {                                                   \
+        const int entry_epoch = epoch_at_entry(bar.epochs, bar.lane);                            \
         ds_mla_tokens<POW2>(dst, kv_c, kv_c_stride, k_pe, k_pe_stride, slots, slots_is_64,       \
                             num_tokens, num_local_only);                                         \
-        arrive_then_barrier(bar);                                                                \
+        arrive_then_barrier(bar, entry_epoch);                                                   \
     }
 
 #define VMMKV_INDEXER_STORES(SUFFIX, MX)                                                         \
@@ -259,16 +281,17 @@ vmmkv_publish_rows_barrier(KVDest dst, const u8* __restrict__ rows, i64 row_stri
     extern "C" __global__ void __launch_bounds__(256) vmmkv_store_indexer_k##SUFFIX##_barrier(   \
         KVDest dst, const u16* __restrict__ k, i64 k_stride, const void* __restrict__ slots,     \
         int slots_is_64, i64 num_tokens, i64 num_local_only, int ue8m0, BarrierArgs bar) {       \
+        const int entry_epoch = epoch_at_entry(bar.epochs, bar.lane);                            \
         indexer_k_tokens<MX>(dst, k, k_stride, slots, slots_is_64, num_tokens, num_local_only,   \
                              ue8m0);                                                             \
-        arrive_then_barrier(bar);                                                                \
+        arrive_then_barrier(bar, entry_epoch);                                                   \
     }
 
 // Both stores of one attention layer in one launch.
 #define VMMKV_LAYER_STORES(SUFFIX, POW2, MX)                                                     \
     extern "C" __global__ void __launch_bounds__(256) vmmkv_store_layer##SUFFIX(                 \
         KVDest mla, KVDest idx, const u16* __restrict__ kv_c, i64 kv_c_stride,                   \
-        const u16* __restrict__ k_pe, i64 k_pe_stride, const u16* __restrict__ k, i64 k_stride, \
+        const u16* __restrict__ k_pe, i64 k_pe_stride, const u16* __restrict__ k, i64 k_stride,  \
         const void* __restrict__ slots, int slots_is_64, i64 num_tokens, i64 num_local_only,     \
         int ue8m0) {                                                                             \
         layer_tokens<POW2, MX>(mla, idx, kv_c, kv_c_stride, k_pe, k_pe_stride, k, k_stride,      \
@@ -276,12 +299,13 @@ vmmkv_publish_rows_barrier(KVDest dst, const u8* __restrict__ rows, i64 row_stri
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(256) vmmkv_store_layer##SUFFIX##_barrier(       \
         KVDest mla, KVDest idx, const u16* __restrict__ kv_c, i64 kv_c_stride,                   \
-        const u16* __restrict__ k_pe, i64 k_pe_stride, const u16* __restrict__ k, i64 k_stride, \
+        const u16* __restrict__ k_pe, i64 k_pe_stride, const u16* __restrict__ k, i64 k_stride,  \
         const void* __restrict__ slots, int slots_is_64, i64 num_tokens, i64 num_local_only,     \
         int ue8m0, BarrierArgs bar) {                                                            \
+        const int entry_epoch = epoch_at_entry(bar.epochs, bar.lane);                            \
         layer_tokens<POW2, MX>(mla, idx, kv_c, kv_c_stride, k_pe, k_pe_stride, k, k_stride,      \
                                slots, slots_is_64, num_tokens, num_local_only, ue8m0);           \
-        arrive_then_barrier(bar);                                                                \
+        arrive_then_barrier(bar, entry_epoch);                                                   \
     }
 
 VMMKV_DS_MLA_STORES(, false)

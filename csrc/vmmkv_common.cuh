@@ -131,9 +131,15 @@ VMMKV_FN i64 load_slot(const void* slots, int slots_is_64, i64 i) {
     return slots_is_64 ? static_cast<const i64*>(slots)[i] : (i64) static_cast<const int*>(slots)[i];
 }
 
+// The committed bytes of the regions, read once per launch and warp (before its token loop,
+// off the per-token dependency chain): a graph captured before a grow sees the grown value.
+VMMKV_FN i64 committed_now(const KVDest& d) { return *d.committed_bytes; }
+
 // Byte offset of the token's block inside every region, or -1 when the token writes nothing:
-// padding (slot < 0) silently, out-of-range or uncommitted blocks counted once by `counter_lane`.
-VMMKV_FN i64 dest_block_offset(const KVDest& d, i64 slot, bool counter_lane, int* offset_in_block) {
+// padding (slot < 0) silently, out-of-range or uncommitted blocks (`committed`, from
+// committed_now) counted once by `counter_lane`.
+VMMKV_FN i64 dest_block_offset(const KVDest& d, i64 committed, i64 slot, bool counter_lane,
+                               int* offset_in_block) {
     if (slot < 0) return -1;
     const i64 block = slot / d.block_size;
     // The range check comes before the product: for block < num_blocks, KVTarget guarantees
@@ -144,7 +150,7 @@ VMMKV_FN i64 dest_block_offset(const KVDest& d, i64 slot, bool counter_lane, int
         return -1;
     }
     const i64 off = d.offset_bytes + block * d.block_stride;
-    if (off + d.block_extent > *d.committed_bytes) {
+    if (off + d.block_extent > committed) {
         if (counter_lane) atomicAdd(d.error_counter, 1);
         return -1;
     }

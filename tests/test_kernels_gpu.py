@@ -1215,7 +1215,7 @@ def test_publish_layer_is_byte_equal_to_store_layer_then_barrier(dev):
 
 
 @requires_gpu
-def test_publish_over_thousands_of_ctas_resets_the_arrival_counter(dev):
+def test_publish_of_more_tokens_than_resident_warps_loops_and_resets_the_arrival_counter(dev):
     from vmmkv.ops import prepare
 
     lay = packed(400)  # 25600 slots
@@ -1223,7 +1223,11 @@ def test_publish_over_thousands_of_ctas_resets_the_arrival_counter(dev):
     mla, idx = targets(rep, lay, my_rank=0)
     bar = _one_rank_barrier(dev, lanes=1)
     p = prepare((mla, idx))
-    for round_, tokens in enumerate((20000, 12, 20000)):  # 2500, 2, 2500 CTAs
+    # the grid is capped at the resident CTAs (at least one per SM), so at 20000 tokens every
+    # warp stores several tokens and every resident CTA arrives
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    assert sms <= p._max_grid < 20000 // 8, (sms, p._max_grid)
+    for round_, tokens in enumerate((20000, 12, 20000)):  # capped grid, 2 CTAs, capped grid
         kv_c, k_pe, k = make_inputs(tokens, seed=130 + round_, device=dev)
         slots = make_slots(tokens, lay.num_blocks, seed=140 + round_, dtype=torch.int64,
                            padded=(3,), oob=(5,)).to(dev)  # fmt: skip

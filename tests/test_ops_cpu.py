@@ -507,7 +507,13 @@ def recorded_launches(monkeypatch):
     monkeypatch.setattr(launch, "_cu_launch", cu_launch)
     monkeypatch.setattr(launch, "_stream_of", lambda ordinal: 0x5000 + ordinal)
     monkeypatch.setattr(prepared._kv, "_check_cuda", lambda device: -1)
+    # a device's resident grid (132 SMs x 4 CTAs, an H200's for the layer kernels) where a
+    # test prepares for a device ordinal; ordinal -1 keeps the functional API's cap
+    monkeypatch.setattr(launch, "resident_grid", lambda kernels, ordinal, block: RESIDENT_GRID)
     return seen
+
+
+RESIDENT_GRID = 528
 
 
 def _cpu_prepared(targets, ue8m0=True):
@@ -649,14 +655,21 @@ def test_prepared_grids_cover_every_token_and_a_zero_token_publish_still_launche
     p = _cpu_prepared((idx,))
     bar = _cpu_barrier(lanes=1)
     k = torch.zeros(1, 128, dtype=torch.bfloat16).expand(65535 * 8 + 1, 128)  # one shared row
-    for tokens in (0, 1, 8, 9, 65535 * 8, 65535 * 8 + 1):
-        recorded_launches.clear()
-        slots = torch.zeros(tokens, dtype=torch.int32)
-        p.store((k,), slots)
-        p.publish((k,), slots, 0, bar, 0)
-        grids = [grid for _, grid, *_ in recorded_launches]
-        want = min(65535, -(-tokens // 8))
-        assert grids == ([want] if tokens else []) + [max(1, want)], tokens
+    cases = (0, 1, 8, 9, 528 * 8, 528 * 8 + 1, 65535 * 8, 65535 * 8 + 1)
+    # no device (ordinal -1): the functional cap; a device: its resident grid (the fixture's)
+    for cap in (65535, RESIDENT_GRID):
+        on = (lambda t: t) if cap == 65535 else (lambda t: t.as_subclass(_OnCuda1))
+        if cap == RESIDENT_GRID:  # as if the target and the barrier were on cuda:1
+            p._prepare_checks(1, torch.device("cuda", 1))
+            bar.ordinal, bar.device = 1, torch.device("cuda", 1)
+        for tokens in cases:
+            recorded_launches.clear()
+            slots = on(torch.zeros(tokens, dtype=torch.int32))
+            p.store((on(k),), slots)
+            p.publish((on(k),), slots, 0, bar, 0)
+            grids = [grid for _, grid, *_ in recorded_launches]
+            want = min(cap, -(-tokens // 8))
+            assert grids == ([want] if tokens else []) + [max(1, want)], (cap, tokens)
 
 
 class _OnCuda1(torch.Tensor):

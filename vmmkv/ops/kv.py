@@ -329,8 +329,15 @@ def _check_aligned(name: str, t: torch.Tensor, align: int) -> None:
         )
 
 
-def _grid(tokens: int) -> int:
-    return max(1, min(_MAX_GRID, -(-tokens // _WARPS_PER_CTA)))
+def _grid(tokens: int, most: int = _MAX_GRID) -> int:
+    """One warp per token, at most ``most`` CTAs (the kernels' token loops are grid-stride; the
+    launchers pass ``_launch.resident_grid``), at least one (a publish of zero tokens still runs
+    the barrier)."""
+    return max(1, min(most, -(-tokens // _WARPS_PER_CTA)))
+
+
+def _launch_grid(kernel: _launch.Kernel, ordinal: int, tokens: int) -> int:
+    return _grid(tokens, _launch.resident_grid((kernel,), ordinal, _THREADS))
 
 
 def _compiling() -> bool:
@@ -347,8 +354,9 @@ def _launch_ds_mla(t: KVTarget, kv_c, k_pe, slots, tokens: int, nlo: int) -> Non
     _check_aligned("k_pe", k_pe, 16)
     if tokens == 0:
         return
-    _launch.STORES[(t.kind,)].launch(
-        ordinal, _grid(tokens), _THREADS, t._dest,
+    kernel = _launch.STORES[(t.kind,)]
+    kernel.launch(
+        ordinal, _launch_grid(kernel, ordinal, tokens), _THREADS, t._dest,
         kv_c.data_ptr(), kv_c.stride(0), k_pe.data_ptr(), k_pe.stride(0),
         slots.data_ptr(), int(slots.dtype == torch.int64), tokens, nlo,
     )  # fmt: skip
@@ -359,8 +367,9 @@ def _launch_indexer(t: KVTarget, k, slots, tokens: int, nlo: int, ue8m0: bool) -
     _check_aligned("k", k, 8)
     if tokens == 0:
         return
-    _launch.STORES[(t.kind,)].launch(
-        ordinal, _grid(tokens), _THREADS, t._dest,
+    kernel = _launch.STORES[(t.kind,)]
+    kernel.launch(
+        ordinal, _launch_grid(kernel, ordinal, tokens), _THREADS, t._dest,
         k.data_ptr(), k.stride(0), slots.data_ptr(), int(slots.dtype == torch.int64),
         tokens, nlo, int(ue8m0),
     )  # fmt: skip
@@ -383,7 +392,8 @@ def _launch_layer(mla: KVTarget, idx: KVTarget, kv_c, k_pe, k, slots, tokens, nl
     params = _layer_params(mla, idx, kv_c, k_pe, k, slots, tokens, nlo, ue8m0)
     if tokens == 0:
         return
-    _launch.STORES[(mla.kind, idx.kind)].launch(ordinal, _grid(tokens), _THREADS, *params)
+    kernel = _launch.STORES[(mla.kind, idx.kind)]
+    kernel.launch(ordinal, _launch_grid(kernel, ordinal, tokens), _THREADS, *params)
 
 
 def _launch_rows(t: KVTarget, rows: torch.Tensor, slots, tokens: int, nlo: int) -> None:
@@ -404,7 +414,7 @@ def _launch_rows(t: KVTarget, rows: torch.Tensor, slots, tokens: int, nlo: int) 
         )
     )
     _launch.PUBLISH_ROWS.launch(
-        ordinal, _grid(tokens), _THREADS, t._dest,
+        ordinal, _launch_grid(_launch.PUBLISH_ROWS, ordinal, tokens), _THREADS, t._dest,
         rows.data_ptr(), row_stride, t.entry_bytes, slots.data_ptr(),
         int(slots.dtype == torch.int64), tokens, nlo, int(vec16),
     )  # fmt: skip
@@ -515,7 +525,7 @@ def publish_layer(
         raise ValueError(f"barrier is on {barrier.device}, the targets on {mla.device}")
     params = _layer_params(mla, idx, kv_c, k_pe, k, slot_mapping, tokens, nlo, ue8m0)
     kernel = _launch.PUBLISHES[(mla.kind, idx.kind)]
-    kernel.launch(ordinal, _grid(tokens), _THREADS, *params, bar_args)
+    kernel.launch(ordinal, _launch_grid(kernel, ordinal, tokens), _THREADS, *params, bar_args)
 
 
 def publish_rows(

@@ -36,6 +36,7 @@ __all__ = [
     "STORES",
     "device_ordinal",
     "lookup_handle",
+    "resident_grid",
     "warm_up",
 ]
 
@@ -256,6 +257,33 @@ def lookup_handle(live: Mapping[int, Any], handle: int, what: str, traced: str) 
             f"traced with was garbage collected)"
         )
     return obj
+
+
+_resident: dict[tuple[int, int, tuple[str, ...]], int] = {}
+
+
+def resident_grid(kernels: tuple[Kernel, ...], ordinal: int, block: int) -> int:
+    """How many CTAs of ``block`` threads of every one of ``kernels`` device ``ordinal`` keeps
+    resident at once: its SM count times the smallest of the kernels' occupancies (the driver's
+    ``cuOccupancyMaxActiveBlocksPerMultiprocessor``, at least 1). The stores cap their grid here:
+    their token loops are grid-stride, so one wave of CTAs that stay resident covers any token
+    count, and a publish's per-CTA release fence and arrival happen once per resident CTA instead
+    of once per 8 tokens. Cached per (device, block, kernels); the first call loads the kernels
+    (not capture-safe; ``warm_up`` and ``prepare`` make it before any capture)."""
+    key = (ordinal, block, tuple(k.name for k in kernels))
+    hit = _resident.get(key)
+    if hit is not None:
+        return hit
+    loaded = build.load_module(ordinal)
+    occupancy = driver.cu.cuOccupancyMaxActiveBlocksPerMultiprocessor
+    with driver.primary_context(ordinal):
+        per_sm = [
+            driver.call(occupancy, loaded.function(k.name), block, 0, kernel=k.name, device=ordinal)
+            for k in kernels
+        ]
+    sms = torch.cuda.get_device_properties(ordinal).multi_processor_count
+    _resident[key] = cap = max(1, int(sms) * max(1, min(int(n) for n in per_sm)))
+    return cap
 
 
 def warm_up(device: torch.device | int) -> None:

@@ -151,6 +151,15 @@ class PreparedStore(_Prepared):
                 specs.append((name, dtype, w, max(1, a // dtype.itemsize), a))
         self._specs = tuple(specs)
         t0 = self.targets[0]
+        # the grid cap of both kernels (vmmkv.ops.launch.resident_grid); no device: the
+        # functional API's cap, what the CPU tests and the host-cost benchmark check
+        self._max_grid = (
+            _launch.resident_grid(
+                (_launch.STORES[self.kinds], _launch.PUBLISHES[self.kinds]), ordinal, _THREADS
+            )
+            if ordinal >= 0
+            else _kv._MAX_GRID
+        )
         self._rows_fixed16 = self.kinds == ("rows",) and all(
             v % 16 == 0
             for v in (t0.entry_bytes, t0.offset_bytes, t0.block_stride, t0.entry_stride,
@@ -282,9 +291,9 @@ def _compile_values(p: PreparedStore) -> Callable[[Any, Any, Any], tuple[int, in
         src += ["    if not (", "        " + "\n        and ".join(checks), "    ):"]
         src.append(f"        explain_input(S{i}, {x}, tokens, device)")
         params += [a, f"{r}[0]"]
-    # the grid of vmmkv.ops.kv._grid: one warp per token, at least one CTA (a publish of zero
-    # tokens still runs the barrier)
-    w, most = _kv._WARPS_PER_CTA, _kv._MAX_GRID
+    # the grid of vmmkv.ops.kv._grid: one warp per token, at most p._max_grid CTAs, at least
+    # one (a publish of zero tokens still runs the barrier)
+    w, most = _kv._WARPS_PER_CTA, int(p._max_grid)
     src += [
         f"    grid = (tokens + {w - 1}) // {w}",
         f"    if grid > {most}:",
