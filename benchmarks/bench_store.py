@@ -33,6 +33,22 @@ from common import arguments, median, table, write_json  # noqa: E402
 BS = 64
 MLA, IDX = 656, 132
 READ_PER_TOKEN = 512 * 2 + 64 * 2 + 128 * 2 + 8  # kv_c, k_pe, k (bf16), slot (int64)
+SLOT_PATTERNS = ("runs", "random")
+
+
+def slot_mapping(pattern, t, span, base, device, generator):
+    """int64 slots of ``t`` tokens inside ``[base, base + span)``. ``runs``: consecutive slots
+    from ``base``, what an engine's prefill writes (a prompt's tokens go to consecutive slots of
+    its blocks; ``slots`` in the tables). ``random``: distinct slots in random order, every
+    token in a different place (the worst case: each entry's partial 32-byte sectors and each
+    4-byte indexer scale land alone)."""
+    import torch
+
+    if pattern == "runs":
+        return torch.arange(base, base + t, device=device)
+    if pattern == "random":
+        return torch.randperm(span, device=device, generator=generator)[:t] + base
+    raise ValueError(f"slot pattern must be one of {SLOT_PATTERNS}, got {pattern!r}")
 
 
 def _events_ms(fn, iters):
@@ -91,7 +107,7 @@ def ceilings(iters):
     }
 
 
-def store_sweep(tokens, dests, iters):
+def store_sweep(tokens, dests, iters, patterns=SLOT_PATTERNS):
     import torch
 
     from vmmkv import ops
@@ -140,11 +156,11 @@ def store_sweep(tokens, dests, iters):
             )
             for r in regions[:d]
         ]
-        for t in tokens:
+        for t, pattern in [(t, p) for t in tokens for p in patterns]:
             kv_c = torch.randn(t, 512, device="cuda", generator=g).bfloat16()
             k_pe = torch.randn(t, 64, device="cuda", generator=g).bfloat16()
             k = torch.randn(t, 128, device="cuda", generator=g).bfloat16()
-            slots = torch.randperm(nblk * BS, device="cuda", generator=g)[:t]
+            slots = slot_mapping(pattern, t, nblk * BS, 0, "cuda", g)
 
             def fused(kv_c=kv_c, k_pe=k_pe, k=k, slots=slots, mla_t=mla_t, idx_t=idx_t):
                 ops.store_layer(mla_t, idx_t, kv_c, k_pe, k, slots)
@@ -176,6 +192,7 @@ def store_sweep(tokens, dests, iters):
                 {
                     "T": t,
                     "dests": d,
+                    "slots": pattern,
                     "fused_eager_us": eager * 1e3,
                     "fused_graph_us": graph * 1e3,
                     "publish_1rank_graph_us": pub_graph * 1e3,
@@ -184,7 +201,7 @@ def store_sweep(tokens, dests, iters):
                     "eff_GBps": nbytes / graph / 1e6,
                 }
             )
-            print(f"T={t} dests={d} done", file=sys.stderr, flush=True)
+            print(f"T={t} dests={d} slots={pattern} done", file=sys.stderr, flush=True)
     bar1.close()
     for r in regions:
         r.close()
@@ -294,6 +311,9 @@ def symm_mem_barrier(iters):
 PCP_TOKENS = (1, 16, 256, 2048, 8192, 65536)
 EAGER_MAX_T = 8192  # eager host-time rows (larger T is device bound)
 BW_MIN_T = 8192  # bandwidth rows
+# steps per captured graph in the PCP rows: the ranks start their replays up to a few µs apart
+# and the first barrier of a replay absorbs that skew, so it is amortized over 100 steps
+PCP_INNER = 100
 
 
 def _host_us(fn, n, reps, sync_group):
@@ -340,7 +360,7 @@ def _steps(ops, mla_t, idx_t, prepared, bar, inputs, slots):
     return two_functional, one_functional, two_prepared, one_prepared, store_only
 
 
-def _pcp_rank(rank, world, tokens, iters):
+def _pcp_rank(rank, world, tokens, iters, patterns=SLOT_PATTERNS):
     import torch
     import torch.distributed as dist
 
@@ -375,11 +395,11 @@ def _pcp_rank(rank, world, tokens, iters):
         g = torch.Generator(device=dev).manual_seed(rank)
         sync = dist.barrier
 
-        for t in tokens:
+        for t, pattern in [(t, p) for t in tokens for p in patterns]:
             kv_c = torch.randn(t, 512, device=dev, generator=g).bfloat16()
             k_pe = torch.randn(t, 64, device=dev, generator=g).bfloat16()
             k = torch.randn(t, 128, device=dev, generator=g).bfloat16()
-            slots = torch.randperm(nb_rank * BS, device=dev, generator=g)[:t] + rank * nb_rank * BS
+            slots = slot_mapping(pattern, t, nb_rank * BS, rank * nb_rank * BS, dev, g)
             inputs = (kv_c, k_pe, k)
 
             two_functional, one_functional, two_prepared, one_prepared, store_only = _steps(
@@ -388,8 +408,8 @@ def _pcp_rank(rank, world, tokens, iters):
             for f in (two_functional, one_functional, two_prepared, one_prepared):
                 f()
             torch.cuda.synchronize()
-            row = {"T": t}
-            if t <= EAGER_MAX_T:
+            row = {"T": t, "slots": pattern}
+            if t <= EAGER_MAX_T and pattern == patterns[0]:  # host time: slots do not matter
                 for name, f in (("2 launches", two_functional), ("1 launch", one_functional),
                                 ("2 launches prepared", two_prepared),
                                 ("1 launch prepared", one_prepared)):  # fmt: skip
@@ -397,12 +417,12 @@ def _pcp_rank(rank, world, tokens, iters):
                     row[f"eager host us: {name}"] = host
                     row[f"eager wall us: {name}"] = wall
             sync()
-            row["graph us: 2 launches"] = _graph_ms(two_prepared, iters) * 1e3
+            row["graph us: 2 launches"] = _graph_ms(two_prepared, iters, PCP_INNER) * 1e3
             sync()
-            row["graph us: 1 launch"] = _graph_ms(one_prepared, iters) * 1e3
+            row["graph us: 1 launch"] = _graph_ms(one_prepared, iters, PCP_INNER) * 1e3
             if t >= BW_MIN_T:
                 sync()
-                alone = _graph_ms(store_only, iters)  # no barrier: ranks need not meet
+                alone = _graph_ms(store_only, iters, PCP_INNER)  # no barrier: ranks need not meet
                 peer_bytes = t * (MLA + IDX) * (world - 1)
                 row["graph us: store only"] = alone * 1e3
                 row["publish GB/s to peers"] = peer_bytes / (row["graph us: 1 launch"] * 1e3)
@@ -411,7 +431,7 @@ def _pcp_rank(rank, world, tokens, iters):
                 dst = sr.peers.view(peer)[: t * (MLA + IDX)]
                 src = torch.empty(t * (MLA + IDX), dtype=torch.uint8, device=dev)
                 sync()
-                copy = _graph_ms(lambda dst=dst, src=src: dst.copy_(src), iters)
+                copy = _graph_ms(lambda dst=dst, src=src: dst.copy_(src), iters, PCP_INNER)
                 row["peer copy GB/s"] = t * (MLA + IDX) / (copy * 1e6)
                 row["publish/peer copy"] = (  # per peer
                     row["publish GB/s to peers"] / (world - 1) / row["peer copy GB/s"]
@@ -424,7 +444,8 @@ def _pcp_rank(rank, world, tokens, iters):
         out["barrier vmmkv eager host us"] = _host_us(lambda: bar.arrive_and_wait(0), 100, 5,
                                                       sync)[0]  # fmt: skip
         sync()
-        out["barrier vmmkv graph us"] = _graph_ms(lambda: bar.arrive_and_wait(0), iters) * 1e3
+        barrier_graph = _graph_ms(lambda: bar.arrive_and_wait(0), iters, PCP_INNER)
+        out["barrier vmmkv graph us"] = barrier_graph * 1e3
         torch.cuda.synchronize()
         sync()
         out["epochs"] = bar.epochs.tolist()
@@ -457,16 +478,16 @@ def _symm_mem_rank(rank, world, iters):
         res = {"barrier torch symm_mem eager us": _events_ms(h.barrier, iters) * 1e3}
         res["barrier torch symm_mem eager host us"] = _host_us(h.barrier, 100, 5, sync)[0]
         sync()
-        res["barrier torch symm_mem graph us"] = _graph_ms(h.barrier, iters) * 1e3
+        res["barrier torch symm_mem graph us"] = _graph_ms(h.barrier, iters, PCP_INNER) * 1e3
         return res
     except Exception as exc:
         return {"barrier torch symm_mem": f"{type(exc).__name__}: {exc}"[:300]}
 
 
-def pcp(world, tokens, iters):
+def pcp(world, tokens, iters, patterns=SLOT_PATTERNS):
     from vmmkv.testing.spawn import run_world, run_world_raw
 
-    per_rank = run_world(_pcp_rank, world, args=(tokens, iters), timeout=900)
+    per_rank = run_world(_pcp_rank, world, args=(tokens, iters, patterns), timeout=900)
     try:
         symm = run_world_raw(_symm_mem_rank, world, args=(iters,), timeout=180)
         for r, res in zip(per_rank, symm, strict=True):
@@ -475,9 +496,9 @@ def pcp(world, tokens, iters):
         per_rank[0]["barrier torch symm_mem"] = f"{type(exc).__name__}: {exc}"[:300]
     rows = []
     for i, r0 in enumerate(per_rank[0]["rows"]):
-        row = {"T": r0["T"]}
+        row = {"T": r0["T"], "slots": r0["slots"]}
         for key in r0:
-            if key == "T":
+            if key in row:
                 continue
             vals = [r["rows"][i][key] for r in per_rank]
             worst = min if "GB/s" in key or "/" in key else max
@@ -707,10 +728,16 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,16,256,4096,16384,65536")
     ap.add_argument("--dests", default="1,2,4,8")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--slots", default=",".join(SLOT_PATTERNS),
+                    help=f"slot patterns, comma-separated, of {SLOT_PATTERNS}")  # fmt: skip
     ap.add_argument("--pcp", type=int, default=0, help="run the N-rank publish benchmark only")
     ap.add_argument("--host-cost", action="store_true", help="host time breakdown only")
     ap.add_argument("--cpu", action="store_true", help="with --host-cost: no GPU, no driver")
     a = ap.parse_args()
+    patterns = tuple(a.slots.split(","))
+    for p in patterns:
+        if p not in SLOT_PATTERNS:
+            ap.error(f"--slots: {p!r} is not one of {SLOT_PATTERNS}")
     if a.host_cost and a.cpu:
         write_json(a.out, "bench_store_host_cost_cpu", [host_cost_cpu(16), host_cost_cpu(2048)])
         return
@@ -719,21 +746,22 @@ def main() -> None:
         return
     if a.pcp:
         toks = PCP_TOKENS if a.tokens == ap.get_default("tokens") else a.tokens.split(",")
-        rows, summary = pcp(a.pcp, [int(x) for x in toks], a.iters)
+        rows, summary = pcp(a.pcp, [int(x) for x in toks], a.iters, patterns)
         print(f"PCP{a.pcp} publish (slowest rank; devices {summary['devices']}):")
         eager = [r for r in rows if any(k.startswith("eager") for k in r)]
         print(table(eager, ["T"] + [k for k in eager[0] if k.startswith("eager host")]))
-        print(table(rows, ["T", "graph us: 2 launches", "graph us: 1 launch"]))
+        print(table(rows, ["T", "slots", "graph us: 2 launches", "graph us: 1 launch"]))
         bw = [r for r in rows if "peer copy GB/s" in r]
         if bw:
-            print(table(bw, ["T"] + [k for k in bw[0] if "GB/s" in k or "/" in k or "only" in k]))
+            keys = [k for k in bw[0] if "GB/s" in k or "/" in k or "only" in k]
+            print(table(bw, ["T", "slots"] + keys))
         print("barrier:", {k: v for k, v in summary.items() if k.startswith("barrier")})
         write_json(a.out, f"bench_store_pcp{a.pcp}", rows, summary=summary)
         return
     tokens = [int(x) for x in a.tokens.split(",")]
     dests = [int(x) for x in a.dests.split(",")]
     ceil = ceilings(a.iters)
-    rows = store_sweep(tokens, dests, a.iters)
+    rows = store_sweep(tokens, dests, a.iters, patterns)
     for r in rows:
         r["eff/fill"] = r["eff_GBps"] / ceil["fill_GBps"]
         r["eager/empty_launch"] = r["fused_eager_us"] / ceil["empty_launch_eager_us"]
