@@ -28,7 +28,7 @@ class FakeNvml:
     c_nvmlGpuFabricInfoV_t = pynvml.c_nvmlGpuFabricInfoV_t
     c_nvmlGpuFabricInfo_t = pynvml.c_nvmlGpuFabricInfo_t
 
-    def __init__(self, state=3, status=0, cluster=CLUSTER.bytes, clique=7, error=None, v=True):
+    def __init__(self, state=3, status=0, cluster=CLUSTER.bytes, clique=7, error=None, v=None):
         self.answer = (state, status, cluster, clique)
         self.error, self.v = error, v
         self.open, self.uuids, self.calls = 0, [], []
@@ -53,8 +53,8 @@ class FakeNvml:
 
     def nvmlDeviceGetGpuFabricInfoV(self, handle, ref):
         self.calls.append(("V", type(ref._obj).__name__))
-        if not self.v:
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        if self.v is not None:  # the versioned call refused with this NVML error
+            raise pynvml.NVMLError(self.v)
         self._fill(ref)
 
     def nvmlDeviceGetGpuFabricInfo(self, handle, ref):
@@ -135,8 +135,11 @@ def test_a_completed_fabric_gives_the_canonical_cluster_uuid_clique_and_nvlink_k
     assert domain_key(0, nvml=FakeNvml(clique=8)) != domain_key(0, nvml=nvml)
 
 
-def test_a_driver_without_the_versioned_call_is_read_through_the_legacy_one(one_gpu):
-    nvml = FakeNvml(clique=3, v=False)
+@pytest.mark.parametrize(
+    "refusal", [pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH]
+)
+def test_a_driver_without_the_versioned_call_is_read_through_the_legacy_one(one_gpu, refusal):
+    nvml = FakeNvml(clique=3, v=refusal)
     assert fabric_info(0, nvml=nvml) == FabricInfo(0, "completed", str(CLUSTER), 3, "", "")
     assert [c[0] for c in nvml.calls] == ["V", "legacy"] and nvml.open == 0
     assert nvml.calls[1][1] == "c_nvmlGpuFabricInfo_t"

@@ -49,6 +49,9 @@ FABRIC_STATES = ("completed", "in_progress", "not_started", "not_supported", "un
 _NVML_SUCCESS = 0
 _NVML_ERROR_NOT_SUPPORTED = 3
 _NVML_ERROR_FUNCTION_NOT_FOUND = 13
+_NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
+# the versioned call is absent (older driver) or refuses the struct version pynvml sends
+_TRY_LEGACY = (_NVML_ERROR_FUNCTION_NOT_FOUND, _NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +115,7 @@ def _query(nvml: Any, handle: Any) -> Any:
             getter(handle, ctypes.byref(info))
             return info
         except nvml.NVMLError as exc:
-            if getattr(exc, "value", None) != _NVML_ERROR_FUNCTION_NOT_FOUND:
+            if getattr(exc, "value", None) not in _TRY_LEGACY:
                 raise
     info = nvml.c_nvmlGpuFabricInfo_t()
     nvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(info))
