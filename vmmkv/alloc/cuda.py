@@ -28,6 +28,9 @@ _POSIX_FD = "posix_fd"
 _FABRIC = "fabric"
 
 
+_FABRIC_HANDLE_BYTES = 64  # sizeof(CUmemFabricHandle)
+
+
 def _handle_enum(handle_type: str):
     if handle_type == _POSIX_FD:
         return cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -238,6 +241,51 @@ class CudaBackend:
             finally:
                 call(cu.cuMemRelease, handle, **ctx)
         return int(fd)
+
+    # By-value handles: CUDA fabric handles (CU_MEM_HANDLE_TYPE_FABRIC, 64 bytes, imported on
+    # another host of the NVLink domain through IMEX). Written against the driver API; the
+    # machines vmmkv was tested on cannot create fabric memory, so this path has not run.
+    def export_value(self, ptr: int, size: int, *, tag: str = "") -> bytes:
+        if self.handle_type != _FABRIC:
+            raise ValueError(f"export_value: handle type {self.handle_type!r} has no values")
+        ctx = dict(device=self.ordinal, ptr=ptr, size=size)
+        with primary_context(self.ordinal):
+            handle = call(cu.cuMemRetainAllocationHandle, ptr, **ctx)
+            try:
+                fabric = call(
+                    cu.cuMemExportToShareableHandle, handle, _handle_enum(_FABRIC), 0, **ctx
+                )
+            finally:
+                call(cu.cuMemRelease, handle, **ctx)
+        value = bytes(fabric.data)
+        if len(value) != _FABRIC_HANDLE_BYTES:
+            raise RuntimeError(
+                f"export_value: a fabric handle of {len(value)} bytes, expected "
+                f"{_FABRIC_HANDLE_BYTES} (device {self.ordinal}, ptr {ptr:#x})"
+            )
+        return value
+
+    def import_value(self, value: bytes, size: int):
+        if self.handle_type != _FABRIC:
+            raise ValueError(f"import_value: handle type {self.handle_type!r} has no values")
+        if not isinstance(value, bytes) or len(value) != _FABRIC_HANDLE_BYTES:
+            raise ValueError(
+                f"import_value: expected a {_FABRIC_HANDLE_BYTES}-byte fabric handle, got "
+                f"{type(value).__name__} of {len(value) if isinstance(value, bytes) else '?'}"
+            )
+        fabric = cu.CUmemFabricHandle()
+        fabric.data = value
+        with primary_context(self.ordinal):
+            return call(
+                cu.cuMemImportFromShareableHandle,
+                fabric,
+                _handle_enum(_FABRIC),
+                device=self.ordinal,
+                size=size,
+            )
+
+    def release_values(self, tag: str) -> None:
+        pass  # a fabric handle is a value: nothing to remove
 
     def zero(self, ptr: int, size: int) -> None:
         with primary_context(self.ordinal):
