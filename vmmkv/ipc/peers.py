@@ -3,25 +3,30 @@
 Protocol (collective over a CPU-capable group; every step bounded by ``timeout`` and settled with
 one outcome on every rank, see ``vmmkv.ipc.comm``):
 
-1. gather a request (host, boot id, PID/network namespaces, uid, pid, device index + UUID,
+1. gather a request (host, boot id, NVLink domain, PID/network namespaces, uid, pid, device index + UUID,
    capacity, chunk size, granularity, backend, handle type, committed chunks, protocol version,
    the caller's ``must_match`` settings, a random nonce) and validate it identically on every
    rank: a mismatch raises the same :class:`ConfigMismatch` everywhere, naming field and ranks;
-2. decide whether peer mapping is possible at all: one host (same boot id), one PID and one
-   network namespace, one uid (the fd transport checks credentials), P2P access and native
-   atomics for every pair of distinct devices (ranks that share a device need neither); if not,
+2. decide whether peer mapping is possible at all: one NVLink domain (``local_location``;
+   several domains never map each other, see docs/design.md "Handles by value and NVLink
+   domains"); for fd handles one host (same boot id), one PID and one network namespace, one
+   uid (the fd transport checks credentials); P2P access and native atomics for every pair of
+   distinct devices (ranks that share a device need neither); if not,
    :class:`DirectUnsupported` on every rank, listing every reason;
-3. export every committed chunk plus the barrier's signal chunk as fds and pass them with
-   SCM_RIGHTS (``vmmkv.ipc.fdpass``) over abstract sockets named with rank 0's nonce; a rank
-   whose local preparation failed still takes part and sends an abort notice instead of fds, so
-   its peers learn the cause at once;
+3. export every committed chunk plus the barrier's signal chunk and send them over the
+   exchange's transport: fds (``posix_fd``) with SCM_RIGHTS (``vmmkv.ipc.fdpass``) over
+   abstract sockets named with rank 0's nonce, or values (``BY_VALUE_HANDLES``: ``fabric``,
+   ``shm_name``) in one step of the group's store; a rank whose local preparation failed still
+   takes part and sends an abort notice instead of handles, so its peers learn the cause at
+   once;
 4. import and map each peer chunk at its offset inside a ``PeerRegion`` (a reservation of the
    peer's full capacity, so growth never moves anything), then close the fd; the committed
    chunks are any chunk set (a prefix, or the chunks of a block layout's segments), and a peer
    maps exactly the chunks its owner committed;
 5. build ``ptr_table`` (device int64 ``[world]``, own base in own slot), which never changes;
 6. agree on success (the last step): any failure anywhere, or a peer that vanished during the
-   exchange, makes every rank roll back what this call created and raise.
+   exchange, makes every rank roll back what this call created and raise; then every rank
+   removes what the exchange's by-value exports left (``release_values``), whatever happened.
 
 Resize helpers (ipc-internal, used by ``vmmkv.ipc.symmetric`` between its collective points):
 ``PeerMap.exchange_new(chunks, ...)`` passes and maps a grow's new chunks (any chunk set);
@@ -117,8 +122,8 @@ class ConfigMismatch(RendezvousError):
 
 
 class DirectUnsupported(RendezvousError):
-    """Peer mapping is impossible for this group (several hosts without fabric handles, no P2P
-    between two devices, no native atomics); raised identically on every rank, so callers can
+    """Peer mapping is impossible for this group (several NVLink domains, several hosts with fd
+    handles, no P2P between two devices, no native atomics); raised identically on every rank, so callers can
     fall back to gather-then-insert together."""
 
 
@@ -729,8 +734,9 @@ def select_handle_type(device: Any, group: Any = None, *, timeout: float = 60.0)
     Fabric handles are chosen only when the group spans several hosts AND every rank's probe
     (device attribute, NVML fabric state, trial ``cuMemCreate``) passes; otherwise POSIX fds,
     with the reason logged. Same-host groups always use POSIX fds (they reach every peer and
-    need no IMEX channel). Note: this version maps peers over fabric handles nowhere yet, so a
-    multi-host group then falls back to gather-then-insert (see ``DirectUnsupported``).
+    need no IMEX channel). A diagnostic with the trial allocation; ``SymmetricRegion`` decides
+    by NVLink domain (:func:`choose_handle_type`), and ranks of several domains fall back to
+    gather-then-insert whatever this says.
     """
     import torch as _torch
 
