@@ -496,3 +496,69 @@ def test_a_rank_killed_at_each_by_value_step_is_named_and_leaves_no_shm_names(po
         assert elapsed < TIMEOUT + 3, (elapsed, error)
         assert leaks == (0, 0, 0), leaks
     assert shm_names() == before
+
+
+# --------------------------------------------------------------------------------------------
+# the host backend's by-value calls, in one process
+# --------------------------------------------------------------------------------------------
+
+
+def test_an_shm_name_chunk_exported_by_value_shares_its_bytes_and_its_name_is_removed():
+    import torch
+
+    from vmmkv.alloc import VirtualRegion
+
+    before = shm_names()
+    fds0 = fds_not_sockets()
+    g = _gran()
+    own = VirtualRegion(4 * g, "cpu", chunk_bytes=g, backend="host", handle_type="shm_name")
+    own.commit(2 * g)
+    chunk = own.chunks()[1]
+    value = own.export_chunk_value(chunk, "t0")
+    assert value.startswith(b"vmmkv-t0-") and len(shm_names("t0-")) == 1
+    peer = own.open_peer()
+    peer.map_value(value, chunk)
+    own.release_values("t0")  # the mapping keeps the memory; the name goes
+    assert shm_names("t0-") == []
+    data = torch.randint(1, 256, (g,), dtype=torch.uint8)
+    own.tensor()[g : 2 * g].copy_(data)
+    assert torch.equal(peer.tensor()[g : 2 * g], data)
+    peer.close()
+    own.close()
+    assert fds_not_sockets() == fds0 and shm_names() == before
+
+
+def test_by_value_calls_refuse_bad_names_sizes_tags_and_fd_regions_before_any_system_call():
+    from vmmkv.alloc import VirtualRegion
+    from vmmkv.alloc.host import HostBackend
+
+    before = shm_names()
+    g = _gran()
+    be = HostBackend("shm_name")
+    with pytest.raises(ValueError, match="not a vmmkv shm name"):
+        be.import_value(b"../../etc/passwd", g)
+    with pytest.raises(ValueError, match="not a vmmkv shm name"):
+        be.import_value(b"vmmkv-t1-0123456789abcdef/../x", g)
+    with pytest.raises(TypeError, match="must be bytes"):
+        be.import_value("vmmkv-t1-0123456789abcdef", g)
+    with pytest.raises(OSError, match="opening vmmkv-t1-0123456789abcdef failed"):
+        be.import_value(b"vmmkv-t1-0123456789abcdef", g)
+    with pytest.raises(ValueError, match="tag must be"):
+        be.release_values("a*")
+    with pytest.raises(ValueError, match="handle types"):
+        HostBackend("fabric")
+    with VirtualRegion(2 * g, "cpu", chunk_bytes=g, backend="host", handle_type="shm_name") as r:
+        r.commit(g)
+        with pytest.raises(ValueError, match="tag must be"):
+            r.export_chunk_value(r.chunks()[0], "a-b")
+        value = r.export_chunk_value(r.chunks()[0], "t2")
+        try:
+            with pytest.raises(ValueError, match=f"holds {g} bytes, expected >= {2 * g}"):
+                be.import_value(value, 2 * g)
+        finally:
+            r.release_values("t2")
+    with VirtualRegion(2 * g, "cpu", chunk_bytes=g, backend="host") as r:
+        r.commit(g)
+        with pytest.raises(ValueError, match="'posix_fd' has no values"):
+            r.export_chunk_value(r.chunks()[0], "t3")
+    assert shm_names() == before

@@ -671,13 +671,20 @@ def _exchange_and_map(
                     f"rank {comm.rank}: rank {peer} sent {len(peer_handles)} handles, "
                     f"expected {want}"
                 )
-            for (off, size), h in zip(pdesc["chunks"], peer_handles, strict=False):
-                transport.map(peers[peer], h, Chunk(off, size))
+            todo = [(peers[peer], h, Chunk(off, size)) for (off, size), h in zip(
+                pdesc["chunks"], peer_handles, strict=False
+            )]  # fmt: skip
             if signal_peers is not None:
                 off, size = pdesc["signal"]
-                transport.map(signal_peers[peer], peer_handles[-1], Chunk(off, size))
-    except (drv.CudaError, OSError) as exc:
-        raise RendezvousError(f"rank {comm.rank}: mapping a peer chunk failed: {exc}") from exc
+                todo.append((signal_peers[peer], peer_handles[-1], Chunk(off, size)))
+            for target, handle, chunk in todo:
+                try:
+                    transport.map(target, handle, chunk)
+                except (drv.CudaError, OSError, ValueError) as exc:
+                    raise RendezvousError(
+                        f"rank {comm.rank} ({region.device}): mapping a chunk of rank {peer} "
+                        f"({chunk}, {region.handle_type}) failed: {exc}"
+                    ) from exc
     finally:
         transport.release(received)
 
