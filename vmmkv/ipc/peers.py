@@ -231,18 +231,27 @@ def _fabric_domain(ordinal: int) -> str:
         return f"host:{_boot_id()}"
 
 
+_warned_test_location: list[bool] = []  # the override is logged once per process
+
+
 def local_location(ordinal: int | None) -> dict[str, str]:
     """Local: where this process runs, ``{"host", "boot_id", "domain"}``. ``domain`` is the
     NVLink domain key (CUDA device ``ordinal``; ``None``: host memory, the host's key).
     Test-only: ``VMMKV_TEST_HOST`` replaces host and boot id, ``VMMKV_TEST_NVLINK_DOMAIN``
     the domain (``nvlink:test:<value>``); read here and nowhere else."""
     sim_host = os.environ.get(TEST_HOST_ENV, "")
+    sim_domain = os.environ.get(TEST_DOMAIN_ENV, "")
+    if (sim_host or sim_domain) and not _warned_test_location:
+        _warned_test_location.append(True)
+        log.warning(
+            "vmmkv: test-only location override in effect (%s=%r, %s=%r): not for production",
+            TEST_HOST_ENV, sim_host, TEST_DOMAIN_ENV, sim_domain,
+        )  # fmt: skip
     if sim_host:
         host = sim_host
         boot = "test-" + hashlib.sha256(sim_host.encode()).hexdigest()[:24]
     else:
         host, boot = socket.gethostname(), _boot_id()
-    sim_domain = os.environ.get(TEST_DOMAIN_ENV, "")
     if sim_domain:
         domain = f"nvlink:test:{sim_domain}"
     elif sim_host or ordinal is None:
