@@ -562,3 +562,27 @@ def test_by_value_calls_refuse_bad_names_sizes_tags_and_fd_regions_before_any_sy
         with pytest.raises(ValueError, match="'posix_fd' has no values"):
             r.export_chunk_value(r.chunks()[0], "t3")
     assert shm_names() == before
+
+
+def _req(boot, domain, host="h"):
+    return {"host": host, "boot_id": boot, "domain": domain, "pidns": "1", "netns": "1", "uid": 0}
+
+
+def test_placement_one_host_keeps_fds_whatever_its_gpus_domains_say():
+    from vmmkv.ipc.peers import _placement_problem
+
+    reqs = [_req("b0", "nvlink:c:1"), _req("b0", "host:b0")]  # one GPU not registered yet
+    assert _placement_problem(reqs, by_value=False) == ""
+
+
+def test_placement_names_every_domain_and_its_ranks_and_needs_values_across_hosts():
+    from vmmkv.ipc.peers import _placement_problem
+
+    two = [_req("b0", "nvlink:c:1", "a"), _req("b1", "nvlink:c:2", "b"), _req("b2", "nvlink:c:1")]
+    for by_value in (False, True):
+        msg = _placement_problem(two, by_value)
+        assert "ranks span 2 NVLink domains" in msg, msg
+        assert "nvlink:c:1: ranks [0, 2]" in msg and "nvlink:c:2: ranks [1]" in msg, msg
+    one = [_req("b0", "nvlink:c:1", "a"), _req("b1", "nvlink:c:1", "b")]
+    assert _placement_problem(one, by_value=True) == ""
+    assert "several hosts" in _placement_problem(one, by_value=False)

@@ -198,7 +198,9 @@ def _placement_problem(reqs: list[dict[str, Any]], by_value: bool) -> str:
     """'' when the ranks can map each other with this handle kind, else why not. Ranks of
     several NVLink domains never map each other directly (docs/design.md, "Handles by value
     and NVLink domains"); inside one domain by-value handles reach every rank, fds only one
-    host (``_host_problem``)."""
+    host (``_host_problem``), whatever the domains of its GPUs say."""
+    if not by_value and len({r["boot_id"] for r in reqs}) == 1:
+        return _host_problem(reqs)
     domains: dict[str, list[int]] = {}
     for rank, r in enumerate(reqs):
         domains.setdefault(r["domain"], []).append(rank)
@@ -218,17 +220,28 @@ def _placement_problem(reqs: list[dict[str, Any]], by_value: bool) -> str:
     return _host_problem(reqs)
 
 
+_domains: dict[int, str] = {}  # CUDA ordinal -> domain key, read once per process
+_domains_lock = threading.Lock()
+
+
 def _fabric_domain(ordinal: int) -> str:
     """The NVLink domain key of CUDA device ``ordinal`` (``vmmkv.alloc.fabric.domain_key``:
     ``nvlink:<cluster uuid>:<clique id>`` when the GPU's fabric state is completed, else
-    ``host:<boot id>``); the host key when the query itself fails."""
-    try:
-        from ..alloc.fabric import domain_key
+    ``host:<boot id>``); the host key when the query itself fails. Read once per process and
+    device (an NVML session each time would cost every collective construction; a GPU's fabric
+    registration completes before jobs start)."""
+    with _domains_lock:
+        if ordinal in _domains:
+            return _domains[ordinal]
+        try:
+            from ..alloc.fabric import domain_key
 
-        return domain_key(ordinal)
-    except Exception as exc:  # never fatal: the host is a domain of its own
-        log.info("vmmkv: NVLink domain of cuda:%d unknown (%s); using the host", ordinal, exc)
-        return f"host:{_boot_id()}"
+            key = domain_key(ordinal)
+        except Exception as exc:  # never fatal: the host is a domain of its own
+            log.info("vmmkv: NVLink domain of cuda:%d unknown (%s); using the host", ordinal, exc)
+            key = f"host:{_boot_id()}"
+        _domains[ordinal] = key
+        return key
 
 
 _warned_test_location: list[bool] = []  # the override is logged once per process
