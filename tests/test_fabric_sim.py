@@ -22,6 +22,7 @@ import pytest
 
 from tests.helpers import KVStep, fds_not_sockets, kill_at
 from vmmkv.alloc.host import shm_names
+from vmmkv.testing.markers import requires_gpu
 from vmmkv.testing.spawn import run_world, run_world_raw
 
 TIMEOUT = 3.0
@@ -586,3 +587,46 @@ def test_placement_names_every_domain_and_its_ranks_and_needs_values_across_host
     one = [_req("b0", "nvlink:c:1", "a"), _req("b1", "nvlink:c:1", "b")]
     assert _placement_problem(one, by_value=True) == ""
     assert "several hosts" in _placement_problem(one, by_value=False)
+
+
+# --------------------------------------------------------------------------------------------
+# real fabric handles: runs only where the GPUs can create fabric memory (skips elsewhere)
+# --------------------------------------------------------------------------------------------
+
+
+def _fabric_pair(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from vmmkv.alloc.cuda import fabric_probe
+    from vmmkv.ipc import SymmetricRegion
+
+    ordinal = rank % torch.cuda.device_count()
+    torch.cuda.set_device(ordinal)
+    probes = [None] * world
+    dist.all_gather_object(probes, fabric_probe(ordinal))
+    if not all(ok for ok, _ in probes):
+        return "skip: " + "; ".join(f"rank {r}: {why}" for r, (ok, why) in enumerate(probes))
+    # Two simulated hosts of one domain on one machine: the by-value path with real handles.
+    _place(rank, ["h0", "h1"], ["d0", "d0"])
+    n = 2 << 20
+    with SymmetricRegion(
+        4 * n, f"cuda:{ordinal}", dist.group.WORLD, chunk_bytes=n, initial_bytes=n,
+        backend="cuda", timeout=30.0,
+    ) as sr:  # fmt: skip
+        assert sr.region.handle_type == "fabric" and sr.peers.by_value
+        sr.view(rank)[:n].copy_(_pattern(rank, n, 1).to(sr.device))
+        torch.cuda.synchronize()
+        dist.barrier()
+        same = [bool((sr.view(r)[:n].cpu() == _pattern(r, n, 1)).all()) for r in range(world)]
+        dist.barrier()
+    return same
+
+
+@requires_gpu
+@pytest.mark.timeout(180)
+def test_real_fabric_handles_map_two_simulated_hosts_where_the_gpus_support_them():
+    out = run_world(_fabric_pair, 2, timeout=150)
+    if isinstance(out[0], str):
+        pytest.skip(out[0])
+    assert out == [[True, True]] * 2, out
