@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -26,6 +27,15 @@ def random_bytes(n: int, seed: int, device="cpu") -> torch.Tensor:
     a written one), drawn on the CPU from ``seed`` and then moved to ``device``."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(1, 256, (n,), generator=gen, dtype=torch.uint8).to(device)
+
+
+def random_replicas(count: int, nbytes: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """``count`` CPU replicas of ``nbytes`` random bytes in 1..255 each, drawn in turn from
+    ``generator`` (which the caller goes on drawing its inputs from)."""
+    return [
+        torch.randint(1, 256, (nbytes,), generator=generator, dtype=torch.uint8)
+        for _ in range(count)
+    ]
 
 
 def commit_random(region, nbytes: int, seed: int) -> torch.Tensor:
@@ -381,4 +391,197 @@ def stderr_noise(stderr: str) -> list[str]:
         line
         for line in stderr.splitlines()
         if any(w in line.lower() for w in _NOISE) or _CXX_LOG.match(line)
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# two ranks store two layers of given kinds through a ReplicatedKVCache, in both modes
+# (tests/test_formats_mx.py, tests/test_formats_mla_ue8m0.py)
+# --------------------------------------------------------------------------------------------
+
+KINDS_LAYERS = 2
+KINDS_BLOCKS = 4
+KINDS_GUARD = 4096
+KINDS_OWN = [13, 5]  # each rank's own tokens (rank r: KINDS_OWN[r % 2])
+KINDS_DECODE = 3  # replicated decode tokens, stored as num_local_only
+KINDS_BAD_SLOTS = 5  # out-of-range tokens counted: store_layer (2), the second store, publish (2)
+
+
+@dataclass(frozen=True)
+class KindsScenario:
+    """What ``kinds_cache_worker`` stores: the MLA and indexer kinds both layers are bound as;
+    ``second``, the store that follows ``store_layer`` (layer 0) with the same inputs, into
+    layer 1's one view ("store_ds_mla" or "store_indexer_k"); ``contrast``, (MLA kind, indexer
+    kind) whose oracle must differ from this one's on these inputs; the own replica's poison
+    seed is ``poison_seed + rank``."""
+
+    mla_kind: str
+    idx_kind: str
+    second: str
+    contrast: tuple[str, str]
+    poison_seed: int
+
+
+def kinds_batches(world: int, seed: int):
+    """[(kv_c, k_pe, k, slots)] on the CPU: the shared decode batch, then each rank's own batch
+    (rank 0's with a padding and an out-of-range slot); slots unique across batches."""
+    from vmmkv.testing.kv import BLOCK_SIZE, layer_inputs
+
+    perm = torch.randperm(KINDS_BLOCKS * BLOCK_SIZE, generator=torch.Generator().manual_seed(seed))
+    out, at = [], 0
+    for who in range(-1, world):
+        n = KINDS_DECODE if who < 0 else KINDS_OWN[who % len(KINDS_OWN)]
+        slots = perm[at : at + n].clone()
+        at += n
+        if who == 0:
+            slots[1], slots[4] = -1, KINDS_BLOCKS * BLOCK_SIZE + 7
+        kv_c, k_pe, k = layer_inputs(seed * 10 + who + 1, n)
+        k[0, :] *= 1e4  # one row far from the others: its own exponent byte
+        out.append((kv_c, k_pe, k, slots))
+    return out
+
+
+def kinds_oracle(
+    poison: torch.Tensor, world: int, scenario: KindsScenario, mla_kind: str, idx_kind: str
+) -> torch.Tensor:
+    """``poison`` after every rank's batches of ``scenario``'s stores, inserted by the pure-torch
+    reference as ``mla_kind`` and ``idx_kind``."""
+    from vmmkv.ops import reference as R
+    from vmmkv.testing.kv import interleaved_views
+
+    want = poison.clone()
+    (mla0, idx0), (mla1, idx1) = interleaved_views(
+        want, KINDS_LAYERS, KINDS_BLOCKS, offset=KINDS_GUARD
+    )
+    second = (mla1, None) if scenario.second == "store_ds_mla" else (None, idx1)
+    # seed 1: store_layer(layer 0), the second store (layer 1); seed 2: publish_layer(layer 1)
+    for seed, views in ((1, ((mla0, idx0), second)), (2, ((mla1, idx1),))):
+        for kv_c, k_pe, k, slots in kinds_batches(world, seed):
+            for mla, idx in views:
+                if mla is not None:
+                    R.insert_ds_mla(mla, kv_c, k_pe, slots, kind=mla_kind)
+                if idx is not None:
+                    R.insert_indexer_k(idx, k, slots, kind=idx_kind)
+    return want
+
+
+def kinds_cache_worker(rank: int, world: int, backend: str, scenario: KindsScenario):
+    """One rank (``run_world``): in each mode, poison its replica, store, check every byte of
+    it against ``kinds_oracle``; returns {mode: (error count, cache.direct)}."""
+    import torch.distributed as dist
+
+    from vmmkv import ReplicatedKVCache
+    from vmmkv.gather import pad_tokens
+    from vmmkv.testing.kv import block_stride, interleaved_views
+
+    device = "cpu" if backend == "host" else "cuda:0"
+    chunk = 1 << 21 if backend == "cuda" else 1 << 16
+    total = 2 * KINDS_GUARD + KINDS_BLOCKS * block_stride(KINDS_LAYERS)
+    cap = -(-total // chunk) * chunk
+    out = {}
+    with ReplicatedKVCache(
+        dist.group.WORLD, cap, device, chunk_bytes=chunk, backend=backend, initial_bytes=cap
+    ) as cache:
+        buf = cache.allocate(total).view(torch.uint8)
+        (mla0, idx0), (mla1, idx1) = interleaved_views(
+            buf, KINDS_LAYERS, KINDS_BLOCKS, offset=KINDS_GUARD
+        )
+        b_mla0 = cache.bind("mla0", mla0, scenario.mla_kind)
+        b_mla1 = cache.bind("mla1", mla1, scenario.mla_kind)
+        b_idx0 = cache.bind("idx0", idx0, scenario.idx_kind)
+        b_idx1 = cache.bind("idx1", idx1, scenario.idx_kind)
+        pad_to = max(KINDS_OWN[r % len(KINDS_OWN)] for r in range(world))
+
+        def inputs(seed):
+            """Decode rows first (replicated), then this rank's rows padded to pad_to."""
+            dec, *own = kinds_batches(world, seed)
+            padded, slots = pad_tokens(own[rank][:3], own[rank][3], pad_to)
+            cat = [torch.cat([d, o]).to(device) for d, o in zip(dec, (*padded, slots), strict=True)]
+            return cat[:3], cat[3].to(torch.int32)
+
+        for mode in ("direct", "gather"):
+            g = torch.Generator().manual_seed(scenario.poison_seed + rank)
+            poison = torch.randint(1, 256, (total,), generator=g, dtype=torch.uint8)
+            buf.copy_(poison.to(device))
+            cache.error_counter.zero_()
+            dist.barrier()
+            (kv_c, k_pe, k), slots = inputs(1)
+            cache.store_layer(b_mla0, b_idx0, kv_c, k_pe, k, slots,
+                              num_local_only=KINDS_DECODE, mode=mode)  # fmt: skip
+            if scenario.second == "store_ds_mla":
+                cache.store_ds_mla(b_mla1, kv_c, k_pe, slots, num_local_only=KINDS_DECODE,
+                                   mode=mode)  # fmt: skip
+            else:
+                cache.store_indexer_k(b_idx1, k, slots, num_local_only=KINDS_DECODE, mode=mode)
+            cache.barrier()
+            (kv_c, k_pe, k), slots = inputs(2)
+            cache.publish_layer(b_mla1, b_idx1, kv_c, k_pe, k, slots,
+                                num_local_only=KINDS_DECODE, mode=mode)  # fmt: skip
+            if backend == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            got = buf.cpu()
+            want = kinds_oracle(poison, world, scenario, scenario.mla_kind, scenario.idx_kind)
+            contrast = kinds_oracle(poison, world, scenario, *scenario.contrast)
+            assert not torch.equal(want, contrast)  # the kinds make a real difference
+            assert torch.equal(got, want), (
+                f"rank {rank} mode {mode}: {(got != want).sum().item()} bytes differ, first at "
+                f"{(got != want).nonzero()[:4].flatten().tolist()}"
+            )
+            out[mode] = (int(cache.error_counter.item()), cache.direct)
+            dist.barrier()
+    return out
+
+
+def check_kinds_results(out: list) -> None:
+    """``kinds_cache_worker``'s results: direct mode counts only rank 0's own bad tokens, gather
+    mode every rank's (every rank inserts every rank's tokens); every rank went direct."""
+    for rank, res in enumerate(out):
+        assert res["direct"] == (KINDS_BAD_SLOTS * (rank == 0), True)
+        assert res["gather"] == (KINDS_BAD_SLOTS, True)
+
+
+def cpu_layer_targets(
+    replicas: list[torch.Tensor], num_blocks: int, my_rank: int, mla_kind: str, idx_kind: str
+):
+    """(MLA target, indexer target) of one layer over CPU byte ``replicas`` (rank r's replica is
+    ``replicas[r]``): ``num_blocks`` MLA blocks, then as many indexer blocks; one error counter
+    shared by both. For the wrappers' checks and the host backend (a CPU target cannot launch)."""
+    from vmmkv.ops.formats import INDEXER_ENTRY_BYTES as IDX
+    from vmmkv.ops.formats import MLA_ENTRY_BYTES as MLA
+    from vmmkv.ops.kv import KVTarget
+    from vmmkv.testing.kv import BLOCK_SIZE as BS
+
+    table = torch.tensor([r.data_ptr() for r in replicas], dtype=torch.int64)
+    common = dict(ptr_table=table, my_rank=my_rank, num_blocks=num_blocks, block_size=BS,
+                  committed_bytes=torch.tensor([replicas[0].numel()]),
+                  error_counter=torch.zeros(1, dtype=torch.int32), cache=replicas[my_rank])  # fmt: skip
+    mla = KVTarget(kind=mla_kind, offset_bytes=0, block_stride=BS * MLA, entry_stride=MLA,
+                   entry_bytes=MLA, **common)  # fmt: skip
+    idx = KVTarget(kind=idx_kind, offset_bytes=num_blocks * BS * MLA, block_stride=BS * IDX,
+                   entry_stride=IDX, entry_bytes=IDX, **common)  # fmt: skip
+    return mla, idx
+
+
+# --------------------------------------------------------------------------------------------
+# tests against the installed vLLM (tests/test_vllm_*.py)
+# --------------------------------------------------------------------------------------------
+
+# vLLM's KV block layouts the plugin supports (each test names them: the spec, not the code's list)
+VLLM_LAYOUTS = ("LBHNC", "LBNHC", "BLHNC", "BLNHC")
+
+
+def vllm_marks() -> list:
+    """A vLLM test file's ``pytestmark``: the ``vllm`` marker, and a clean skip where vllm is
+    not installed."""
+    import importlib.util
+
+    import pytest
+
+    return [
+        pytest.mark.vllm,
+        pytest.mark.skipif(
+            importlib.util.find_spec("vllm") is None,
+            reason="vllm is not installed (pip install -e '.[vllm,test]'; CI: the .venv-vllm job)",
+        ),
     ]

@@ -18,7 +18,13 @@ import struct
 import pytest
 import torch
 
-from tests.test_formats_mx import DECODE, GUARD, LAYERS, NB, OWN, _batches, _check_cache_results
+from tests.helpers import (
+    KindsScenario,
+    check_kinds_results,
+    cpu_layer_targets,
+    kinds_cache_worker,
+    random_replicas,
+)
 from tests.test_reference import (
     bf16_bits_of,
     bf16_tensor,
@@ -38,7 +44,7 @@ from vmmkv.ops.formats import (
     get_format,
     mla_kind_for,
 )
-from vmmkv.ops.kv import KVTarget, publish_layer, store_ds_mla, store_layer
+from vmmkv.ops.kv import publish_layer, store_ds_mla, store_layer
 from vmmkv.testing.markers import requires_gpu
 from vmmkv.testing.spawn import run_world
 
@@ -62,18 +68,7 @@ def hand_pow2_scale(amax: float) -> float:
 
 def hand_entry(kv_bits: list[int], pe_bits: list[int]) -> bytes:
     """The 656 bytes of one fp8_ds_mla_ue8m0 token, built by hand."""
-    vals = [bf16_value(b) for b in kv_bits]
-    out, scales = bytearray(), []
-    for t in range(4):
-        tile = vals[128 * t : 128 * (t + 1)]
-        amax = max((abs(v) for v in tile if not math.isnan(v)), default=0.0)
-        s = hand_pow2_scale(amax)
-        scales.append(s)
-        out += bytes(py_e4m3(f32(v / s)) for v in tile)
-    out += struct.pack("<4f", *scales)
-    out += b"".join(struct.pack("<H", b) for b in pe_bits)
-    assert len(out) == MLA
-    return bytes(out)
+    return hand_mla_entry(kv_bits, pe_bits, tile_scale=hand_pow2_scale)
 
 
 def _tile(first: list[float], fill: float) -> list[int]:
@@ -278,24 +273,12 @@ def test_the_reference_refuses_kinds_that_are_not_mla_kinds():
 # The functional stores, the custom ops and the host backend on CPU targets
 
 
-def _cpu_targets(replicas, nb: int, my_rank: int, mla_kind: str = U, idx_kind: str = "indexer_k"):
-    table = torch.tensor([r.data_ptr() for r in replicas], dtype=torch.int64)
-    common = dict(ptr_table=table, my_rank=my_rank, num_blocks=nb, block_size=BS,
-                  committed_bytes=torch.tensor([replicas[0].numel()]),
-                  error_counter=torch.zeros(1, dtype=torch.int32), cache=replicas[my_rank])  # fmt: skip
-    mla = KVTarget(kind=mla_kind, offset_bytes=0, block_stride=BS * MLA, entry_stride=MLA,
-                   entry_bytes=MLA, **common)  # fmt: skip
-    idx = KVTarget(kind=idx_kind, offset_bytes=nb * BS * MLA, block_stride=BS * IDX,
-                   entry_stride=IDX, entry_bytes=IDX, **common)  # fmt: skip
-    return mla, idx
-
-
 def test_kernel_wrappers_accept_ue8m0_mla_targets_with_either_indexer_kind_before_launching():
     replicas = [torch.zeros(2 * BS * (MLA + IDX), dtype=torch.uint8)]
     kv_c, k_pe = torch.ones(4, 512, dtype=torch.bfloat16), torch.ones(4, 64, dtype=torch.bfloat16)
     k, s = torch.ones(4, 128, dtype=torch.bfloat16), torch.arange(4)
     for idx_kind in INDEXER_KINDS:
-        mla, idx = _cpu_targets(replicas, 2, 0, idx_kind=idx_kind)
+        mla, idx = cpu_layer_targets(replicas, 2, 0, U, idx_kind)
         with pytest.raises(ValueError, match="CUDA device"):  # every check passed: only the device
             store_ds_mla(mla, kv_c, k_pe, s)
         with pytest.raises(ValueError, match="CUDA device"):
@@ -315,7 +298,7 @@ def test_kernel_wrappers_accept_ue8m0_mla_targets_with_either_indexer_kind_befor
 
 def test_the_custom_ops_take_the_mla_kind_and_refuse_one_that_is_not():
     replicas = [torch.zeros(2 * BS * (MLA + IDX), dtype=torch.uint8)]
-    mla, idx = _cpu_targets(replicas, 2, 0)
+    mla, idx = cpu_layer_targets(replicas, 2, 0, U, "indexer_k")
     kv_c, k_pe = torch.ones(4, 512, dtype=torch.bfloat16), torch.ones(4, 64, dtype=torch.bfloat16)
     k, s = torch.ones(4, 128, dtype=torch.bfloat16), torch.arange(4)
     # the layouts name the cache's address, as a CUDA target's do (a CPU target records 0)
@@ -347,12 +330,9 @@ def test_host_stores_and_prepared_host_stores_write_the_ue8m0_reference_into_eve
 
     nb, tokens, nlo = 3, 50, 6
     g = torch.Generator().manual_seed(33)
-    replicas = [
-        torch.randint(1, 256, (nb * BS * (MLA + IDX),), generator=g, dtype=torch.uint8)
-        for _ in range(3)
-    ]
+    replicas = random_replicas(3, nb * BS * (MLA + IDX), g)
     before = [r.clone() for r in replicas]
-    mla, idx = _cpu_targets(replicas, nb, my_rank=2, idx_kind=idx_kind)
+    mla, idx = cpu_layer_targets(replicas, nb, 2, U, idx_kind)
     kv_c = torch.randn(tokens, 512, generator=g) * torch.rand(tokens, 1, generator=g) * 9
     kv_c = kv_c.bfloat16()
     k_pe = torch.randn(tokens, 64, generator=g).bfloat16()
@@ -389,86 +369,21 @@ def test_host_stores_and_prepared_host_stores_write_the_ue8m0_reference_into_eve
 # ReplicatedKVCache: two ranks, direct and gather, byte-equal to the reference
 
 
-def _oracle(poison: torch.Tensor, world: int, mla_kind: str, idx_kind: str) -> torch.Tensor:
-    from vmmkv.testing.kv import interleaved_views
-
-    want = poison.clone()
-    (mla0, idx0), (mla1, idx1) = interleaved_views(want, LAYERS, NB, offset=GUARD)
-    # seed 1: store_layer(layer 0), store_ds_mla(layer 1's MLA); seed 2: publish_layer(layer 1)
-    for seed, views in ((1, ((mla0, idx0), (mla1, None))), (2, ((mla1, idx1),))):
-        for kv_c, k_pe, k, slots in _batches(world, seed):
-            for mla, idx in views:
-                R.insert_ds_mla(mla, kv_c, k_pe, slots, kind=mla_kind)
-                if idx is not None:
-                    R.insert_indexer_k(idx, k, slots, kind=idx_kind)
-    return want
-
-
-def _cache_worker(rank: int, world: int, backend: str, idx_kind: str):
-    import torch.distributed as dist
-
-    from vmmkv import ReplicatedKVCache
-    from vmmkv.gather import pad_tokens
-    from vmmkv.testing.kv import block_stride, interleaved_views
-
-    device = "cpu" if backend == "host" else "cuda:0"
-    chunk = 1 << 21 if backend == "cuda" else 1 << 16
-    total = 2 * GUARD + NB * block_stride(LAYERS)
-    cap = -(-total // chunk) * chunk
-    out = {}
-    with ReplicatedKVCache(
-        dist.group.WORLD, cap, device, chunk_bytes=chunk, backend=backend, initial_bytes=cap
-    ) as cache:
-        buf = cache.allocate(total).view(torch.uint8)
-        (mla0, idx0), (mla1, idx1) = interleaved_views(buf, LAYERS, NB, offset=GUARD)
-        b_mla0, b_mla1 = cache.bind("mla0", mla0, U), cache.bind("mla1", mla1, U)
-        b_idx0, b_idx1 = cache.bind("idx0", idx0, idx_kind), cache.bind("idx1", idx1, idx_kind)
-        pad_to = max(OWN[r % len(OWN)] for r in range(world))
-
-        def inputs(seed):
-            """Decode rows first (replicated), then this rank's rows padded to pad_to."""
-            dec, *own = _batches(world, seed)
-            padded, slots = pad_tokens(own[rank][:3], own[rank][3], pad_to)
-            cat = [torch.cat([d, o]).to(device) for d, o in zip(dec, (*padded, slots), strict=True)]
-            return cat[:3], cat[3].to(torch.int32)
-
-        for mode in ("direct", "gather"):
-            g = torch.Generator().manual_seed(200 + rank)
-            poison = torch.randint(1, 256, (total,), generator=g, dtype=torch.uint8)
-            buf.copy_(poison.to(device))
-            cache.error_counter.zero_()
-            dist.barrier()
-            (kv_c, k_pe, k), slots = inputs(1)
-            cache.store_layer(b_mla0, b_idx0, kv_c, k_pe, k, slots, num_local_only=DECODE,
-                              mode=mode)  # fmt: skip
-            cache.store_ds_mla(b_mla1, kv_c, k_pe, slots, num_local_only=DECODE, mode=mode)
-            cache.barrier()
-            (kv_c, k_pe, k), slots = inputs(2)
-            cache.publish_layer(b_mla1, b_idx1, kv_c, k_pe, k, slots, num_local_only=DECODE,
-                                mode=mode)  # fmt: skip
-            if backend == "cuda":
-                torch.cuda.synchronize()
-            dist.barrier()
-            got = buf.cpu()
-            want = _oracle(poison, world, U, idx_kind)
-            assert not torch.equal(want, _oracle(poison, world, "fp8_ds_mla", idx_kind))
-            assert torch.equal(got, want), (
-                f"rank {rank} mode {mode}: {(got != want).sum().item()} bytes differ, first at "
-                f"{(got != want).nonzero()[:4].flatten().tolist()}"
-            )
-            out[mode] = (int(cache.error_counter.item()), cache.direct)
-            dist.barrier()
-    return out
+def _ue8m0_cache(idx_kind: str) -> KindsScenario:
+    """Both layers' MLA views ue8m0; the second store is the MLA's own."""
+    return KindsScenario(U, idx_kind, "store_ds_mla", ("fp8_ds_mla", idx_kind), 200)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("idx_kind", INDEXER_KINDS)
 def test_the_cache_stores_ue8m0_mla_layers_byte_equal_to_the_reference_in_both_modes(idx_kind):
-    _check_cache_results(run_world(_cache_worker, 2, args=("host", idx_kind), timeout=100), 2)
+    scenario = _ue8m0_cache(idx_kind)
+    check_kinds_results(run_world(kinds_cache_worker, 2, args=("host", scenario), timeout=100))
 
 
 @requires_gpu
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("idx_kind", INDEXER_KINDS)
 def test_two_gpu_ranks_store_ue8m0_mla_layers_byte_equal_to_the_reference_in_both_modes(idx_kind):
-    _check_cache_results(run_world(_cache_worker, 2, args=("cuda", idx_kind), timeout=280), 2)
+    scenario = _ue8m0_cache(idx_kind)
+    check_kinds_results(run_world(kinds_cache_worker, 2, args=("cuda", scenario), timeout=280))

@@ -18,6 +18,13 @@ import struct
 import pytest
 import torch
 
+from tests.helpers import (
+    KindsScenario,
+    check_kinds_results,
+    cpu_layer_targets,
+    kinds_cache_worker,
+    random_replicas,
+)
 from tests.test_reference import bf16_bits_of, bf16_tensor, hand_indexer, rand_tokens
 from vmmkv.ops import host
 from vmmkv.ops import reference as R
@@ -28,7 +35,7 @@ from vmmkv.ops.formats import (
     get_format,
     indexer_kind_for,
 )
-from vmmkv.ops.kv import KVTarget, store_indexer_k, store_layer
+from vmmkv.ops.kv import store_indexer_k, store_layer
 from vmmkv.testing.markers import requires_gpu
 from vmmkv.testing.spawn import run_world
 
@@ -202,21 +209,9 @@ def test_the_reference_refuses_an_unrounded_mxfp8_scale_and_unknown_indexer_kind
 # The functional stores and the host backend on CPU targets
 
 
-def _cpu_targets(replicas: list[torch.Tensor], nb: int, my_rank: int, idx_kind: str = MX):
-    table = torch.tensor([r.data_ptr() for r in replicas], dtype=torch.int64)
-    common = dict(ptr_table=table, my_rank=my_rank, num_blocks=nb, block_size=BS,
-                  committed_bytes=torch.tensor([replicas[0].numel()]),
-                  error_counter=torch.zeros(1, dtype=torch.int32), cache=replicas[my_rank])  # fmt: skip
-    mla = KVTarget(kind="fp8_ds_mla", offset_bytes=0, block_stride=BS * MLA, entry_stride=MLA,
-                   entry_bytes=MLA, **common)  # fmt: skip
-    idx = KVTarget(kind=idx_kind, offset_bytes=nb * BS * MLA, block_stride=BS * IDX,
-                   entry_stride=IDX, entry_bytes=IDX, **common)  # fmt: skip
-    return mla, idx
-
-
 def test_kernel_wrappers_accept_mxfp8_targets_and_refuse_ue8m0_false_before_launching():
     replicas = [torch.zeros(2 * BS * (MLA + IDX), dtype=torch.uint8)]
-    mla, idx = _cpu_targets(replicas, 2, 0)
+    mla, idx = cpu_layer_targets(replicas, 2, 0, "fp8_ds_mla", MX)
     k = torch.ones(4, 128, dtype=torch.bfloat16)
     kv_c, k_pe = torch.ones(4, 512, dtype=torch.bfloat16), torch.ones(4, 64, dtype=torch.bfloat16)
     s = torch.arange(4)
@@ -241,12 +236,9 @@ def test_host_stores_and_prepared_host_stores_write_the_mxfp8_reference_into_eve
 
     nb, tokens, nlo = 3, 50, 6
     g = torch.Generator().manual_seed(21)
-    replicas = [
-        torch.randint(1, 256, (nb * BS * (MLA + IDX),), generator=g, dtype=torch.uint8)
-        for _ in range(3)
-    ]
+    replicas = random_replicas(3, nb * BS * (MLA + IDX), g)
     expected = [r.clone() for r in replicas]
-    mla, idx = _cpu_targets(replicas, nb, my_rank=2)
+    mla, idx = cpu_layer_targets(replicas, nb, 2, "fp8_ds_mla", MX)
     kv_c = (torch.randn(tokens, 512, generator=g) * 5).bfloat16()
     k_pe = torch.randn(tokens, 64, generator=g).bfloat16()
     k = (torch.randn(tokens, 128, generator=g) * torch.rand(tokens, 1, generator=g) * 9).bfloat16()
@@ -275,117 +267,16 @@ def test_host_stores_and_prepared_host_stores_write_the_mxfp8_reference_into_eve
 # ---------------------------------------------------------------------------------------------
 # ReplicatedKVCache: two ranks, direct and gather, byte-equal to the reference
 
-LAYERS = 2
-NB = 4
-GUARD = 4096
-OWN = [13, 5]
-DECODE = 3
-STORES = 5  # out-of-range tokens are counted by: store_layer (2), store_indexer_k, publish (2)
-
-
-def _batches(world: int, seed: int):
-    """[(kv_c, k_pe, k, slots)] on the CPU: the shared decode batch, then each rank's own batch
-    (rank 0's with a padding and an out-of-range slot); slots unique across batches."""
-    from vmmkv.testing.kv import layer_inputs
-
-    perm = torch.randperm(NB * BS, generator=torch.Generator().manual_seed(seed))
-    out, at = [], 0
-    for who in range(-1, world):
-        n = DECODE if who < 0 else OWN[who % len(OWN)]
-        slots = perm[at : at + n].clone()
-        at += n
-        if who == 0:
-            slots[1], slots[4] = -1, NB * BS + 7
-        kv_c, k_pe, k = layer_inputs(seed * 10 + who + 1, n)
-        k[0, :] *= 1e4  # one row far from the others: its own exponent byte
-        out.append((kv_c, k_pe, k, slots))
-    return out
-
-
-def _oracle(poison: torch.Tensor, world: int, kind: str) -> torch.Tensor:
-    from vmmkv.testing.kv import interleaved_views
-
-    want = poison.clone()
-    (mla0, idx0), (mla1, idx1) = interleaved_views(want, LAYERS, NB, offset=GUARD)
-    for seed, views in ((1, ((mla0, idx0), (None, idx1))), (2, ((mla1, idx1),))):
-        for kv_c, k_pe, k, slots in _batches(world, seed):
-            for mla, idx in views:
-                if mla is not None:
-                    R.insert_ds_mla(mla, kv_c, k_pe, slots)
-                R.insert_indexer_k(idx, k, slots, kind=kind)
-    return want
-
-
-def _cache_worker(rank: int, world: int, backend: str):
-    import torch.distributed as dist
-
-    from vmmkv import ReplicatedKVCache
-    from vmmkv.gather import pad_tokens
-    from vmmkv.testing.kv import block_stride, interleaved_views
-
-    device = "cpu" if backend == "host" else "cuda:0"
-    chunk = 1 << 21 if backend == "cuda" else 1 << 16
-    total = 2 * GUARD + NB * block_stride(LAYERS)
-    cap = -(-total // chunk) * chunk
-    out = {}
-    with ReplicatedKVCache(
-        dist.group.WORLD, cap, device, chunk_bytes=chunk, backend=backend, initial_bytes=cap
-    ) as cache:
-        buf = cache.allocate(total).view(torch.uint8)
-        (mla0, idx0), (mla1, idx1) = interleaved_views(buf, LAYERS, NB, offset=GUARD)
-        b_mla0 = cache.bind("mla0", mla0, "fp8_ds_mla")
-        b_mla1 = cache.bind("mla1", mla1, "fp8_ds_mla")
-        b_idx0, b_idx1 = cache.bind("idx0", idx0, MX), cache.bind("idx1", idx1, MX)
-        pad_to = max(OWN[r % len(OWN)] for r in range(world))
-
-        def inputs(seed):
-            """Decode rows first (replicated), then this rank's rows padded to pad_to."""
-            dec, *own = _batches(world, seed)
-            padded, slots = pad_tokens(own[rank][:3], own[rank][3], pad_to)
-            cat = [torch.cat([d, o]).to(device) for d, o in zip(dec, (*padded, slots), strict=True)]
-            return cat[:3], cat[3].to(torch.int32)
-
-        for mode in ("direct", "gather"):
-            g = torch.Generator().manual_seed(100 + rank)
-            poison = torch.randint(1, 256, (total,), generator=g, dtype=torch.uint8)
-            buf.copy_(poison.to(device))
-            cache.error_counter.zero_()
-            dist.barrier()
-            (kv_c, k_pe, k), slots = inputs(1)
-            cache.store_layer(b_mla0, b_idx0, kv_c, k_pe, k, slots, num_local_only=DECODE,
-                              mode=mode)  # fmt: skip
-            cache.store_indexer_k(b_idx1, k, slots, num_local_only=DECODE, mode=mode)
-            cache.barrier()
-            (kv_c, k_pe, k), slots = inputs(2)
-            cache.publish_layer(b_mla1, b_idx1, kv_c, k_pe, k, slots, num_local_only=DECODE,
-                                mode=mode)  # fmt: skip
-            if backend == "cuda":
-                torch.cuda.synchronize()
-            dist.barrier()
-            got = buf.cpu()
-            want = _oracle(poison, world, MX)
-            assert not torch.equal(want, _oracle(poison, world, "indexer_k"))  # a real difference
-            assert torch.equal(got, want), (
-                f"rank {rank} mode {mode}: {(got != want).sum().item()} bytes differ, first at "
-                f"{(got != want).nonzero()[:4].flatten().tolist()}"
-            )
-            out[mode] = (int(cache.error_counter.item()), cache.direct)
-            dist.barrier()
-    return out
-
-
-def _check_cache_results(out, world):
-    for rank, res in enumerate(out):
-        assert res["direct"] == (STORES * (rank == 0), True)  # own tokens: rank 0's bad slot
-        assert res["gather"] == (STORES, True)  # every rank inserts every rank's tokens
+# the MLA layers stay fp8_ds_mla; the second store is the indexer's own
+MX_CACHE = KindsScenario("fp8_ds_mla", MX, "store_indexer_k", ("fp8_ds_mla", "indexer_k"), 100)
 
 
 @pytest.mark.timeout(120)
 def test_the_cache_stores_mxfp8_layers_byte_equal_to_the_reference_in_direct_and_gather_modes():
-    _check_cache_results(run_world(_cache_worker, 2, args=("host",), timeout=100), 2)
+    check_kinds_results(run_world(kinds_cache_worker, 2, args=("host", MX_CACHE), timeout=100))
 
 
 @requires_gpu
 @pytest.mark.timeout(300)
 def test_two_gpu_ranks_store_mxfp8_layers_byte_equal_to_the_reference_in_both_modes():
-    _check_cache_results(run_world(_cache_worker, 2, args=("cuda",), timeout=280), 2)
+    check_kinds_results(run_world(kinds_cache_worker, 2, args=("cuda", MX_CACHE), timeout=280))

@@ -460,30 +460,37 @@ def test_store_layer_mxfp8_writes_both_views_in_one_launch(dev, slot_dtype):
         store_layer(mla, idx, kv_c, k_pe, k, slots, ue8m0=False)
 
 
-@requires_gpu
-def test_publish_layer_mxfp8_is_byte_equal_to_store_layer_mxfp8_then_barrier(dev):
+def _check_publish_layer_equals_store_layer_then_barrier(dev, inputs, seed, idx_kind, mla_kind):
+    """``publish_layer`` into one set of replicas and ``store_layer`` + the barrier into
+    another, from the same ``inputs(150, seed, dev)`` (slots from ``seed + 1``, poison from
+    ``seed + 2``): byte-equal, equal to the reference, one epoch each, 2 bad slots counted."""
     from vmmkv.ops import publish_layer
 
     lay = packed(5)
     reps = [Replicas(2, lay.region_bytes, dev) for _ in range(2)]
     bars = [_one_rank_barrier(dev, lanes=1) for _ in range(2)]
-    kv_c, k_pe, k = make_inputs(150, seed=56, device=dev)
-    slots = make_slots(150, lay.num_blocks, seed=57, dtype=torch.int64).to(dev)
-    exps = [rep.poison(58) for rep in reps]
-    mla, idx = targets(reps[0], lay, my_rank=1, idx_kind=MX)
+    kv_c, k_pe, k = inputs(150, seed=seed, device=dev)
+    slots = make_slots(150, lay.num_blocks, seed=seed + 1, dtype=torch.int64).to(dev)
+    exps = [rep.poison(seed + 2) for rep in reps]
+    mla, idx = targets(reps[0], lay, my_rank=1, idx_kind=idx_kind, mla_kind=mla_kind)
     store_layer(mla, idx, kv_c, k_pe, k, slots, num_local_only=4)
     bars[0].arrive_and_wait(0)
-    mla1, idx1 = targets(reps[1], lay, my_rank=1, idx_kind=MX)
+    mla1, idx1 = targets(reps[1], lay, my_rank=1, idx_kind=idx_kind, mla_kind=mla_kind)
     publish_layer(mla1, idx1, kv_c, k_pe, k, slots, barrier=bars[1], lane=0, num_local_only=4)
     torch.cuda.synchronize()
     for a, b in zip(reps[0].bufs, reps[1].bufs, strict=True):
         assert torch.equal(a, b)
-    expect_layer(exps[1], lay, 1, kv_c, k_pe, k, slots, kind=MX, nlo=4)
+    expect_layer(exps[1], lay, 1, kv_c, k_pe, k, slots, kind=idx_kind, mla_kind=mla_kind, nlo=4)
     reps[1].assert_equal(exps[1])
     assert bars[0].epochs.tolist() == bars[1].epochs.tolist() == [1]
     assert mla1.error_counter.item() == idx1.error_counter.item() == 2
     for b in bars:
         b.close()
+
+
+@requires_gpu
+def test_publish_layer_mxfp8_is_byte_equal_to_store_layer_mxfp8_then_barrier(dev):
+    _check_publish_layer_equals_store_layer_then_barrier(dev, make_inputs, 56, MX, "fp8_ds_mla")
 
 
 @requires_gpu
@@ -586,28 +593,7 @@ def test_store_layer_ue8m0_writes_both_views_in_one_launch(dev, idx_kind):
 @requires_gpu
 @pytest.mark.parametrize("idx_kind", ["indexer_k", MX])
 def test_publish_layer_ue8m0_is_byte_equal_to_store_layer_ue8m0_then_barrier(dev, idx_kind):
-    from vmmkv.ops import publish_layer
-
-    lay = packed(5)
-    reps = [Replicas(2, lay.region_bytes, dev) for _ in range(2)]
-    bars = [_one_rank_barrier(dev, lanes=1) for _ in range(2)]
-    kv_c, k_pe, k = _ue8m0_mla_inputs(150, seed=76, device=dev)
-    slots = make_slots(150, lay.num_blocks, seed=77, dtype=torch.int64).to(dev)
-    exps = [rep.poison(78) for rep in reps]
-    mla, idx = targets(reps[0], lay, my_rank=1, idx_kind=idx_kind, mla_kind=UE)
-    store_layer(mla, idx, kv_c, k_pe, k, slots, num_local_only=4)
-    bars[0].arrive_and_wait(0)
-    mla1, idx1 = targets(reps[1], lay, my_rank=1, idx_kind=idx_kind, mla_kind=UE)
-    publish_layer(mla1, idx1, kv_c, k_pe, k, slots, barrier=bars[1], lane=0, num_local_only=4)
-    torch.cuda.synchronize()
-    for a, b in zip(reps[0].bufs, reps[1].bufs, strict=True):
-        assert torch.equal(a, b)
-    expect_layer(exps[1], lay, 1, kv_c, k_pe, k, slots, kind=idx_kind, mla_kind=UE, nlo=4)
-    reps[1].assert_equal(exps[1])
-    assert bars[0].epochs.tolist() == bars[1].epochs.tolist() == [1]
-    assert mla1.error_counter.item() == idx1.error_counter.item() == 2
-    for b in bars:
-        b.close()
+    _check_publish_layer_equals_store_layer_then_barrier(dev, _ue8m0_mla_inputs, 76, idx_kind, UE)
 
 
 @requires_gpu

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 import struct
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -101,13 +102,22 @@ def rand_bf16_bits(rng: random.Random, n: int, lo_exp: int = 110, hi_exp: int = 
     ]
 
 
-def hand_mla_entry(kv_bits: list[int], pe_bits: list[int]) -> bytes:
+def hand_raw_scale(amax: float) -> float:
+    """fp8_ds_mla's tile scale by hand: ``fmaxf(amax / 448.f, FLT_MIN)``."""
+    return max(f32(amax / 448.0), FLT_MIN)
+
+
+def hand_mla_entry(
+    kv_bits: list[int], pe_bits: list[int], tile_scale: Callable[[float], float] = hand_raw_scale
+) -> bytes:
+    """The 656 bytes of one MLA token whose tile scales ``tile_scale(amax)`` gives (default:
+    fp8_ds_mla's raw rule), built by hand."""
     vals = [bf16_value(b) for b in kv_bits]
     out, scales = bytearray(), []
     for t in range(4):
         tile = vals[128 * t : 128 * (t + 1)]
         amax = max((abs(v) for v in tile if not math.isnan(v)), default=0.0)
-        s = max(f32(amax / 448.0), FLT_MIN)
+        s = tile_scale(amax)
         scales.append(s)
         out += bytes(py_e4m3(f32(v / s)) for v in tile)
     out += struct.pack("<4f", *scales)

@@ -18,21 +18,13 @@ with different decode counts), each also checked by the bytes sent to peers and 
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
+from tests.helpers import VLLM_LAYOUTS, vllm_marks
 from vmmkv.testing.spawn import free_port, run_world
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vllm is not installed (pip install -e '.[vllm,test]'; CI: the .venv-vllm job)",
-    ),
-]
+pytestmark = vllm_marks()
 
-LAYOUTS = ("LBHNC", "LBNHC", "BLHNC", "BLNHC")
 BS, NUM_BLOCKS, LAYERS = 64, 32, 4
 MLA_B, IDX_B = 656, 132
 # case -> (rows per rank, slots in the mapping per rank, MLA decodes, indexer decodes, shard)
@@ -292,7 +284,7 @@ def _check(rep, world, direct):
 
 @pytest.mark.timeout(600)
 def test_two_pcp_ranks_publish_every_case_through_vllm_call_sites_in_every_layout_and_gather():
-    runs = [(layout, True) for layout in LAYOUTS] + [("LBNHC", False)]
+    runs = [(layout, True) for layout in VLLM_LAYOUTS] + [("LBNHC", False)]
     out = run_world(_scenario, 2, args=(free_port(), 1, runs), init_group=False, timeout=560)
     for rank, o in enumerate(out):
         assert o["pcp_ranks"] == [0, 1] and o["tp_ranks"] == [rank]

@@ -4,22 +4,15 @@ PCP cases of ``pcp_store_plan``."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vllm is not installed (pip install -e '.[vllm,test]'; CI: the .venv-vllm job)",
-    ),
-]
+from tests.helpers import VLLM_LAYOUTS, vllm_marks
 
-LAYOUTS = ("LBHNC", "LBNHC", "BLHNC", "BLNHC")
+pytestmark = vllm_marks()
 
 
 def _python(code: str, **env: str) -> str:
@@ -38,7 +31,7 @@ def _python(code: str, **env: str) -> str:
 def configs():
     from vmmkv.integrations.vllm.testing import build_kv_cache_config
 
-    return {layout: build_kv_cache_config(layout)[1] for layout in LAYOUTS}
+    return {layout: build_kv_cache_config(layout)[1] for layout in VLLM_LAYOUTS}
 
 
 @pytest.mark.timeout(300)
@@ -106,7 +99,7 @@ def test_patched_replaces_every_call_site_and_unregister_restores_vllms_objects(
     assert utils.allocate_kv_cache is before[0]  # vLLM's own function is never touched
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", VLLM_LAYOUTS)
 def test_the_plan_reads_vllms_placement_and_growth_segments_from_its_kv_cache_tensors(
     configs, layout
 ):
