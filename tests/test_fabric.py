@@ -1,9 +1,12 @@
-"""NVLink fabric domain info (vmmkv.alloc.fabric) without a GPU.
+"""NVLink fabric domain info (vmmkv.alloc.fabric) without a GPU, and whatever NVML is there.
 
-The real NVML needs a driver, so the NVML answers are played by ``FakeNvml``: it replaces only
-the four calls ``fabric_info`` makes (init, shutdown, handle by UUID, fabric info) and fills the
-real nvidia-ml-py structs; errors and their texts are the real pynvml ones. The paths where NVML
-or CUDA is absent run against the real libraries of this CPU machine.
+The NVML answers are played by ``FakeNvml``: it replaces the calls ``fabric_info`` makes (init,
+shutdown, handle by UUID, the two fabric info calls) and, like the C library, writes the answer
+into the caller's memory at the offsets nvml.h gives (written out here, independently of
+vmmkv's and nvidia-ml-py's structs), after poisoning every byte of it; errors and their texts
+are the real pynvml ones. The CUDA side of the lookup is injected too (``one_gpu``), so these
+tests read the same on a CPU box and on a GPU box with a real driver and NVML; the two that
+check the real libraries' absence skip where those are present.
 """
 
 from __future__ import annotations
@@ -22,18 +25,35 @@ from vmmkv.alloc.fabric import FABRIC_STATES, FabricInfo, boot_id, domain_key, f
 DEV_UUID = "GPU-0badc0de-1234-5678-9abc-def012345678"
 CLUSTER = uuid.UUID("3f1c2b4a-5d6e-4f70-8192-a3b4c5d6e7f8")
 
+# nvml.h: nvmlGpuFabricInfo_v2_t {version; clusterUuid[16]; status; cliqueId; state (uchar);
+# healthMask} and nvmlGpuFabricInfo_t {clusterUuid[16]; status; cliqueId; state (uchar)}:
+# (size, version word, offsets of clusterUuid, status, cliqueId, state)
+V2_LAYOUT = (36, 0x02000024, 4, 20, 24, 28)
+LEGACY_LAYOUT = (28, None, 0, 16, 20, 24)
+POISON = 0xAB
+
+
+def _nvml_library_loads() -> bool:
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return False
+    return True
+
 
 class FakeNvml:
     NVMLError = pynvml.NVMLError
-    c_nvmlGpuFabricInfoV_t = pynvml.c_nvmlGpuFabricInfoV_t
-    c_nvmlGpuFabricInfo_t = pynvml.c_nvmlGpuFabricInfo_t
 
-    def __init__(self, state=3, status=0, cluster=CLUSTER.bytes, clique=7, error=None, v=None):
+    def __init__(
+        self, state=3, status=0, cluster=CLUSTER.bytes, clique=7, error=None, v=None, init=None
+    ):
         self.answer = (state, status, cluster, clique)
-        self.error, self.v = error, v
+        self.error, self.v, self.init = error, v, init
         self.open, self.uuids, self.calls = 0, [], []
 
     def nvmlInit(self):
+        if self.init is not None:  # the library refused to start with this NVML error
+            raise pynvml.NVMLError(self.init)
         self.open += 1
 
     def nvmlShutdown(self):
@@ -43,23 +63,34 @@ class FakeNvml:
         self.uuids.append(u)
         return ("handle", u)
 
-    def _fill(self, ref):
+    def _fill(self, ref, layout):
+        """Check the caller's buffer as the library would, then write the answer at nvml.h's
+        offsets over poisoned memory (padding included)."""
+        size, version, o_uuid, o_status, o_clique, o_state = layout
         assert self.open == 1, "queried outside an NVML session"
+        addr, room = ctypes.addressof(ref._obj), ctypes.sizeof(ref._obj)
+        assert room >= size, f"a {room}-byte buffer for a {size}-byte struct"
+        if version is not None:
+            assert ctypes.c_uint.from_address(addr).value == version, "wrong struct version"
         if self.error is not None:
             raise pynvml.NVMLError(self.error)
-        info = ref._obj
-        info.state, info.status, raw, info.cliqueId = self.answer
-        ctypes.memmove(info.clusterUuid, raw, len(raw))
+        state, status, raw, clique = self.answer
+        head = 0 if version is None else 4  # the version word is the caller's
+        ctypes.memset(addr + head, POISON, size - head)
+        ctypes.memmove(addr + o_uuid, raw, len(raw))
+        ctypes.c_uint.from_address(addr + o_status).value = status
+        ctypes.c_uint.from_address(addr + o_clique).value = clique
+        ctypes.c_ubyte.from_address(addr + o_state).value = state
 
     def nvmlDeviceGetGpuFabricInfoV(self, handle, ref):
-        self.calls.append(("V", type(ref._obj).__name__))
+        self.calls.append(("V", ctypes.sizeof(ref._obj)))
         if self.v is not None:  # the versioned call refused with this NVML error
             raise pynvml.NVMLError(self.v)
-        self._fill(ref)
+        self._fill(ref, V2_LAYOUT)
 
     def nvmlDeviceGetGpuFabricInfo(self, handle, ref):
-        self.calls.append(("legacy", type(ref._obj).__name__))
-        self._fill(ref)
+        self.calls.append(("legacy", ctypes.sizeof(ref._obj)))
+        self._fill(ref, LEGACY_LAYOUT)
 
 
 @pytest.fixture
@@ -106,8 +137,19 @@ def test_a_device_index_past_the_cuda_count_is_a_value_error(monkeypatch):
         fabric_info(2, nvml=FakeNvml())
 
 
+def test_nvml_that_cannot_start_is_state_unknown_not_an_error(one_gpu):
+    nvml = FakeNvml(init=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+    info = fabric_info(0, nvml=nvml)
+    assert (info.state, info.cluster_uuid, info.clique_id) == ("unknown", None, None)
+    assert info.reason.startswith(f"device 0 ({DEV_UUID}): NVML unavailable"), info.reason
+    assert "Library Not Found" in info.status and nvml.open == 0 and nvml.calls == []
+    nvml = FakeNvml(init=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+    assert domain_key(0, nvml=nvml) == f"host:{boot_id()}"
+
+
+@pytest.mark.skipif(_nvml_library_loads(), reason="checks a machine without libnvidia-ml")
 def test_the_real_nvml_library_missing_is_state_unknown_not_an_error(one_gpu):
-    info = fabric_info(0)  # the real pynvml: this machine has no libnvidia-ml
+    info = fabric_info(0)  # the real pynvml, which finds no libnvidia-ml here
     assert (info.state, info.cluster_uuid, info.clique_id) == ("unknown", None, None)
     assert info.reason.startswith(f"device 0 ({DEV_UUID}): NVML unavailable"), info.reason
     assert "Library Not Found" in info.status
@@ -130,7 +172,7 @@ def test_a_completed_fabric_gives_the_canonical_cluster_uuid_clique_and_nvlink_k
     )
     # looked up by the CUDA device's UUID, through the versioned call, and NVML closed again
     assert nvml.uuids == [DEV_UUID] and nvml.open == 0
-    assert nvml.calls == [("V", "c_nvmlGpuFabricInfo_v2_t")]
+    assert nvml.calls == [("V", V2_LAYOUT[0])]
     assert domain_key(0, nvml=FakeNvml(clique=7)) == f"nvlink:{CLUSTER}:7"
     assert domain_key(0, nvml=FakeNvml(clique=8)) != domain_key(0, nvml=nvml)
 
@@ -141,8 +183,7 @@ def test_a_completed_fabric_gives_the_canonical_cluster_uuid_clique_and_nvlink_k
 def test_a_driver_without_the_versioned_call_is_read_through_the_legacy_one(one_gpu, refusal):
     nvml = FakeNvml(clique=3, v=refusal)
     assert fabric_info(0, nvml=nvml) == FabricInfo(0, "completed", str(CLUSTER), 3, "", "")
-    assert [c[0] for c in nvml.calls] == ["V", "legacy"] and nvml.open == 0
-    assert nvml.calls[1][1] == "c_nvmlGpuFabricInfo_t"
+    assert nvml.calls == [("V", V2_LAYOUT[0]), ("legacy", LEGACY_LAYOUT[0])] and nvml.open == 0
 
 
 @pytest.mark.parametrize(

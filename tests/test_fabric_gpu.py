@@ -61,7 +61,10 @@ def _pci(bus_id: bytes | str) -> tuple[int, int, str]:
 
 
 def _nvml_fabric_state(uuid: str) -> tuple[str, tuple[int, int, str]]:
-    """NVML's fabric state name for the GPU with this UUID, and that GPU's PCI location."""
+    """NVML's fabric state name for the GPU with this UUID, and that GPU's PCI location. The
+    fabric info lands in a raw buffer read at nvml.h's offsets (the state is an unsigned char at
+    byte 24 of ``nvmlGpuFabricInfo_t``, 28 of ``nvmlGpuFabricInfo_v2_t``): nvidia-ml-py's own
+    mirrors of those structs have differed between its releases."""
     names = {
         pynvml.NVML_GPU_FABRIC_STATE_NOT_SUPPORTED: "not_supported",
         pynvml.NVML_GPU_FABRIC_STATE_NOT_STARTED: "not_started",
@@ -72,16 +75,18 @@ def _nvml_fabric_state(uuid: str) -> tuple[str, tuple[int, int, str]]:
     try:
         h = pynvml.nvmlDeviceGetHandleByUUID(uuid)
         pci = _pci(pynvml.nvmlDeviceGetPciInfo(h).busId)
-        info = pynvml.c_nvmlGpuFabricInfo_t()
+        buf = (ctypes.c_ubyte * 64)()
         try:
             try:
-                pynvml.nvmlDeviceGetGpuFabricInfo(h, ctypes.byref(info))
+                pynvml.nvmlDeviceGetGpuFabricInfo(h, ctypes.byref(buf))
+                state = buf[24]
             except pynvml.NVMLError_FunctionNotFound:  # a driver without the legacy call
-                info = pynvml.c_nvmlGpuFabricInfoV_t()
-                pynvml.nvmlDeviceGetGpuFabricInfoV(h, ctypes.byref(info))
+                ctypes.c_uint.from_buffer(buf).value = 36 | (2 << 24)  # nvmlGpuFabricInfo_v2
+                pynvml.nvmlDeviceGetGpuFabricInfoV(h, ctypes.byref(buf))
+                state = buf[28]
         except pynvml.NVMLError_NotSupported:
             return "not_supported", pci
-        return names.get(info.state, "unknown"), pci
+        return names.get(state, "unknown"), pci
     finally:
         pynvml.nvmlShutdown()
 

@@ -23,7 +23,13 @@ Contract:
 - NVML is initialised and shut down around each query (NVML counts nested inits), so a
   caller's own NVML session is left as it was.
 - ``nvml=`` (keyword, default: the ``pynvml`` module of nvidia-ml-py) accepts any object with
-  the same names; tests pass a stand-in, since the real NVML needs a driver.
+  its names ``nvmlInit``, ``nvmlShutdown``, ``nvmlDeviceGetHandleByUUID``,
+  ``nvmlDeviceGetGpuFabricInfoV`` (optional), ``nvmlDeviceGetGpuFabricInfo`` and ``NVMLError``;
+  tests pass a stand-in, since the real NVML needs a driver. The fabric info structs are this
+  module's own, laid out as nvml.h lays them out (``nvmlGpuFabricInfo_v2_t``, and
+  ``nvmlGpuFabricInfo_t`` for drivers without the versioned call): nvidia-ml-py's mirrors of
+  them have differed between its releases (older ones keep the 535 header's ``char``
+  cluster UUID and ``partitionId``, and read ``char`` arrays as text).
 """
 
 from __future__ import annotations
@@ -50,8 +56,37 @@ _NVML_SUCCESS = 0
 _NVML_ERROR_NOT_SUPPORTED = 3
 _NVML_ERROR_FUNCTION_NOT_FOUND = 13
 _NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
-# the versioned call is absent (older driver) or refuses the struct version pynvml sends
+# the versioned call is absent (older driver) or refuses the struct version we send
 _TRY_LEGACY = (_NVML_ERROR_FUNCTION_NOT_FOUND, _NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+_FABRIC_UUID_LEN = 16  # NVML_GPU_FABRIC_UUID_LEN
+
+
+class _FabricInfoV1(ctypes.Structure):
+    """nvml.h ``nvmlGpuFabricInfo_t`` (the legacy call's struct)."""
+
+    _fields_ = [
+        ("clusterUuid", ctypes.c_ubyte * _FABRIC_UUID_LEN),
+        ("status", ctypes.c_uint),  # nvmlReturn_t
+        ("cliqueId", ctypes.c_uint),
+        ("state", ctypes.c_ubyte),  # nvmlGpuFabricState_t is an unsigned char
+    ]
+
+
+class _FabricInfoV2(ctypes.Structure):
+    """nvml.h ``nvmlGpuFabricInfo_v2_t`` (the versioned call's struct), version word set."""
+
+    _fields_ = [
+        ("version", ctypes.c_uint),
+        ("clusterUuid", ctypes.c_ubyte * _FABRIC_UUID_LEN),
+        ("status", ctypes.c_uint),
+        ("cliqueId", ctypes.c_uint),
+        ("state", ctypes.c_ubyte),
+        ("healthMask", ctypes.c_uint),
+    ]
+
+    def __init__(self) -> None:
+        # NVML_STRUCT_VERSION(GpuFabricInfo, 2): the struct's size | (2 << 24)
+        super().__init__(version=ctypes.sizeof(_FabricInfoV2) | (2 << 24))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,23 +141,25 @@ def _status_text(nvml: Any, code: int) -> str:
     return f"{text} (NVML code {code})"
 
 
-def _query(nvml: Any, handle: Any) -> Any:
+def _query(nvml: Any, handle: Any) -> _FabricInfoV1 | _FabricInfoV2:
     """The fabric info struct: the versioned call where the driver has it, else the legacy one."""
     getter = getattr(nvml, "nvmlDeviceGetGpuFabricInfoV", None)
     if getter is not None:
-        info = nvml.c_nvmlGpuFabricInfoV_t()
+        info = _FabricInfoV2()
         try:
             getter(handle, ctypes.byref(info))
             return info
         except nvml.NVMLError as exc:
             if getattr(exc, "value", None) not in _TRY_LEGACY:
                 raise
-    info = nvml.c_nvmlGpuFabricInfo_t()
-    nvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(info))
-    return info
+    legacy = _FabricInfoV1()
+    nvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(legacy))
+    return legacy
 
 
-def _interpret(device_index: int, where: str, info: Any, nvml: Any) -> FabricInfo:
+def _interpret(
+    device_index: int, where: str, info: _FabricInfoV1 | _FabricInfoV2, nvml: Any
+) -> FabricInfo:
     state = _STATE_NAMES.get(int(info.state), "unknown")
     status = _status_text(nvml, int(info.status)) if state == "completed" else ""
     if state != "completed":
