@@ -57,6 +57,7 @@ import torch
 from .._util import run_all
 from ..alloc import Chunk, PeerRegion, VirtualRegion
 from ..alloc import driver as drv
+from ..alloc.fabric import boot_id
 from . import fdpass
 from .comm import GroupError, PeerTimeoutError, StoreComm
 
@@ -239,7 +240,7 @@ def _fabric_domain(ordinal: int) -> str:
             key = domain_key(ordinal)
         except Exception as exc:  # never fatal: the host is a domain of its own
             log.info("vmmkv: NVLink domain of cuda:%d unknown (%s); using the host", ordinal, exc)
-            key = f"host:{_boot_id()}"
+            key = f"host:{boot_id()}"
         _domains[ordinal] = key
         return key
 
@@ -264,7 +265,7 @@ def local_location(ordinal: int | None) -> dict[str, str]:
         host = sim_host
         boot = "test-" + hashlib.sha256(sim_host.encode()).hexdigest()[:24]
     else:
-        host, boot = socket.gethostname(), _boot_id()
+        host, boot = socket.gethostname(), boot_id()
     if sim_domain:
         domain = f"nvlink:test:{sim_domain}"
     elif sim_host or ordinal is None:
@@ -296,14 +297,6 @@ def _namespace_id(kind: str) -> str:
         return str(os.stat(f"/proc/self/ns/{kind}").st_ino)
     except OSError:
         return "unknown"
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return socket.gethostname()
 
 
 def _local_ordinals_by_uuid() -> dict[str, int]:
