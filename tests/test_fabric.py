@@ -235,3 +235,26 @@ def test_a_completed_registration_with_an_error_status_is_not_usable(one_gpu):
 def test_a_completed_fabric_with_a_zero_cluster_uuid_is_not_usable(one_gpu):
     info = fabric_info(0, nvml=FakeNvml(cluster=bytes(16)))
     assert not info.usable and "zero cluster UUID" in info.reason
+
+
+@pytest.mark.parametrize(
+    "answer, passes",
+    [
+        (dict(), True),
+        (dict(cluster=bytes(16)), True),  # no domain key, but the trial create decides
+        (dict(status=pynvml.NVML_ERROR_NO_PERMISSION), False),
+        (dict(state=pynvml.NVML_GPU_FABRIC_STATE_NOT_SUPPORTED), False),
+        (dict(state=pynvml.NVML_GPU_FABRIC_STATE_IN_PROGRESS), False),
+        (dict(error=pynvml.NVML_ERROR_GPU_IS_LOST), False),
+    ],
+)
+def test_the_fabric_probes_nvml_gate_passes_a_completed_registration_with_a_success_status(
+    one_gpu, monkeypatch, answer, passes
+):
+    from vmmkv.alloc.cuda import _nvml_fabric_state
+
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(**answer))  # what fabric_info imports
+    why = _nvml_fabric_state(0)
+    expected = fabric_info(0, nvml=FakeNvml(**answer))
+    assert why == ("" if passes else expected.reason), (why, expected)
+    assert passes or why.startswith(f"device 0 ({DEV_UUID}): NVML"), why

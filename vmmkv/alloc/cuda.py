@@ -16,8 +16,6 @@ triggered by a dying view are deferred by the region layer (``frees_from_any_thr
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from .driver import call, cu, primary_context
@@ -98,24 +96,14 @@ def nvml_uuid(ordinal: int) -> str:
 
 
 def _nvml_fabric_state(ordinal: int) -> str:
-    """'' when NVML reports the GPU fabric as completed and healthy, else the reason."""
-    try:
-        import pynvml
+    """'' when NVML reports the GPU's fabric registration completed with a success status, else
+    the reason (``fabric.fabric_info``'s, naming the device and its UUID; never raises)."""
+    from .fabric import fabric_info
 
-        pynvml.nvmlInit()
-        try:
-            h = pynvml.nvmlDeviceGetHandleByUUID(nvml_uuid(ordinal))
-            info = pynvml.c_nvmlGpuFabricInfo_t()
-            pynvml.nvmlDeviceGetGpuFabricInfo(h, ctypes.byref(info))
-            if info.state != pynvml.NVML_GPU_FABRIC_STATE_COMPLETED:
-                return f"device {ordinal}: NVML fabric state {info.state} (not COMPLETED)"
-            if info.status != pynvml.NVML_SUCCESS:
-                return f"device {ordinal}: NVML fabric status {info.status}"
-            return ""
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception as exc:
-        return f"device {ordinal}: NVML fabric query unavailable: {exc}"
+    info = fabric_info(ordinal)
+    if info.state == "completed" and not info.status:
+        return ""
+    return info.reason
 
 
 class CudaBackend:

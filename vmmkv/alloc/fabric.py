@@ -157,6 +157,11 @@ def _query(nvml: Any, handle: Any) -> _FabricInfoV1 | _FabricInfoV2:
     return legacy
 
 
+def _unusable(device_index: int, state: str, status: str, reason: str) -> FabricInfo:
+    """A registration with no cluster; ``reason`` (naming the device) says why."""
+    return FabricInfo(device_index, state, None, None, status, reason)
+
+
 def _interpret(
     device_index: int, where: str, info: _FabricInfoV1 | _FabricInfoV2, nvml: Any
 ) -> FabricInfo:
@@ -165,29 +170,17 @@ def _interpret(
     if state != "completed":
         reason = {
             "not_supported": "NVML reports no NVLink fabric for this GPU (state not_supported)",
-            "not_started": "the fabric registration has not started (state not_started)",
-            "in_progress": "the fabric registration is still in progress (state in_progress)",
+            "not_started": "NVML: the fabric registration has not started (state not_started)",
+            "in_progress": "NVML: the fabric registration is still in progress (state in_progress)",
         }.get(state, f"NVML reports an unknown fabric state {int(info.state)}")
-        return FabricInfo(device_index, state, None, None, status, f"{where}: {reason}")
+        return _unusable(device_index, state, status, f"{where}: {reason}")
     if status:
-        return FabricInfo(
-            device_index,
-            state,
-            None,
-            None,
-            status,
-            f"{where}: the fabric registration completed with an error: {status}",
-        )
+        why = f"NVML: the fabric registration completed with an error: {status}"
+        return _unusable(device_index, state, status, f"{where}: {why}")
     raw = bytes(info.clusterUuid)
     if not any(raw):
-        return FabricInfo(
-            device_index,
-            state,
-            None,
-            None,
-            status,
-            f"{where}: NVML reports a completed fabric with a zero cluster UUID",
-        )
+        why = "NVML reports a completed fabric with a zero cluster UUID"
+        return _unusable(device_index, state, status, f"{where}: {why}")
     return FabricInfo(device_index, state, str(uuid.UUID(bytes=raw)), int(info.cliqueId), "", "")
 
 
@@ -197,51 +190,27 @@ def fabric_info(device_index: int, *, nvml: Any = None) -> FabricInfo:
     dev_uuid, why = _cuda_uuid(device_index)
     where = f"device {device_index}" + (f" ({dev_uuid})" if dev_uuid else "")
     if dev_uuid is None:
-        return FabricInfo(device_index, "unknown", None, None, "", f"{where}: {why}")
+        return _unusable(device_index, "unknown", "", f"{where}: {why}")
     if nvml is None:
         try:
             import pynvml as nvml
         except Exception as exc:
-            return FabricInfo(
-                device_index,
-                "unknown",
-                None,
-                None,
-                "",
-                f"{where}: pynvml (nvidia-ml-py) is not importable: {exc}",
-            )
+            why = f"pynvml (nvidia-ml-py) is not importable: {exc}"
+            return _unusable(device_index, "unknown", "", f"{where}: {why}")
     try:
         nvml.nvmlInit()
     except Exception as exc:
-        return FabricInfo(
-            device_index,
-            "unknown",
-            None,
-            None,
-            str(exc),
-            f"{where}: NVML unavailable: {type(exc).__name__}: {exc}",
-        )
+        why = f"NVML unavailable: {type(exc).__name__}: {exc}"
+        return _unusable(device_index, "unknown", str(exc), f"{where}: {why}")
     try:
         handle = nvml.nvmlDeviceGetHandleByUUID(dev_uuid)
         return _interpret(device_index, where, _query(nvml, handle), nvml)
     except Exception as exc:
         if getattr(exc, "value", None) == _NVML_ERROR_NOT_SUPPORTED:
-            return FabricInfo(
-                device_index,
-                "not_supported",
-                None,
-                None,
-                str(exc),
-                f"{where}: NVML has no GPU fabric info for this device ({exc})",
-            )
-        return FabricInfo(
-            device_index,
-            "unknown",
-            None,
-            None,
-            str(exc),
-            f"{where}: NVML fabric query failed: {type(exc).__name__}: {exc}",
-        )
+            why = f"NVML has no GPU fabric info for this device ({exc})"
+            return _unusable(device_index, "not_supported", str(exc), f"{where}: {why}")
+        why = f"NVML fabric query failed: {type(exc).__name__}: {exc}"
+        return _unusable(device_index, "unknown", str(exc), f"{where}: {why}")
     finally:
         try:
             nvml.nvmlShutdown()
