@@ -245,13 +245,7 @@ def _cache_publish(rank, world, hosts, domains):
         handle = cache.region.region.handle_type if direct else None
         cache.grow(4 * chunk)  # the stores below land in chunks exchanged by a grow too
         kv = KVStep(cache, LAYERS, TOKENS)
-        before = kv.poison(0, cache.committed_bytes, seed=20 + rank)
-        dist.barrier()  # nobody writes into a replica before its owner poisoned it
-        slots = KVStep.spread(kv.slot_range(0, kv.blocks()), world, TOKENS, seed=21)
-        batches = [KVStep.batch(100 * (r + 1), slots[r]) for r in range(world)]
-        kv.load(batches[rank])
-        kv.step()
-        kv.check(kv.expected(before, batches), "by-value publish")
+        kv.publish_checked(rank, world, TOKENS, seed=20, what="by-value publish")
         stats = cache.stats()
         dist.barrier()
     return direct, why, handle, stats["tokens_stored"], stats["out_of_range_slots"]
