@@ -583,6 +583,58 @@ def test_placement_names_every_domain_and_its_ranks_and_needs_values_across_host
     assert "several hosts" in _placement_problem(one, by_value=False)
 
 
+class _TwoRankComm:
+    """Rank 0's view of a 2-rank group: ``all_gather`` returns this rank's value and rank 1's
+    scripted answer for that step; the steps taken are recorded."""
+
+    rank, world_size = 0, 2
+
+    def __init__(self, peer: dict):
+        self.peer, self.steps = peer, []
+
+    def all_gather(self, value, what):
+        self.steps.append(what)
+        return [value, self.peer[what]]
+
+
+HERE = {"host": "h", "boot_id": "b0", "domain": "nvlink:c:1"}
+
+
+@pytest.mark.parametrize(
+    "backend, peer_loc, probes, want, steps",
+    [
+        ("cuda", ["cuda", "b1", "nvlink:c:1"], [(True, ""), (True, "")], "fabric", 2),
+        ("cuda", ["cuda", "b1", "nvlink:c:1"], [(True, ""), (False, "no IMEX")], "posix_fd", 2),
+        ("cuda", ["cuda", "b1", "nvlink:c:1"], [RuntimeError("gone"), (True, "")], "posix_fd", 2),
+        ("host", ["host", "b1", "nvlink:c:1"], None, "shm_name", 1),
+        ("cuda", ["cuda", "b0", "nvlink:c:1"], None, "posix_fd", 1),  # one host
+        ("cuda", ["cuda", "b1", "nvlink:c:2"], None, "posix_fd", 1),  # two domains
+        ("cuda", ["host", "b1", "nvlink:c:1"], None, "posix_fd", 1),  # mixed backends
+    ],
+)
+def test_a_cuda_group_across_hosts_of_one_domain_takes_fabric_handles_only_if_every_probe_passes(
+    monkeypatch, caplog, backend, peer_loc, probes, want, steps
+):
+    from vmmkv.alloc import cuda
+    from vmmkv.ipc import peers
+
+    def probe(ordinal):
+        assert ordinal == 0
+        if isinstance(probes[0], Exception):
+            raise probes[0]
+        return probes[0]
+
+    monkeypatch.setattr(peers, "local_location", lambda ordinal: dict(HERE))
+    monkeypatch.setattr(cuda, "fabric_probe", probe)
+    comm = _TwoRankComm({"handle type": peer_loc, "fabric probe": list(probes[1]) if probes else 0})
+    with caplog.at_level("WARNING", logger="vmmkv.ipc.peers"):
+        assert peers.choose_handle_type(comm, backend, 0) == want
+    assert comm.steps == ["handle type", "fabric probe"][:steps]
+    if probes and want == "posix_fd":  # the failing ranks and their reasons are logged
+        text = caplog.text
+        assert ("rank 1: no IMEX" in text) or ("rank 0: fabric probe failed" in text), text
+
+
 # --------------------------------------------------------------------------------------------
 # real fabric handles: runs only where the GPUs can create fabric memory (skips elsewhere)
 # --------------------------------------------------------------------------------------------

@@ -277,18 +277,45 @@ def local_location(ordinal: int | None) -> dict[str, str]:
 
 def choose_handle_type(comm: StoreComm, backend: str, ordinal: int | None) -> str:
     """Collective: the handle type a group's regions should be created with. Several hosts
-    inside one NVLink domain: by value (``"fabric"`` on CUDA, ``"shm_name"``, the simulation,
-    on the host backend); otherwise ``"posix_fd"`` (one host; or several domains, which fall
-    back to gather anyway). ``backend``: ``"cuda"`` or ``"host"`` (anything else: fds)."""
+    inside one NVLink domain, every rank on the same backend: by value (``"shm_name"``, the
+    simulation, on the host backend; ``"fabric"`` on CUDA when every rank's
+    ``cuda.fabric_probe`` passes, a second step, since a domain key says nothing about the IMEX
+    channel); otherwise ``"posix_fd"`` (one host; several domains, which fall back to gather
+    anyway; several hosts whose devices cannot create fabric memory, which then fall back to
+    gather too, the probes' reasons logged). ``backend``: ``"cuda"`` or ``"host"`` (anything
+    else: fds). Every rank decides from gathered values only, so all take the same steps."""
     loc = local_location(ordinal)
     try:
         locs = comm.all_gather([backend, loc["boot_id"], loc["domain"]], "handle type")
     except GroupError as exc:
         raise as_rendezvous_error(exc) from None
+    backends = {b for b, _, _ in locs}
     boots = {b for _, b, _ in locs}
     domains = {d for _, _, d in locs}
-    if len(boots) > 1 and len(domains) == 1:
-        return {"cuda": "fabric", "host": "shm_name"}.get(backend, "posix_fd")
+    if len(boots) == 1 or len(domains) > 1 or len(backends) > 1:
+        return "posix_fd"
+    if backends == {"host"}:
+        return "shm_name"
+    if backends != {"cuda"}:
+        return "posix_fd"
+    try:
+        from ..alloc.cuda import fabric_probe
+
+        ok, why = fabric_probe(ordinal) if ordinal is not None else (False, "no CUDA ordinal")
+    except Exception as exc:  # a probe that cannot run says no, with why
+        ok, why = False, f"fabric probe failed: {type(exc).__name__}: {exc}"
+    try:
+        probes = comm.all_gather([bool(ok), str(why)], "fabric probe")
+    except GroupError as exc:
+        raise as_rendezvous_error(exc) from None
+    failing = [f"rank {r}: {w}" for r, (o, w) in enumerate(probes) if not o]
+    if not failing:
+        return "fabric"
+    log.warning(
+        "rank %d: several hosts of one NVLink domain, but fabric handles are unavailable (%s): "
+        "posix_fd, so the group cannot map across hosts",
+        comm.rank, "; ".join(failing),
+    )  # fmt: skip
     return "posix_fd"
 
 

@@ -13,9 +13,10 @@ Contract:
   why (identical on every rank); ``"off"`` never maps. Timeouts (a rank missing) and
   configuration mismatches (:class:`ConfigMismatch`) always raise.
 - ``handle_type``: how chunks are shared. ``"auto"`` (default; one extra collective step before
-  the region exists): by value (``"fabric"`` on CUDA, ``"shm_name"``, the simulation, on the host
-  backend) when the ranks run on several hosts of one NVLink domain, else ``"posix_fd"``; ranks
-  of several NVLink domains fall back to gather (``peers="auto"``) or raise
+  the region exists, two on CUDA across hosts): by value (``"fabric"`` on CUDA when every
+  rank's fabric probe passes, ``"shm_name"``, the simulation, on the host backend) when the
+  ranks run on several hosts of one NVLink domain, else ``"posix_fd"``; ranks of several NVLink
+  domains (or several hosts without fabric) fall back to gather (``peers="auto"``) or raise
   :class:`DirectUnsupported` (``"require"``), naming the domains and their ranks.
 - ``must_match``: per-rank settings of the caller that must be equal on every rank; gathered
   with the first request, a mismatch raises the same error on every rank.
