@@ -258,3 +258,67 @@ def test_the_fabric_probes_nvml_gate_passes_a_completed_registration_with_a_succ
     expected = fabric_info(0, nvml=FakeNvml(**answer))
     assert why == ("" if passes else expected.reason), (why, expected)
     assert passes or why.startswith(f"device 0 ({DEV_UUID}): NVML"), why
+
+
+# CudaBackend's by-value calls, with the driver calls recorded (no GPU needed)
+
+
+@pytest.fixture
+def fabric_backend(monkeypatch):
+    """A CudaBackend for device 0 with fabric handles whose driver calls are recorded; the
+    import reads the 64 bytes at the address it is given, as the driver does."""
+    import contextlib
+
+    from vmmkv.alloc import cuda
+
+    be = object.__new__(cuda.CudaBackend)
+    be.ordinal, be.handle_type = 0, "fabric"
+    calls, exported = [], cuda.cu.CUmemFabricHandle()
+    exported.data = bytes(range(100, 164))
+
+    def call(fn, *args, **ctx):
+        if fn is cuda.cu.cuMemImportFromShareableHandle:
+            addr, kind = args
+            calls.append(("import", ctypes.string_at(addr, 64), kind, ctx))
+            return "imported"
+        calls.append((fn, args, ctx))
+        return {cuda.cu.cuMemRetainAllocationHandle: "retained"}.get(fn, exported)
+
+    monkeypatch.setattr(cuda, "primary_context", lambda i: contextlib.nullcontext())
+    monkeypatch.setattr(cuda, "call", call)
+    return be, calls, cuda.cu
+
+
+def test_a_cuda_fabric_handle_is_imported_from_the_64_bytes_at_the_address_passed(
+    fabric_backend,
+):
+    be, calls, cu = fabric_backend
+    value = bytes((7 * i + 3) % 256 for i in range(64))
+    assert be.import_value(value, 1 << 21) == "imported"
+    [(what, read, kind, ctx)] = calls
+    fabric = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC
+    assert (what, read, kind, ctx) == ("import", value, fabric, {"device": 0, "size": 1 << 21})
+
+
+def test_a_cuda_fabric_export_is_the_drivers_64_bytes_and_releases_the_retained_handle(
+    fabric_backend,
+):
+    be, calls, cu = fabric_backend
+    assert be.export_value(0x7000_0000, 1 << 21, tag="t") == bytes(range(100, 164))
+    fns = [c[0] for c in calls]
+    assert fns == [cu.cuMemRetainAllocationHandle, cu.cuMemExportToShareableHandle, cu.cuMemRelease]
+    assert calls[2][1] == ("retained",) and calls[2][2]["device"] == 0
+
+
+def test_cuda_by_value_calls_refuse_bad_values_and_fd_backends_naming_the_device(fabric_backend):
+    be, calls, _ = fabric_backend
+    with pytest.raises(TypeError, match="value must be bytes, got str"):
+        be.import_value("x" * 64, 1)
+    with pytest.raises(ValueError, match="64-byte fabric handle, got 63 bytes"):
+        be.import_value(bytes(63), 1)
+    be.handle_type = "posix_fd"
+    with pytest.raises(ValueError, match="device 0: handle type 'posix_fd' has no values"):
+        be.export_value(0, 1)
+    with pytest.raises(ValueError, match="device 0: handle type 'posix_fd' has no values"):
+        be.import_value(bytes(64), 1)
+    assert calls == []

@@ -235,7 +235,10 @@ class CudaBackend:
     # machines vmmkv was tested on cannot create fabric memory, so this path has not run.
     def export_value(self, ptr: int, size: int, *, tag: str = "") -> bytes:
         if self.handle_type != _FABRIC:
-            raise ValueError(f"export_value: handle type {self.handle_type!r} has no values")
+            raise ValueError(
+                f"export_value: device {self.ordinal}: handle type {self.handle_type!r} has no "
+                "values"
+            )
         ctx = dict(device=self.ordinal, ptr=ptr, size=size)
         with primary_context(self.ordinal):
             handle = call(cu.cuMemRetainAllocationHandle, ptr, **ctx)
@@ -255,18 +258,25 @@ class CudaBackend:
 
     def import_value(self, value: bytes, size: int):
         if self.handle_type != _FABRIC:
-            raise ValueError(f"import_value: handle type {self.handle_type!r} has no values")
-        if not isinstance(value, bytes) or len(value) != _FABRIC_HANDLE_BYTES:
+            raise ValueError(
+                f"import_value: device {self.ordinal}: handle type {self.handle_type!r} has no "
+                "values"
+            )
+        if not isinstance(value, bytes):
+            raise TypeError(f"import_value: value must be bytes, got {type(value).__name__}")
+        if len(value) != _FABRIC_HANDLE_BYTES:
             raise ValueError(
                 f"import_value: expected a {_FABRIC_HANDLE_BYTES}-byte fabric handle, got "
-                f"{type(value).__name__} of {len(value) if isinstance(value, bytes) else '?'}"
+                f"{len(value)} bytes"
             )
         fabric = cu.CUmemFabricHandle()
         fabric.data = value
         with primary_context(self.ordinal):
+            # the driver reads the 64 bytes at osHandle: cuda-python takes that address as an
+            # int (it refuses the CUmemFabricHandle object itself); ``fabric`` outlives the call
             return call(
                 cu.cuMemImportFromShareableHandle,
-                fabric,
+                fabric.getPtr(),
                 _handle_enum(_FABRIC),
                 device=self.ordinal,
                 size=size,
