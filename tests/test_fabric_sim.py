@@ -528,6 +528,7 @@ def test_by_value_calls_refuse_bad_names_sizes_tags_and_fd_regions_before_any_sy
     from vmmkv.alloc.host import HostBackend
 
     before = shm_names()
+    fds0 = fds_not_sockets()
     g = _gran()
     be = HostBackend("shm_name")
     with pytest.raises(ValueError, match="not a vmmkv shm name"):
@@ -556,7 +557,7 @@ def test_by_value_calls_refuse_bad_names_sizes_tags_and_fd_regions_before_any_sy
         r.commit(g)
         with pytest.raises(ValueError, match="'posix_fd' has no values"):
             r.export_chunk_value(r.chunks()[0], "t3")
-    assert shm_names() == before
+    assert shm_names() == before and fds_not_sockets() == fds0  # refusals keep no fd open
 
 
 def _req(boot, domain, host="h"):

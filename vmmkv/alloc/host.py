@@ -227,10 +227,13 @@ class HostBackend:
             fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError as exc:
             raise HostError(exc.errno, f"import_value: opening {name} failed: {exc}") from exc
-        st = os.fstat(fd)
-        if st.st_size < size:
-            os.close(fd)
-            raise ValueError(f"import_value: {name} holds {st.st_size} bytes, expected >= {size}")
+        try:
+            held = os.fstat(fd).st_size
+            if held < size:
+                raise ValueError(f"import_value: {name} holds {held} bytes, expected >= {size}")
+        except BaseException:
+            os.close(fd)  # a refused import keeps nothing open
+            raise
         return fd
 
     def release_values(self, tag: str) -> None:
