@@ -3,10 +3,11 @@
 Protocol (collective over a CPU-capable group; every step bounded by ``timeout`` and settled with
 one outcome on every rank, see ``vmmkv.ipc.comm``):
 
-1. gather a request (host, boot id, NVLink domain, PID/network namespaces, uid, pid, device index + UUID,
-   capacity, chunk size, granularity, backend, handle type, committed chunks, protocol version,
-   the caller's ``must_match`` settings, a random nonce) and validate it identically on every
-   rank: a mismatch raises the same :class:`ConfigMismatch` everywhere, naming field and ranks;
+1. gather a request (host, boot id, NVLink domain, PID/network namespaces, uid, pid, device
+   index + UUID, capacity, chunk size, granularity, backend, handle type, committed chunks,
+   protocol version, the caller's ``must_match`` settings, a random nonce) and validate it
+   identically on every rank: a mismatch raises the same :class:`ConfigMismatch` everywhere,
+   naming field and ranks;
 2. decide whether peer mapping is possible at all: one NVLink domain (``local_location``;
    several domains never map each other, see docs/design.md "Handles by value and NVLink
    domains"); for fd handles one host (same boot id), one PID and one network namespace, one
@@ -124,8 +125,8 @@ class ConfigMismatch(RendezvousError):
 
 class DirectUnsupported(RendezvousError):
     """Peer mapping is impossible for this group (several NVLink domains, several hosts with fd
-    handles, no P2P between two devices, no native atomics); raised identically on every rank, so callers can
-    fall back to gather-then-insert together."""
+    handles, no P2P between two devices, no native atomics); raised identically on every rank,
+    so callers can fall back to gather-then-insert together."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -474,7 +475,8 @@ class PeerMap:
     # -- ipc-internal: used by vmmkv.ipc.symmetric ----------------------------------------
     def exchange_new(self, chunks: list[Chunk], nonce: str, local_error: Exception | None) -> None:
         """Between two collective points: pass the own new ``chunks`` (any chunk set, e.g. the
-        chunks a block grow added to every segment) to every peer and map theirs, or, with ``local_error``, tell every peer this rank cannot take part (see
+        chunks a block grow added to every segment) to every peer and map theirs, or, with
+        ``local_error``, tell every peer this rank cannot take part (see
         ``_exchange_and_map``). ``nonce``: fresh per exchange, the same on every rank; the
         caller runs ``finish_exchange(nonce)`` after the agreement that follows, whatever
         happened."""
@@ -536,7 +538,8 @@ class _Transport:
     caller ``discard``-s those it does not send); ``exchange``: send ``body`` and the handles
     to every peer, get theirs (``{peer: (body, handles)}``), raising ``FdExchangeError`` or
     :class:`ExchangeLost` (with ``peers_lost``) when peers vanished; ``map`` a received handle;
-    ``release`` every received handle (mapped or not) once mapping is over; ``finish`` after the agreement, on every rank."""
+    ``release`` every received handle (mapped or not) once mapping is over; ``finish`` after
+    the agreement, on every rank."""
 
     what = ""
 
@@ -740,11 +743,12 @@ def exchange_then_agree(
     finish: Callable[[], None] | None = None,
 ) -> None:
     """Run ``exchange(local_error)`` then the step's agreement, then ``finish()`` (e.g.
-    removing by-value exports), on every rank whatever happened: local failures become the agreed error (every rank raises naming the cause); a
-    transport failure (a peer vanished) settles the agreement at once as a timeout naming the
-    lost ranks, so no rank waits a second timeout (and ``peers="auto"`` does not fall back
-    over a dead peer). The agreement waits at most until ``deadline`` (at least one second).
-    Raises :class:`RendezvousError` (:class:`RendezvousTimeout` for missing ranks)."""
+    removing by-value exports), on every rank whatever happened: local failures become the
+    agreed error (every rank raises naming the cause); a transport failure (a peer vanished)
+    settles the agreement at once as a timeout naming the lost ranks, so no rank waits a second
+    timeout (and ``peers="auto"`` does not fall back over a dead peer). The agreement waits at
+    most until ``deadline`` (at least one second). Raises :class:`RendezvousError`
+    (:class:`RendezvousTimeout` for missing ranks)."""
     error: BaseException | None = local_error
     abort, lost = None, []
     try:
