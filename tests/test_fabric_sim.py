@@ -22,6 +22,7 @@ import pytest
 
 from tests.helpers import KVStep, fds_not_sockets, kill_at
 from vmmkv.alloc.host import shm_names
+from vmmkv.ipc.peers import TEST_DOMAIN_ENV, TEST_HOST_ENV
 from vmmkv.testing.markers import requires_gpu
 from vmmkv.testing.spawn import run_world, run_world_raw
 
@@ -36,9 +37,9 @@ def _gran() -> int:
 
 def _place(rank: int, hosts: list[str], domains: list[str] | None) -> None:
     """Make this rank act as running on ``hosts[rank]`` in NVLink domain ``domains[rank]``."""
-    os.environ["VMMKV_TEST_HOST"] = hosts[rank]
+    os.environ[TEST_HOST_ENV] = hosts[rank]
     if domains is not None:
-        os.environ["VMMKV_TEST_NVLINK_DOMAIN"] = domains[rank]
+        os.environ[TEST_DOMAIN_ENV] = domains[rank]
 
 
 def _shm_maps() -> int:
