@@ -256,6 +256,20 @@ class KVStep:
             self.cache.store_layer(mla, idx, kv_c, k_pe, k, self.slots)
         self.cache.barrier()
 
+    def publish_checked(self, rank: int, world: int, tokens: int, seed: int, what: str) -> None:
+        """Collective, every rank alive: poison the own replica (``seed + rank``), then every rank
+        stores ``tokens`` random tokens into slots no other rank uses (``seed + 1``) and every
+        replica must equal the oracle byte for byte (``check`` naming ``what``)."""
+        import torch.distributed as dist
+
+        before = self.poison(0, self.cache.committed_bytes, seed=seed + rank)
+        dist.barrier()  # nobody writes into a replica before its owner poisoned it
+        slots = KVStep.spread(self.slot_range(0, self.blocks()), world, tokens, seed=seed + 1)
+        batches = [KVStep.batch(100 * (r + 1), slots[r]) for r in range(world)]
+        self.load(batches[rank])
+        self.step()
+        self.check(self.expected(before, batches), what)
+
     def capture(self):
         """A CUDA graph of ``step`` (after one eager step, which every rank must also run)."""
         dev = self.cache.device

@@ -36,6 +36,27 @@ def test_doctor_on_a_cpu_only_machine_reports_host_backend_only_and_succeeds():
     p = _run("-m", "vmmkv", "doctor")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "host backend only" in p.stdout and "so_peercred" in p.stdout
+    # no GPU sections, so no per-GPU fabric lines
+    assert "gpu 0:" not in p.stdout and "fabric_state" not in p.stdout, p.stdout
+
+
+def test_doctor_fabric_lines_show_the_cluster_and_clique_or_the_reason():
+    from vmmkv.alloc.fabric import FabricInfo
+    from vmmkv.cli.doctor import _fabric_lines
+
+    cluster = "3f1c2b4a-5d6e-4f70-8192-a3b4c5d6e7f8"
+    assert _fabric_lines(FabricInfo(0, "completed", cluster, 7, "", "")) == {
+        "fabric_state": "completed",
+        "fabric_cluster_uuid": cluster,
+        "fabric_clique_id": 7,
+    }
+    why = "device 1 (GPU-x): NVML reports no NVLink fabric for this GPU (state not_supported)"
+    assert _fabric_lines(FabricInfo(1, "not_supported", None, None, "", why)) == {
+        "fabric_state": "not_supported",
+        "fabric_cluster_uuid": "-",
+        "fabric_clique_id": "-",
+        "fabric_reason": why,
+    }
 
 
 @pytest.mark.timeout(300)
@@ -84,4 +105,7 @@ def test_doctor_on_the_gpu_reports_vmm_and_a_verdict():
     p = _run("-m", "vmmkv", "doctor")
     print(p.stdout)
     assert "vmm" in p.stdout and "verdict:" in p.stdout and "fabric" in p.stdout
+    n = driver.device_count()
+    for key in ("fabric_state", "fabric_cluster_uuid", "fabric_clique_id"):
+        assert p.stdout.count(f"  {key} ") == n, (key, p.stdout)
     assert p.returncode == (0 if "can work here" in p.stdout else 1)

@@ -243,13 +243,7 @@ def _publish_in_new_group(rank, world, backend):
     with _cache(backend, device, 2) as cache:
         assert cache.direct, cache.why_not_direct
         kv = KVStep(cache, LAYERS, 48)
-        before = kv.poison(0, cache.committed_bytes, seed=10 + rank)
-        dist.barrier()  # nobody writes into a replica before its owner poisoned it
-        slots = KVStep.spread(kv.slot_range(0, kv.blocks()), world, 48, seed=11)
-        batches = [KVStep.batch(100 * (r + 1), slots[r]) for r in range(world)]
-        kv.load(batches[rank])
-        kv.step()
-        kv.check(kv.expected(before, batches), "publish in a new group")
+        kv.publish_checked(rank, world, 48, seed=10, what="publish in a new group")
         stats = cache.stats()
         dist.barrier()
     return stats["tokens_stored"], stats["out_of_range_slots"]

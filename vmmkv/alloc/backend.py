@@ -11,6 +11,14 @@ Contract for implementations:
   closes the fd it is given.
 - ``unmap`` leaves the range reserved and inaccessible (an access faults); on failure the
   mapping is left as it was, so the caller can keep it on its books and retry.
+- By-value handles (``handle_type`` ``"fabric"`` on CUDA, ``"shm_name"``, the host simulation;
+  ``"posix_fd"`` has none): ``export_value(ptr, size, tag=...)`` returns the chunk mapped at
+  ``ptr`` as ``bytes`` that can travel through any channel (the group's store: no socket, no
+  fd); ``import_value(value, size)`` returns a handle that ``map`` consumes, like
+  ``import_fd``. ``release_values(tag)`` drops whatever exports under ``tag`` left behind, by
+  any process (host simulation: the names in ``/dev/shm``; CUDA: nothing, a fabric handle
+  holds no resource); the exchange calls it on every rank once every importer mapped the
+  chunks, and on every failure path. ``tag``: letters and digits, unique per exchange.
 - ``free_reservation`` gives a reserved range back; it is called only once every mapping in the
   range is gone. ``frees_from_any_thread`` says whether that call is safe at any moment on any
   thread (a DLPack deleter may make it); when False the region layer defers such frees to its
@@ -68,6 +76,18 @@ class Backend(Protocol):
     def unmap(self, ptr: int, size: int) -> None: ...
 
     def export(self, ptr: int, size: int) -> int: ...
+
+    def export_value(self, ptr: int, size: int, *, tag: str = "") -> bytes:
+        """The chunk mapped at ``ptr`` as a by-value handle (see the module doc)."""
+        ...
+
+    def import_value(self, value: bytes, size: int) -> Handle:
+        """A handle for a peer's by-value export; ``map`` consumes it."""
+        ...
+
+    def release_values(self, tag: str) -> None:
+        """Drop what the by-value exports under ``tag`` left behind (idempotent)."""
+        ...
 
     def zero(self, ptr: int, size: int) -> None: ...
 

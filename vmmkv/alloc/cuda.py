@@ -16,8 +16,6 @@ triggered by a dying view are deferred by the region layer (``frees_from_any_thr
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from .driver import call, cu, primary_context
@@ -26,6 +24,9 @@ __all__ = ["CudaBackend", "fabric_probe", "nvml_uuid"]
 
 _POSIX_FD = "posix_fd"
 _FABRIC = "fabric"
+
+
+_FABRIC_HANDLE_BYTES = 64  # sizeof(CUmemFabricHandle)
 
 
 def _handle_enum(handle_type: str):
@@ -95,24 +96,14 @@ def nvml_uuid(ordinal: int) -> str:
 
 
 def _nvml_fabric_state(ordinal: int) -> str:
-    """'' when NVML reports the GPU fabric as completed and healthy, else the reason."""
-    try:
-        import pynvml
+    """'' when NVML reports the GPU's fabric registration completed with a success status, else
+    the reason (``fabric.fabric_info``'s, naming the device and its UUID; never raises)."""
+    from .fabric import fabric_info
 
-        pynvml.nvmlInit()
-        try:
-            h = pynvml.nvmlDeviceGetHandleByUUID(nvml_uuid(ordinal))
-            info = pynvml.c_nvmlGpuFabricInfo_t()
-            pynvml.nvmlDeviceGetGpuFabricInfo(h, ctypes.byref(info))
-            if info.state != pynvml.NVML_GPU_FABRIC_STATE_COMPLETED:
-                return f"device {ordinal}: NVML fabric state {info.state} (not COMPLETED)"
-            if info.status != pynvml.NVML_SUCCESS:
-                return f"device {ordinal}: NVML fabric status {info.status}"
-            return ""
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception as exc:
-        return f"device {ordinal}: NVML fabric query unavailable: {exc}"
+    info = fabric_info(ordinal)
+    if info.state == "completed" and not info.status:
+        return ""
+    return info.reason
 
 
 class CudaBackend:
@@ -238,6 +229,61 @@ class CudaBackend:
             finally:
                 call(cu.cuMemRelease, handle, **ctx)
         return int(fd)
+
+    # By-value handles: CUDA fabric handles (CU_MEM_HANDLE_TYPE_FABRIC, 64 bytes, imported on
+    # another host of the NVLink domain through IMEX). Written against the driver API; the
+    # machines vmmkv was tested on cannot create fabric memory, so this path has not run.
+    def export_value(self, ptr: int, size: int, *, tag: str = "") -> bytes:
+        if self.handle_type != _FABRIC:
+            raise ValueError(
+                f"export_value: device {self.ordinal}: handle type {self.handle_type!r} has no "
+                "values"
+            )
+        ctx = dict(device=self.ordinal, ptr=ptr, size=size)
+        with primary_context(self.ordinal):
+            handle = call(cu.cuMemRetainAllocationHandle, ptr, **ctx)
+            try:
+                fabric = call(
+                    cu.cuMemExportToShareableHandle, handle, _handle_enum(_FABRIC), 0, **ctx
+                )
+            finally:
+                call(cu.cuMemRelease, handle, **ctx)
+        value = bytes(fabric.data)
+        if len(value) != _FABRIC_HANDLE_BYTES:
+            raise RuntimeError(
+                f"export_value: a fabric handle of {len(value)} bytes, expected "
+                f"{_FABRIC_HANDLE_BYTES} (device {self.ordinal}, ptr {ptr:#x})"
+            )
+        return value
+
+    def import_value(self, value: bytes, size: int):
+        if self.handle_type != _FABRIC:
+            raise ValueError(
+                f"import_value: device {self.ordinal}: handle type {self.handle_type!r} has no "
+                "values"
+            )
+        if not isinstance(value, bytes):
+            raise TypeError(f"import_value: value must be bytes, got {type(value).__name__}")
+        if len(value) != _FABRIC_HANDLE_BYTES:
+            raise ValueError(
+                f"import_value: expected a {_FABRIC_HANDLE_BYTES}-byte fabric handle, got "
+                f"{len(value)} bytes"
+            )
+        fabric = cu.CUmemFabricHandle()
+        fabric.data = value
+        with primary_context(self.ordinal):
+            # the driver reads the 64 bytes at osHandle: cuda-python takes that address as an
+            # int (it refuses the CUmemFabricHandle object itself); ``fabric`` outlives the call
+            return call(
+                cu.cuMemImportFromShareableHandle,
+                fabric.getPtr(),
+                _handle_enum(_FABRIC),
+                device=self.ordinal,
+                size=size,
+            )
+
+    def release_values(self, tag: str) -> None:
+        pass  # a fabric handle is a value: nothing to remove
 
     def zero(self, ptr: int, size: int) -> None:
         with primary_context(self.ordinal):

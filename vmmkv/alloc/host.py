@@ -7,6 +7,16 @@ reserved and no other mapping can land there); export = ``dup`` of the memfd; im
 the received fd. Any process holding the memfd sees the same bytes, which is what lets the whole
 lifecycle (rendezvous, growth, shrink) run in CI without a GPU.
 
+Handle type ``"shm_name"`` (the simulation of by-value handles, e.g. CUDA fabric handles): a chunk
+is an unnamed tmpfs file (``O_TMPFILE`` in ``/dev/shm``); ``export_value(ptr, size, tag=T)``
+links it under the name ``/dev/shm/vmmkv-T-<random>`` and returns that name (the "handle
+value": bytes, no fd); ``import_value`` opens the name. The name is the only thing that can
+leak: the exchange that exported it removes every name of its tag with
+``release_values(T)`` once every importer mapped it, and on every failure path, on every
+rank (a dead exporter's names are removed by the survivors: the tag is the exchange's nonce).
+A chunk can be exported by value once (the kernel links an ``O_TMPFILE`` file once); the
+protocols export each chunk once (a rendezvous its committed chunks, a grow its new chunks).
+
 Ownership: ``create`` and ``import_fd`` return a handle (an fd this backend owns); ``map`` always
 consumes it (closes it, or keeps it for later export when ``exportable`` is set, until ``unmap``).
 Local, never collective; nothing here touches torch's streams. Implements ``backend.Backend``.
@@ -21,12 +31,26 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import glob
 import os
+import re
+import secrets
 import threading
 
 import torch
 
-__all__ = ["HostBackend", "reservations"]
+__all__ = ["SHM_DIR", "HostBackend", "reservations", "shm_names"]
+
+SHM_DIR = "/dev/shm"
+_NAME_PREFIX = "vmmkv-"
+_TAG = re.compile(r"[0-9A-Za-z]{1,64}")
+_VALUE = re.compile(r"vmmkv-[0-9A-Za-z]{1,64}-[0-9a-f]{16}")
+
+
+def shm_names(tag: str = "") -> list[str]:
+    """The by-value names (``/dev/shm/vmmkv-<tag>-*``) that exist now: a leak check."""
+    return sorted(glob.glob(os.path.join(SHM_DIR, f"{_NAME_PREFIX}{tag}*")))
+
 
 _PROT_NONE = 0x0
 _PROT_RW = 0x1 | 0x2
@@ -78,17 +102,21 @@ class HostBackend:
     """``backend.Backend`` on host memory (see module doc)."""
 
     name = "host"
-    handle_type = "posix_fd"
     frees_from_any_thread = True  # munmap: no device, no stream capture to disturb
 
-    def __init__(self) -> None:
+    def __init__(self, handle_type: str = "posix_fd") -> None:
+        if handle_type not in ("posix_fd", "shm_name"):
+            raise ValueError(
+                f"the host backend has handle types 'posix_fd' and 'shm_name', got {handle_type!r}"
+            )
+        self.handle_type = handle_type
         self.device = torch.device("cpu")
         self.granularity = os.sysconf("SC_PAGE_SIZE")
         self._kept: dict[int, int] = {}  # mapped address -> memfd kept for export
         self._lock = threading.Lock()
 
     def describe(self) -> str:
-        return "host memory (memfd)"
+        return "host memory (" + ("memfd" if self.handle_type == "posix_fd" else "shm_name") + ")"
 
     def context(self) -> contextlib.nullcontext:
         return contextlib.nullcontext()
@@ -111,7 +139,10 @@ class HostBackend:
             _reserved.pop(ptr, None)
 
     def create(self, size: int) -> int:
-        fd = os.memfd_create("vmmkv-chunk", os.MFD_CLOEXEC)
+        if self.handle_type == "shm_name":
+            fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        else:
+            fd = os.memfd_create("vmmkv-chunk", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
         except BaseException:
@@ -159,6 +190,61 @@ class HostBackend:
         if fd is None:
             raise ValueError(f"export: no exportable chunk is mapped at {ptr:#x}")
         return os.dup(fd)
+
+    def export_value(self, ptr: int, size: int, *, tag: str = "") -> bytes:
+        """The chunk mapped at ``ptr`` as a name in ``/dev/shm`` (see the module doc); the
+        caller removes it with ``release_values(tag)``."""
+        if self.handle_type != "shm_name":
+            raise ValueError(f"export_value: handle type {self.handle_type!r} has no values")
+        if not _TAG.fullmatch(tag):
+            raise ValueError(f"export_value: tag must be 1-64 letters/digits, got {tag!r}")
+        with self._lock:
+            fd = self._kept.get(ptr)
+        if fd is None:
+            raise ValueError(f"export_value: no exportable chunk is mapped at {ptr:#x}")
+        name = f"{_NAME_PREFIX}{tag}-{secrets.token_hex(8)}"
+        # Linked through a directory fd: /dev/shm may be mounted twice (a path link gets EXDEV).
+        d = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=d, follow_symlinks=True)
+        except OSError as exc:
+            raise HostError(
+                exc.errno, f"export_value: linking the chunk at {ptr:#x} as {name} failed: {exc}"
+            ) from exc
+        finally:
+            os.close(d)
+        return name.encode()
+
+    def import_value(self, value: bytes, size: int) -> int:
+        """Open the chunk named ``value`` (from a peer's ``export_value``); a handle (an fd)
+        that ``map`` consumes."""
+        if not isinstance(value, bytes):
+            raise TypeError(f"import_value: value must be bytes, got {type(value).__name__}")
+        name = value.decode("ascii", "replace")
+        if not _VALUE.fullmatch(name):
+            raise ValueError(f"import_value: not a vmmkv shm name: {value[:80]!r}")
+        try:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise HostError(exc.errno, f"import_value: opening {name} failed: {exc}") from exc
+        try:
+            held = os.fstat(fd).st_size
+            if held < size:
+                raise ValueError(f"import_value: {name} holds {held} bytes, expected >= {size}")
+        except BaseException:
+            os.close(fd)  # a refused import keeps nothing open
+            raise
+        return fd
+
+    def release_values(self, tag: str) -> None:
+        """Remove every name exported under ``tag`` (by any process; absent names are fine)."""
+        if not _TAG.fullmatch(tag):
+            raise ValueError(f"release_values: tag must be 1-64 letters/digits, got {tag!r}")
+        for path in shm_names(f"{tag}-"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
     def zero(self, ptr: int, size: int) -> None:
         ctypes.memset(ptr, 0, size)

@@ -157,9 +157,7 @@ def make_backend(
     """The backend object for ``device`` ('auto' picks host when no CUDA device is usable)."""
     name, ordinal = _resolve_device(device, backend)
     if name == "host":
-        if handle_type != "posix_fd":
-            raise ValueError(f"the host backend only has posix_fd handles, got {handle_type!r}")
-        return HostBackend()
+        return HostBackend(handle_type)
     from .cuda import CudaBackend
 
     return CudaBackend(ordinal, handle_type)
@@ -582,6 +580,19 @@ class VirtualRegion(_MappedRange):
                 raise ValueError(f"export_chunk: {chunk} is not committed in {self!r}")
             return self._backend.export(self._base + chunk.offset, chunk.size)
 
+    def export_chunk_value(self, chunk: Chunk, tag: str) -> bytes:
+        """A committed chunk as a by-value handle (``Backend.export_value``); the exchange
+        that sends it calls ``release_values(tag)`` once it is over."""
+        with self._lock:
+            self._check_open()
+            if not isinstance(chunk, Chunk) or self._index(self._chunks, chunk) < 0:
+                raise ValueError(f"export_chunk_value: {chunk} is not committed in {self!r}")
+            return self._backend.export_value(self._base + chunk.offset, chunk.size, tag=tag)
+
+    def release_values(self, tag: str) -> None:
+        """Local: drop what the by-value exports under ``tag`` left behind (any rank's)."""
+        self._backend.release_values(tag)
+
     def open_peer(self) -> PeerRegion:
         """A new, empty reservation of this region's capacity for mapping a peer's chunks."""
         self._check_open()
@@ -613,16 +624,24 @@ class PeerRegion(_MappedRange):
         """Import ``fd`` and map it at ``chunk.offset``: anywhere inside the capacity that no
         mapped chunk overlaps (a prefix grows by mapping at its end). The fd stays the caller's
         to close."""
+        self._map_import("map_fd", chunk, lambda: self._backend.import_fd(fd, chunk.size))
+
+    def map_value(self, value: bytes, chunk: Chunk) -> None:
+        """Import the by-value handle ``value`` (``Backend.import_value``) and map it at
+        ``chunk.offset``, with the same rules as ``map_fd``."""
+        self._map_import("map_value", chunk, lambda: self._backend.import_value(value, chunk.size))
+
+    def _map_import(self, op: str, chunk: Chunk, importer: Callable[[], Any]) -> None:
         if not isinstance(chunk, Chunk):
-            raise TypeError(f"map_fd: chunk must be a Chunk, got {type(chunk).__name__}")
+            raise TypeError(f"{op}: chunk must be a Chunk, got {type(chunk).__name__}")
         with self._lock:
             self._check_open()
             if chunk.size <= 0 or chunk.offset < 0 or chunk.offset + chunk.size > self._capacity:
-                raise ValueError(f"map_fd: {chunk} outside capacity {self._capacity}")
+                raise ValueError(f"{op}: {chunk} outside capacity {self._capacity}")
             other = self._overlaps_mapped(chunk)
             if other is not None:
-                raise ValueError(f"map_fd: {chunk} overlaps the mapped {other}")
-            handle = self._backend.import_fd(fd, chunk.size)
+                raise ValueError(f"{op}: {chunk} overlaps the mapped {other}")
+            handle = importer()
             self._backend.map(self._base + chunk.offset, chunk.size, handle)
             bisect.insort(self._chunks, chunk, key=_offset_key)
 

@@ -1,8 +1,10 @@
 """``python -m vmmkv doctor``: what this machine offers vmmkv, and whether direct mode can work.
 
 Local, read-only: queries versions, device attributes, P2P (driver and NVML), a trial fabric
-allocation (released at once), and the socket features the rendezvous needs. Returns a report
-dict; ``main`` prints it and exits non-zero with the reasons when direct mode cannot work.
+allocation (released at once), NVML's fabric registration of each GPU (state, cluster UUID,
+clique id: ``alloc.fabric.fabric_info``), and the socket features the rendezvous needs. Returns
+a report dict; ``main`` prints it and exits non-zero with the reasons when direct mode cannot
+work (an unusable fabric is no such reason: one host shares memory through POSIX fds).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 from typing import Any
 
 from ..alloc import driver as drv
+from ..alloc.fabric import FabricInfo, fabric_info
 from . import banner
 
 
@@ -116,6 +119,18 @@ def _nvml_p2p(n: int) -> dict[str, str]:
     return out
 
 
+def _fabric_lines(fi: FabricInfo) -> dict[str, Any]:
+    """The doctor's lines for one GPU's NVLink fabric registration; the reason when unusable."""
+    out: dict[str, Any] = {
+        "fabric_state": fi.state,
+        "fabric_cluster_uuid": fi.cluster_uuid if fi.usable else "-",
+        "fabric_clique_id": fi.clique_id if fi.usable else "-",
+    }
+    if not fi.usable:
+        out["fabric_reason"] = fi.reason
+    return out
+
+
 def _gpus() -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
     from ..alloc.cuda import CudaBackend, fabric_probe
 
@@ -142,6 +157,7 @@ def _gpus() -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
         }
         ok, why = fabric_probe(i)
         info["fabric"] = True if ok else f"no: {why}"
+        info.update(_fabric_lines(fabric_info(i)))
         if info["vmm"] and info["posix_fd"]:
             info["granularity"] = CudaBackend(i).granularity
         else:

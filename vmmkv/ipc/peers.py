@@ -3,25 +3,31 @@
 Protocol (collective over a CPU-capable group; every step bounded by ``timeout`` and settled with
 one outcome on every rank, see ``vmmkv.ipc.comm``):
 
-1. gather a request (host, boot id, PID/network namespaces, uid, pid, device index + UUID,
-   capacity, chunk size, granularity, backend, handle type, committed chunks, protocol version,
-   the caller's ``must_match`` settings, a random nonce) and validate it identically on every
-   rank: a mismatch raises the same :class:`ConfigMismatch` everywhere, naming field and ranks;
-2. decide whether peer mapping is possible at all: one host (same boot id), one PID and one
-   network namespace, one uid (the fd transport checks credentials), P2P access and native
-   atomics for every pair of distinct devices (ranks that share a device need neither); if not,
+1. gather a request (host, boot id, NVLink domain, PID/network namespaces, uid, pid, device
+   index + UUID, capacity, chunk size, granularity, backend, handle type, committed chunks,
+   protocol version, the caller's ``must_match`` settings, a random nonce) and validate it
+   identically on every rank: a mismatch raises the same :class:`ConfigMismatch` everywhere,
+   naming field and ranks;
+2. decide whether peer mapping is possible at all: one NVLink domain (``local_location``;
+   several domains never map each other, see docs/design.md "Handles by value and NVLink
+   domains"); for fd handles one host (same boot id), one PID and one network namespace, one
+   uid (the fd transport checks credentials); P2P access and native atomics for every pair of
+   distinct devices (ranks that share a device need neither); if not,
    :class:`DirectUnsupported` on every rank, listing every reason;
-3. export every committed chunk plus the barrier's signal chunk as fds and pass them with
-   SCM_RIGHTS (``vmmkv.ipc.fdpass``) over abstract sockets named with rank 0's nonce; a rank
-   whose local preparation failed still takes part and sends an abort notice instead of fds, so
-   its peers learn the cause at once;
+3. export every committed chunk plus the barrier's signal chunk and send them over the
+   exchange's transport: fds (``posix_fd``) with SCM_RIGHTS (``vmmkv.ipc.fdpass``) over
+   abstract sockets named with rank 0's nonce, or values (``BY_VALUE_HANDLES``: ``fabric``,
+   ``shm_name``) in one step of the group's store; a rank whose local preparation failed still
+   takes part and sends an abort notice instead of handles, so its peers learn the cause at
+   once;
 4. import and map each peer chunk at its offset inside a ``PeerRegion`` (a reservation of the
    peer's full capacity, so growth never moves anything), then close the fd; the committed
    chunks are any chunk set (a prefix, or the chunks of a block layout's segments), and a peer
    maps exactly the chunks its owner committed;
 5. build ``ptr_table`` (device int64 ``[world]``, own base in own slot), which never changes;
 6. agree on success (the last step): any failure anywhere, or a peer that vanished during the
-   exchange, makes every rank roll back what this call created and raise.
+   exchange, makes every rank roll back what this call created and raise; then every rank
+   removes what the exchange's by-value exports left (``release_values``), whatever happened.
 
 Resize helpers (ipc-internal, used by ``vmmkv.ipc.symmetric`` between its collective points):
 ``PeerMap.exchange_new(chunks, ...)`` passes and maps a grow's new chunks (any chunk set);
@@ -35,6 +41,7 @@ of its own. ``SymmetricRegion`` (``vmmkv.ipc.symmetric``) owns a region and its 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -51,6 +58,7 @@ import torch
 from .._util import run_all
 from ..alloc import Chunk, PeerRegion, VirtualRegion
 from ..alloc import driver as drv
+from ..alloc.fabric import boot_id
 from . import fdpass
 from .comm import GroupError, PeerTimeoutError, StoreComm
 
@@ -63,11 +71,25 @@ __all__ = [
     "RendezvousTimeout",
     "rendezvous",
     "select_handle_type",
+    "BY_VALUE_HANDLES",
+    "TEST_DOMAIN_ENV",
+    "TEST_HOST_ENV",
+    "choose_handle_type",
+    "local_location",
 ]
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+
+# Handle types whose chunks travel as values through the group's store (no socket, no fd).
+BY_VALUE_HANDLES = ("fabric", "shm_name")
+
+# TEST-ONLY overrides of where a rank runs (read in ``local_location`` only): its host name
+# (the boot id is derived from it) and its NVLink domain. They let processes of one machine act
+# as several hosts of one domain, or as several domains, to run the by-value protocol in CI.
+TEST_HOST_ENV = "VMMKV_TEST_HOST"
+TEST_DOMAIN_ENV = "VMMKV_TEST_NVLINK_DOMAIN"
 
 
 class RendezvousError(GroupError):
@@ -82,6 +104,15 @@ class RendezvousTimeout(RendezvousError, PeerTimeoutError):
         PeerTimeoutError.__init__(self, message, missing)
 
 
+class ExchangeLost(RendezvousError):
+    """The by-value exchange timed out: ``peers_lost`` did not arrive (like
+    ``fdpass.FdExchangeError`` for the fd transport)."""
+
+    def __init__(self, message: str, peers_lost: list[int]):
+        super().__init__(message)
+        self.peers_lost = list(peers_lost)
+
+
 class PeerAborted(RendezvousError):
     """Peers announced in the fd exchange that they cannot take part; they report their own
     cause in the agreement that follows, so receivers of the notice add no error of theirs."""
@@ -93,9 +124,9 @@ class ConfigMismatch(RendezvousError):
 
 
 class DirectUnsupported(RendezvousError):
-    """Peer mapping is impossible for this group (several hosts without fabric handles, no P2P
-    between two devices, no native atomics); raised identically on every rank, so callers can
-    fall back to gather-then-insert together."""
+    """Peer mapping is impossible for this group (several NVLink domains, several hosts with fd
+    handles, no P2P between two devices, no native atomics); raised identically on every rank,
+    so callers can fall back to gather-then-insert together."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,7 +173,7 @@ def _by_value(values: list[Any], verb: str) -> str:
 # PID namespaces are compared only on one host (several hosts already rule fds out).
 _SAME_FOR_FDS = (
     ("host", "on", "on several hosts", "POSIX fds only reach one host; cross-host mapping needs "
-     "fabric handles, which this version does not exchange"),
+     "by-value (fabric) handles inside one NVLink domain, and this region's handles are fds"),
     ("pidns", "in", "in different PID namespaces", "the fd transport identifies senders by pid"),
     ("netns", "in", "in different network namespaces", "abstract Unix sockets do not cross them"),
     ("uid", "have uid", "as different users", "the fd transport only accepts its own uid"),
@@ -165,19 +196,135 @@ def _host_problem(reqs: list[dict[str, Any]]) -> str:
     return "; ".join(problems)
 
 
+def _placement_problem(reqs: list[dict[str, Any]], by_value: bool) -> str:
+    """'' when the ranks can map each other with this handle kind, else why not. Ranks of
+    several NVLink domains never map each other directly (docs/design.md, "Handles by value
+    and NVLink domains"); inside one domain by-value handles reach every rank, fds only one
+    host (``_host_problem``), whatever the domains of its GPUs say."""
+    if not by_value and len({r["boot_id"] for r in reqs}) == 1:
+        return _host_problem(reqs)
+    domains: dict[str, list[int]] = {}
+    for rank, r in enumerate(reqs):
+        domains.setdefault(r["domain"], []).append(rank)
+    if len(domains) > 1 and any(d.startswith("nvlink:") for d in domains):
+        return (
+            f"ranks span {len(domains)} NVLink domains ("
+            + "; ".join(f"{d}: ranks {rk}" for d, rk in domains.items())
+            + "): ranks map each other only inside one domain; a group across domains is not "
+            "published directly (gather-then-insert between them)"
+        )
+    if by_value:
+        if len(domains) > 1:
+            return "by-value handles need one NVLink domain, got " + "; ".join(
+                f"{d}: ranks {rk}" for d, rk in domains.items()
+            )
+        return ""
+    return _host_problem(reqs)
+
+
+_domains: dict[int, str] = {}  # CUDA ordinal -> domain key, read once per process
+_domains_lock = threading.Lock()
+
+
+def _fabric_domain(ordinal: int) -> str:
+    """The NVLink domain key of CUDA device ``ordinal`` (``vmmkv.alloc.fabric.domain_key``:
+    ``nvlink:<cluster uuid>:<clique id>`` when the GPU's fabric state is completed, else
+    ``host:<boot id>``); the host key when the query itself fails. Read once per process and
+    device (an NVML session each time would cost every collective construction; a GPU's fabric
+    registration completes before jobs start)."""
+    with _domains_lock:
+        if ordinal in _domains:
+            return _domains[ordinal]
+        try:
+            from ..alloc.fabric import domain_key
+
+            key = domain_key(ordinal)
+        except Exception as exc:  # never fatal: the host is a domain of its own
+            log.info("vmmkv: NVLink domain of cuda:%d unknown (%s); using the host", ordinal, exc)
+            key = f"host:{boot_id()}"
+        _domains[ordinal] = key
+        return key
+
+
+_warned_test_location: list[bool] = []  # the override is logged once per process
+
+
+def local_location(ordinal: int | None) -> dict[str, str]:
+    """Local: where this process runs, ``{"host", "boot_id", "domain"}``. ``domain`` is the
+    NVLink domain key (CUDA device ``ordinal``; ``None``: host memory, the host's key).
+    Test-only: ``VMMKV_TEST_HOST`` replaces host and boot id, ``VMMKV_TEST_NVLINK_DOMAIN``
+    the domain (``nvlink:test:<value>``); read here and nowhere else."""
+    sim_host = os.environ.get(TEST_HOST_ENV, "")
+    sim_domain = os.environ.get(TEST_DOMAIN_ENV, "")
+    if (sim_host or sim_domain) and not _warned_test_location:
+        _warned_test_location.append(True)
+        log.warning(
+            "vmmkv: test-only location override in effect (%s=%r, %s=%r): not for production",
+            TEST_HOST_ENV, sim_host, TEST_DOMAIN_ENV, sim_domain,
+        )  # fmt: skip
+    if sim_host:
+        host = sim_host
+        boot = "test-" + hashlib.sha256(sim_host.encode()).hexdigest()[:24]
+    else:
+        host, boot = socket.gethostname(), boot_id()
+    if sim_domain:
+        domain = f"nvlink:test:{sim_domain}"
+    elif sim_host or ordinal is None:
+        domain = f"host:{boot}"
+    else:
+        domain = _fabric_domain(ordinal)
+    return {"host": host, "boot_id": boot, "domain": domain}
+
+
+def choose_handle_type(comm: StoreComm, backend: str, ordinal: int | None) -> str:
+    """Collective: the handle type a group's regions should be created with. Several hosts
+    inside one NVLink domain, every rank on the same backend: by value (``"shm_name"``, the
+    simulation, on the host backend; ``"fabric"`` on CUDA when every rank's
+    ``cuda.fabric_probe`` passes, a second step, since a domain key says nothing about the IMEX
+    channel); otherwise ``"posix_fd"`` (one host; several domains, which fall back to gather
+    anyway; several hosts whose devices cannot create fabric memory, which then fall back to
+    gather too, the probes' reasons logged). ``backend``: ``"cuda"`` or ``"host"`` (anything
+    else: fds). Every rank decides from gathered values only, so all take the same steps."""
+    loc = local_location(ordinal)
+    try:
+        locs = comm.all_gather([backend, loc["boot_id"], loc["domain"]], "handle type")
+    except GroupError as exc:
+        raise as_rendezvous_error(exc) from None
+    backends = {b for b, _, _ in locs}
+    boots = {b for _, b, _ in locs}
+    domains = {d for _, _, d in locs}
+    if len(boots) == 1 or len(domains) > 1 or len(backends) > 1:
+        return "posix_fd"
+    if backends == {"host"}:
+        return "shm_name"
+    if backends != {"cuda"}:
+        return "posix_fd"
+    try:
+        from ..alloc.cuda import fabric_probe
+
+        ok, why = fabric_probe(ordinal) if ordinal is not None else (False, "no CUDA ordinal")
+    except Exception as exc:  # a probe that cannot run says no, with why
+        ok, why = False, f"fabric probe failed: {type(exc).__name__}: {exc}"
+    try:
+        probes = comm.all_gather([bool(ok), str(why)], "fabric probe")
+    except GroupError as exc:
+        raise as_rendezvous_error(exc) from None
+    failing = [f"rank {r}: {w}" for r, (o, w) in enumerate(probes) if not o]
+    if not failing:
+        return "fabric"
+    log.warning(
+        "rank %d: several hosts of one NVLink domain, but fabric handles are unavailable (%s): "
+        "posix_fd, so the group cannot map across hosts",
+        comm.rank, "; ".join(failing),
+    )  # fmt: skip
+    return "posix_fd"
+
+
 def _namespace_id(kind: str) -> str:
     try:
         return str(os.stat(f"/proc/self/ns/{kind}").st_ino)
     except OSError:
         return "unknown"
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return socket.gethostname()
 
 
 def _local_ordinals_by_uuid() -> dict[str, int]:
@@ -250,8 +397,11 @@ class PeerMap:
         peers: dict[int, PeerRegion],
         signal_peers: dict[int, PeerRegion],
         pids: list[int],
+        *,
+        by_value: bool = False,
     ) -> None:
         self._comm = comm
+        self._by_value = by_value
         self._region = region
         self._signal = signal
         self._peers = peers
@@ -325,13 +475,30 @@ class PeerMap:
     # -- ipc-internal: used by vmmkv.ipc.symmetric ----------------------------------------
     def exchange_new(self, chunks: list[Chunk], nonce: str, local_error: Exception | None) -> None:
         """Between two collective points: pass the own new ``chunks`` (any chunk set, e.g. the
-        chunks a block grow added to every segment) to every peer and map theirs, or, with ``local_error``, tell every peer this rank cannot take part (see
-        ``_exchange_and_map``). ``nonce``: fresh per exchange, the same on every rank."""
+        chunks a block grow added to every segment) to every peer and map theirs, or, with
+        ``local_error``, tell every peer this rank cannot take part (see
+        ``_exchange_and_map``). ``nonce``: fresh per exchange, the same on every rank; the
+        caller runs ``finish_exchange(nonce)`` after the agreement that follows, whatever
+        happened."""
         self._check_open()
         _exchange_and_map(
-            self._comm, self._region, chunks, self._peers, self._pids, nonce,
+            self._comm, chunks, self._peers, self._transport(nonce),
             signal=None, signal_peers=None, local_error=local_error,
         )  # fmt: skip
+
+    def finish_exchange(self, nonce: str) -> None:
+        """Local, after an exchange's agreement (success or failure): drop what it left behind
+        (by value: every exported name; fds: nothing)."""
+        self._transport(nonce).finish()
+
+    @property
+    def by_value(self) -> bool:
+        """True when chunks travel as values through the store (``BY_VALUE_HANDLES``)."""
+        return self._by_value
+
+    def _transport(self, nonce: str) -> _Transport:
+        kind = _ValueTransport if self._by_value else _FdTransport
+        return kind(self._comm, self._region, nonce, self._pids)
 
     def unmap_peers_from(self, offset: int) -> None:
         """Unmap every peer's chunks at or above ``offset`` (prefix: rollback of a grow,
@@ -364,97 +531,207 @@ class PeerMap:
         self.close()
 
 
+class _Transport:
+    """How one exchange moves chunks between ranks; the protocol around it
+    (``_exchange_and_map``: descriptions, abort notices, validation, mapping, agreement and
+    rollback) is the same for both. ``export``: a committed chunk's handle to send (the
+    caller ``discard``-s those it does not send); ``exchange``: send ``body`` and the handles
+    to every peer, get theirs (``{peer: (body, handles)}``), raising ``FdExchangeError`` or
+    :class:`ExchangeLost` (with ``peers_lost``) when peers vanished; ``map`` a received handle;
+    ``release`` every received handle (mapped or not) once mapping is over; ``finish`` after
+    the agreement, on every rank."""
+
+    what = ""
+
+    def __init__(self, comm: StoreComm, region: VirtualRegion, nonce: str, pids: list[int]) -> None:
+        self.comm, self.region, self.nonce, self.pids = comm, region, nonce, pids
+
+    def export(self, owner: VirtualRegion, chunk: Chunk) -> Any:
+        raise NotImplementedError
+
+    def discard(self, handles: list[Any]) -> None:
+        pass
+
+    def exchange(
+        self, body: bytes, handles: list[Any], others: list[int]
+    ) -> dict[int, tuple[bytes, list[Any]]]:
+        raise NotImplementedError
+
+    def map(self, peer: PeerRegion, handle: Any, chunk: Chunk) -> None:
+        raise NotImplementedError
+
+    def release(self, received: dict[int, tuple[bytes, list[Any]]]) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class _FdTransport(_Transport):
+    """POSIX fds over abstract Unix sockets (``vmmkv.ipc.fdpass``): one host."""
+
+    what = "fd exchange"
+
+    def export(self, owner: VirtualRegion, chunk: Chunk) -> int:
+        return owner.export_chunk(chunk)
+
+    def discard(self, handles: list[Any]) -> None:
+        for fd in handles:
+            os.close(fd)
+
+    def exchange(
+        self, body: bytes, handles: list[Any], others: list[int]
+    ) -> dict[int, tuple[bytes, list[Any]]]:
+        # The RLIMIT_NOFILE soft limit is raised for the exchange if needed, and restored by
+        # ``release`` once the received fds are closed.
+        self._restore = _raise_fd_limit((len(handles) + 1) * (len(others) + 1))
+        try:
+            return fdpass.exchange_fds(
+                rank=self.comm.rank,
+                nonce=self.nonce,
+                outgoing={p: (body, handles) for p in others},
+                expect_from=others,
+                pids=self.pids,
+                timeout=self.comm.timeout,
+                cancel=self.comm.pending_abort,  # a peer that gave up releases us at once
+            )
+        except BaseException:
+            self._restore()
+            raise
+
+    def map(self, peer: PeerRegion, handle: Any, chunk: Chunk) -> None:
+        peer.map_fd(handle, chunk)
+
+    def release(self, received: dict[int, tuple[bytes, list[Any]]]) -> None:
+        try:
+            for _, fds in received.values():
+                for fd in fds:
+                    os.close(fd)
+        finally:
+            restore, self._restore = getattr(self, "_restore", None), None
+            if restore is not None:
+                restore()
+
+
+class _ValueTransport(_Transport):
+    """By-value handles (``BY_VALUE_HANDLES``: CUDA fabric handles, the host simulation's shm
+    names) through the group's store, one collective step; the exports are removed by
+    ``finish`` (``release_values(nonce)``), which every rank runs after the agreement, so a
+    dead exporter's names go too."""
+
+    what = "handle exchange"
+
+    def export(self, owner: VirtualRegion, chunk: Chunk) -> bytes:
+        return owner.export_chunk_value(chunk, self.nonce)
+
+    def exchange(
+        self, body: bytes, handles: list[Any], others: list[int]
+    ) -> dict[int, tuple[bytes, list[Any]]]:
+        mine = [body.decode(), [h.hex() for h in handles]]
+        try:
+            got = self.comm.all_gather(mine, "by-value handle exchange")
+        except PeerTimeoutError as exc:
+            raise ExchangeLost(str(exc), exc.missing) from None
+        except GroupError as exc:
+            raise as_rendezvous_error(exc) from None
+        return {p: (got[p][0].encode(), [bytes.fromhex(v) for v in got[p][1]]) for p in others}
+
+    def map(self, peer: PeerRegion, handle: Any, chunk: Chunk) -> None:
+        peer.map_value(handle, chunk)
+
+    def finish(self) -> None:
+        try:
+            self.region.release_values(self.nonce)
+        except Exception as exc:  # logged: the exchange's own outcome is the one raised
+            log.error("rank %d: removing by-value exports failed: %s", self.comm.rank, exc)
+
+
 def _exchange_and_map(
     comm: StoreComm,
-    region: VirtualRegion,
     chunks: list[Chunk],
     peers: dict[int, PeerRegion],
-    pids: list[int],
-    nonce: str,
+    transport: _Transport,
     *,
     signal: VirtualRegion | None,
     signal_peers: dict[int, PeerRegion] | None,
     local_error: Exception | None = None,
 ) -> None:
-    """Send our ``chunks`` (and the signal chunk) to every peer and map theirs.
+    """Send our ``chunks`` (and the signal chunk) to every peer and map theirs, over
+    ``transport`` (fds over sockets or values over the store: the same protocol).
 
     Local work only, between two collective points of the caller; the caller always goes on to
-    the agreement that follows. A rank that cannot take part (``local_error``, or an export
-    that fails here) still runs the exchange with an abort notice and no fds, so its peers fail
-    fast with its cause; it then raises :class:`RendezvousError`, and so does every peer that
-    received a notice. Transport failures (a peer vanished) raise ``FdExchangeError``. On
-    error, whatever this call mapped stays recorded in the PeerRegions (the caller rolls back
-    with ``unmap_from`` or ``unmap_outside``). The RLIMIT_NOFILE soft limit is raised for the
-    exchange if needed and restored afterwards."""
+    the agreement that follows (and then ``transport.finish()``). A rank that cannot take part
+    (``local_error``, or an export that fails here) still runs the exchange with an abort
+    notice and no handles, so its peers fail fast with its cause; it then raises
+    :class:`RendezvousError`, and so does every peer that received a notice. Transport failures
+    (a peer vanished) raise ``FdExchangeError`` / :class:`ExchangeLost`. On error, whatever
+    this call mapped stays recorded in the PeerRegions (the caller rolls back with
+    ``unmap_from`` or ``unmap_outside``)."""
     others = [r for r in range(comm.world_size) if r != comm.rank]
     if not others:
         if local_error is not None:
             raise RendezvousError(f"rank {comm.rank}: {local_error}") from local_error
         return
-    restore = _raise_fd_limit((len(chunks) + 1) * (len(others) + 1))
-    received: dict[int, tuple[bytes, list[int]]] = {}
+    region = transport.region
+    what = transport.what
+    received: dict[int, tuple[bytes, list[Any]]] = {}
     try:
-        fds: list[int] = []
+        handles: list[Any] = []
         try:
             desc: dict[str, Any] = {}
             if local_error is None:
                 try:
                     desc["chunks"] = [[c.offset, c.size] for c in chunks]
                     for c in chunks:
-                        fds.append(region.export_chunk(c))
+                        handles.append(transport.export(region, c))
                     if signal is not None:
                         sig = signal.chunks()[0]
                         desc["signal"] = [sig.offset, sig.size]
-                        fds.append(signal.export_chunk(sig))
+                        handles.append(transport.export(signal, sig))
                 except Exception as exc:
                     local_error = exc
             if local_error is not None:
-                for fd in fds:
-                    os.close(fd)
-                fds = []
+                transport.discard(handles)
+                handles = []
                 desc = {"abort": repr(local_error)}
-            received = fdpass.exchange_fds(
-                rank=comm.rank,
-                nonce=nonce,
-                outgoing={p: (json.dumps(desc).encode(), fds) for p in others},
-                expect_from=others,
-                pids=pids,
-                timeout=comm.timeout,
-                cancel=comm.pending_abort,  # a peer that gave up releases us at once
-            )
+            received = transport.exchange(json.dumps(desc).encode(), handles, others)
         finally:
-            for fd in fds:
-                os.close(fd)
+            transport.discard(handles)
         if local_error is not None:
             raise RendezvousError(
-                f"rank {comm.rank}: could not take part in the fd exchange: {local_error!r}"
+                f"rank {comm.rank}: could not take part in the {what}: {local_error!r}"
             ) from local_error
         descs = {peer: json.loads(body.decode()) for peer, (body, _) in received.items()}
         aborted = {peer: d["abort"] for peer, d in descs.items() if "abort" in d}
         if aborted:
             raise PeerAborted(
-                f"rank {comm.rank}: peers could not take part in the fd exchange: "
+                f"rank {comm.rank}: peers could not take part in the {what}: "
                 + "; ".join(f"rank {p}: {why}" for p, why in sorted(aborted.items()))
             )
         for peer in others:
-            pdesc, peer_fds = descs[peer], received[peer][1]
+            pdesc, peer_handles = descs[peer], received[peer][1]
             want = len(pdesc["chunks"]) + (1 if "signal" in pdesc else 0)
-            if len(peer_fds) != want:
+            if len(peer_handles) != want:
                 raise RendezvousError(
-                    f"rank {comm.rank}: rank {peer} sent {len(peer_fds)} fds, expected {want}"
+                    f"rank {comm.rank}: rank {peer} sent {len(peer_handles)} handles, "
+                    f"expected {want}"
                 )
-            for (off, size), fd in zip(pdesc["chunks"], peer_fds, strict=False):
-                peers[peer].map_fd(fd, Chunk(off, size))
+            todo = [(peers[peer], h, Chunk(off, size)) for (off, size), h in zip(
+                pdesc["chunks"], peer_handles, strict=False
+            )]  # fmt: skip
             if signal_peers is not None:
                 off, size = pdesc["signal"]
-                signal_peers[peer].map_fd(peer_fds[-1], Chunk(off, size))
-    except drv.CudaError as exc:
-        raise RendezvousError(f"rank {comm.rank}: mapping a peer chunk failed: {exc}") from exc
+                todo.append((signal_peers[peer], peer_handles[-1], Chunk(off, size)))
+            for target, handle, chunk in todo:
+                try:
+                    transport.map(target, handle, chunk)
+                except (drv.CudaError, OSError, ValueError) as exc:
+                    raise RendezvousError(
+                        f"rank {comm.rank} ({region.device}): mapping a chunk of rank {peer} "
+                        f"({chunk}, {region.handle_type}) failed: {exc}"
+                    ) from exc
     finally:
-        for _, peer_fds in received.values():
-            for fd in peer_fds:
-                os.close(fd)
-        restore()
+        transport.release(received)
 
 
 def exchange_then_agree(
@@ -463,29 +740,36 @@ def exchange_then_agree(
     exchange: Callable[[Exception | None], None],
     local_error: Exception | None,
     deadline: float,
+    finish: Callable[[], None] | None = None,
 ) -> None:
-    """Run ``exchange(local_error)`` then the step's agreement, on every rank whatever
-    happened: local failures become the agreed error (every rank raises naming the cause); a
-    transport failure (a peer vanished) settles the agreement at once as a timeout naming the
-    lost ranks, so no rank waits a second timeout (and ``peers="auto"`` does not fall back
-    over a dead peer). The agreement waits at most until ``deadline`` (at least one second).
-    Raises :class:`RendezvousError` (:class:`RendezvousTimeout` for missing ranks)."""
+    """Run ``exchange(local_error)`` then the step's agreement, then ``finish()`` (e.g.
+    removing by-value exports), on every rank whatever happened: local failures become the
+    agreed error (every rank raises naming the cause); a transport failure (a peer vanished)
+    settles the agreement at once as a timeout naming the lost ranks, so no rank waits a second
+    timeout (and ``peers="auto"`` does not fall back over a dead peer). The agreement waits at
+    most until ``deadline`` (at least one second). Raises :class:`RendezvousError`
+    (:class:`RendezvousTimeout` for missing ranks)."""
     error: BaseException | None = local_error
     abort, lost = None, []
     try:
-        exchange(local_error)
-    except fdpass.FdExchangeError as exc:  # lost peers make it a timeout naming them
-        abort, lost = str(exc), exc.peers_lost
-    except PeerAborted:
-        pass  # the aborting ranks name their cause in the agreement, which then fails
-    except Exception as exc:
-        error = exc
-    try:
-        comm.agree(
-            error, what, abort=abort, missing=lost, timeout=max(1.0, deadline - time.monotonic())
-        )
-    except GroupError as exc:
-        raise as_rendezvous_error(exc) from error
+        try:
+            exchange(local_error)
+        except (fdpass.FdExchangeError, ExchangeLost) as exc:  # a timeout naming lost peers
+            abort, lost = str(exc), exc.peers_lost
+        except PeerAborted:
+            pass  # the aborting ranks name their cause in the agreement, which then fails
+        except Exception as exc:
+            error = exc
+        try:
+            comm.agree(
+                error, what, abort=abort, missing=lost,
+                timeout=max(1.0, deadline - time.monotonic()),
+            )  # fmt: skip
+        except GroupError as exc:
+            raise as_rendezvous_error(exc) from error
+    finally:
+        if finish is not None:
+            finish()
 
 
 def as_rendezvous_error(exc: GroupError) -> RendezvousError:
@@ -503,8 +787,9 @@ def select_handle_type(device: Any, group: Any = None, *, timeout: float = 60.0)
     Fabric handles are chosen only when the group spans several hosts AND every rank's probe
     (device attribute, NVML fabric state, trial ``cuMemCreate``) passes; otherwise POSIX fds,
     with the reason logged. Same-host groups always use POSIX fds (they reach every peer and
-    need no IMEX channel). Note: this version maps peers over fabric handles nowhere yet, so a
-    multi-host group then falls back to gather-then-insert (see ``DirectUnsupported``).
+    need no IMEX channel). A diagnostic with the trial allocation; ``SymmetricRegion`` decides
+    by NVLink domain (:func:`choose_handle_type`), and ranks of several domains fall back to
+    gather-then-insert whatever this says.
     """
     import torch as _torch
 
@@ -584,10 +869,15 @@ def gather_requests(
     raises, the others naming it. Raises :class:`ConfigMismatch` when the requests disagree."""
     if must_match is not None and not isinstance(must_match, dict):
         raise TypeError(f"must_match must be a dict or None, got {type(must_match).__name__}")
+    ordinal = None
+    if region is not None and region.device.type == "cuda":
+        ordinal = region.device.index
+    loc = local_location(ordinal)
     req: dict[str, Any] = {
         "protocol": PROTOCOL_VERSION,
-        "host": socket.gethostname(),
-        "boot_id": _boot_id(),
+        "host": loc["host"],
+        "boot_id": loc["boot_id"],
+        "domain": loc["domain"],
         "pidns": _namespace_id("pid"),
         "netns": _namespace_id("net"),
         "uid": os.getuid(),
@@ -632,8 +922,9 @@ def map_peers(comm: StoreComm, region: VirtualRegion, reqs: list[dict[str, Any]]
     rank) when it failed; nothing created here survives a failure."""
     rank, world = comm.rank, comm.world_size
     deadline = time.monotonic() + comm.timeout
-    host_problem = _host_problem(reqs)
-    problems = [host_problem] if host_problem else []
+    by_value = region.handle_type in BY_VALUE_HANDLES
+    placement = _placement_problem(reqs, by_value)
+    problems = [placement] if placement else []
     if not problems:
         try:
             problems = _p2p_problems(rank, reqs)
@@ -670,17 +961,22 @@ def map_peers(comm: StoreComm, region: VirtualRegion, reqs: list[dict[str, Any]]
         local_error = exc
     pm: list[PeerMap] = []
 
+    kind = _ValueTransport if by_value else _FdTransport
+    transport = kind(comm, region, reqs[0]["nonce"], pids)
+
     def exchange(error: Exception | None) -> None:
         _exchange_and_map(
-            comm, region, region.chunks(), peers, pids, reqs[0]["nonce"],
+            comm, region.chunks(), peers, transport,
             signal=signal, signal_peers=signal_peers, local_error=error,
         )  # fmt: skip
         # Device tables are local setup: built before the last agreement, so that a failure
         # here fails every rank (nothing local happens after the agreement).
-        pm.append(PeerMap(comm, region, signal, peers, signal_peers, pids))
+        pm.append(PeerMap(comm, region, signal, peers, signal_peers, pids, by_value=by_value))
 
     try:
-        exchange_then_agree(comm, "rendezvous", exchange, local_error, deadline)
+        exchange_then_agree(
+            comm, "rendezvous", exchange, local_error, deadline, finish=transport.finish
+        )
     except BaseException:
         _rollback(created)
         raise

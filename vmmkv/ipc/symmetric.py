@@ -12,6 +12,12 @@ Contract:
   namespaces) every rank falls back together to an unmapped region, ``why_not_mapped`` saying
   why (identical on every rank); ``"off"`` never maps. Timeouts (a rank missing) and
   configuration mismatches (:class:`ConfigMismatch`) always raise.
+- ``handle_type``: how chunks are shared. ``"auto"`` (default; one extra collective step before
+  the region exists, two on CUDA across hosts): by value (``"fabric"`` on CUDA when every
+  rank's fabric probe passes, ``"shm_name"``, the simulation, on the host backend) when the
+  ranks run on several hosts of one NVLink domain, else ``"posix_fd"``; ranks of several NVLink
+  domains (or several hosts without fabric) fall back to gather (``peers="auto"``) or raise
+  :class:`DirectUnsupported` (``"require"``), naming the domains and their ranks.
 - ``must_match``: per-rank settings of the caller that must be equal on every rank; gathered
   with the first request, a mismatch raises the same error on every rank.
 - Two ways to size the region, one protocol (docs/design.md, "Resize protocol"):
@@ -52,12 +58,14 @@ import torch
 
 from .._util import require_int, run_all
 from ..alloc import Chunk, VirtualRegion
+from ..alloc.region import _resolve_device
 from .comm import GroupError, PeerTimeoutError, StoreComm
 from .peers import (
     ConfigMismatch,
     PeerMap,
     RendezvousError,
     as_rendezvous_error,
+    choose_handle_type,
     exchange_then_agree,
     gather_requests,
     map_peers,
@@ -261,10 +269,24 @@ class SymmetricRegion:
         timeout: float = 60.0,
         peers: str = "require",
         must_match: dict[str, Any] | None = None,
+        handle_type: str = "auto",
     ) -> None:
         if peers not in PEER_MODES:
             raise ValueError(f"peers must be one of {PEER_MODES}, got {peers!r}")
+        if handle_type not in ("auto", "posix_fd", "fabric", "shm_name"):
+            raise ValueError(
+                "handle_type must be 'auto', 'posix_fd', 'fabric' or 'shm_name', got "
+                f"{handle_type!r}"
+            )
         self._comm = StoreComm(group, timeout)
+        if handle_type == "auto":
+            # Collective, before the region exists (its chunks are created for one handle type):
+            # by value for several hosts of one NVLink domain, else fds (see choose_handle_type).
+            try:
+                be, ordinal = _resolve_device(device, backend)
+            except Exception:  # the region's creation below reports it, in the request
+                be, ordinal = "unknown", None
+            handle_type = choose_handle_type(self._comm, be, ordinal)
         self._closed = False
         self._broken = ""  # set when a failed shrink left the mappings inconsistent
         self._lock = threading.Lock()
@@ -276,8 +298,9 @@ class SymmetricRegion:
         error: BaseException | None = None
         try:
             self.region = VirtualRegion(
-                capacity_bytes, device, chunk_bytes=chunk_bytes, backend=backend
-            )
+                capacity_bytes, device, chunk_bytes=chunk_bytes, backend=backend,
+                handle_type=handle_type,
+            )  # fmt: skip
             self._layout: _Prefix | _Segments = _Prefix(self.region)
             self.region.commit(initial_bytes)
             # Local device tables before the last agreement (nothing local happens after it).
@@ -594,6 +617,7 @@ class SymmetricRegion:
                     lambda err: peers.exchange_new(added, nonce, err),
                     error,
                     deadline,
+                    finish=lambda: peers.finish_exchange(nonce),
                 )
         except GroupError as exc:
             self._release_local(current)
