@@ -268,8 +268,9 @@ def resident_grid(kernels: tuple[Kernel, ...], ordinal: int, block: int) -> int:
     ``cuOccupancyMaxActiveBlocksPerMultiprocessor``, at least 1). The stores cap their grid here:
     their token loops are grid-stride, so one wave of CTAs that stay resident covers any token
     count, and a publish's per-CTA release fence and arrival happen once per resident CTA instead
-    of once per 8 tokens. Cached per (device, block, kernels); the first call loads the kernels
-    (not capture-safe; ``warm_up`` and ``prepare`` make it before any capture)."""
+    of once per 8 tokens. Cached per (device, block, kernels). A new key asks the driver (host
+    queries, no stream work, so also during CUDA-graph capture); it loads the kernels first if
+    nothing launched on the device yet, as a launch would (``warm_up`` does that beforehand)."""
     key = (ordinal, block, tuple(k.name for k in kernels))
     hit = _resident.get(key)
     if hit is not None:
