@@ -121,7 +121,9 @@ def test_fabric_info_of_every_gpu_reports_nvmls_state_no_cluster_and_why():
         assert cuda_pci == nvml_pci, (i, uuid, cuda_pci, nvml_pci)
         info = fabric_info(i)
         assert info.device_index == i and info.state in FABRIC_STATES
-        assert info.state != "completed" and info.state == nvml_state, (info, nvml_state)
+        # the 2x H200 machines report "completed" (the node's NVSwitch fabric is registered)
+        # with a zero cluster UUID: no cluster, so no usable domain, whatever the state
+        assert info.state == nvml_state, (info, nvml_state)
         assert (info.cluster_uuid, info.clique_id, info.usable) == (None, None, False), info
         prefix = f"device {i} ({uuid}): "
         assert info.reason.startswith(prefix) and info.reason[len(prefix) :].strip(), info
