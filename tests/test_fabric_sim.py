@@ -296,6 +296,24 @@ def test_two_hosts_without_a_shared_domain_cannot_map_and_say_so_on_every_rank()
     assert "ranks [1] on 'b" in out[0] and "by-value (fabric) handles" in out[0], out[0]
 
 
+def _mismatched_handle_types(rank, world):
+    from vmmkv.ipc import ConfigMismatch
+
+    fds0 = fds_not_sockets()
+    try:
+        _region(handle_type=("auto", "posix_fd")[rank]).close()
+    except ConfigMismatch as exc:
+        return str(exc).split(": ", 1)[1], _leaks(fds0)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_ranks_creating_regions_with_different_handle_types_all_get_the_same_mismatch():
+    out = run_world(_mismatched_handle_types, 2, timeout=100)
+    want = "handle_type differs between ranks: rank 0: 'auto', rank 1: 'posix_fd'"
+    assert out == [(want, (0, 0, 0))] * 2, out
+
+
 # --------------------------------------------------------------------------------------------
 # failures: an injected error at each step, a rank killed at each step
 # --------------------------------------------------------------------------------------------
@@ -327,8 +345,8 @@ def _inject(point):
     def hook(*args, **kwargs):
         if point == "exchange" and state["armed"]:  # a malformed message: one handle short
             state["armed"] = False
-            self, body, handles, others = args
-            return real(self, body, handles[:-1], others)
+            self, body, handles, *rest = args
+            return real(self, body, handles[:-1], *rest)
         if state["armed"] and not after:
             state["armed"] = False
             raise RuntimeError(f"injected {point} failure")
@@ -605,13 +623,25 @@ HERE = {"host": "h", "boot_id": "b0", "domain": "nvlink:c:1"}
 @pytest.mark.parametrize(
     "backend, peer_loc, probes, want, steps",
     [
-        ("cuda", ["cuda", "b1", "nvlink:c:1"], [(True, ""), (True, "")], "fabric", 2),
-        ("cuda", ["cuda", "b1", "nvlink:c:1"], [(True, ""), (False, "no IMEX")], "posix_fd", 2),
-        ("cuda", ["cuda", "b1", "nvlink:c:1"], [RuntimeError("gone"), (True, "")], "posix_fd", 2),
-        ("host", ["host", "b1", "nvlink:c:1"], None, "shm_name", 1),
-        ("cuda", ["cuda", "b0", "nvlink:c:1"], None, "posix_fd", 1),  # one host
-        ("cuda", ["cuda", "b1", "nvlink:c:2"], None, "posix_fd", 1),  # two domains
-        ("cuda", ["host", "b1", "nvlink:c:1"], None, "posix_fd", 1),  # mixed backends
+        ("cuda", ["auto", "cuda", "b1", "nvlink:c:1"], [(True, ""), (True, "")], "fabric", 2),
+        (
+            "cuda",
+            ["auto", "cuda", "b1", "nvlink:c:1"],
+            [(True, ""), (False, "no IMEX")],
+            "posix_fd",
+            2,
+        ),
+        (
+            "cuda",
+            ["auto", "cuda", "b1", "nvlink:c:1"],
+            [RuntimeError("gone"), (True, "")],
+            "posix_fd",
+            2,
+        ),
+        ("host", ["auto", "host", "b1", "nvlink:c:1"], None, "shm_name", 1),
+        ("cuda", ["auto", "cuda", "b0", "nvlink:c:1"], None, "posix_fd", 1),  # one host
+        ("cuda", ["auto", "cuda", "b1", "nvlink:c:2"], None, "posix_fd", 1),  # two domains
+        ("cuda", ["auto", "host", "b1", "nvlink:c:1"], None, "posix_fd", 1),  # mixed backends
     ],
 )
 def test_a_cuda_group_across_hosts_of_one_domain_takes_fabric_handles_only_if_every_probe_passes(
@@ -635,6 +665,33 @@ def test_a_cuda_group_across_hosts_of_one_domain_takes_fabric_handles_only_if_ev
     if probes and want == "posix_fd":  # the failing ranks and their reasons are logged
         text = caplog.text
         assert ("rank 1: no IMEX" in text) or ("rank 0: fabric probe failed" in text), text
+
+
+@pytest.mark.parametrize(
+    "mine, peer", [("auto", "posix_fd"), ("posix_fd", "auto"), ("posix_fd", "shm_name")]
+)
+def test_ranks_asking_for_different_handle_types_get_one_config_mismatch_naming_each(
+    monkeypatch, mine, peer
+):
+    from vmmkv.ipc import peers
+
+    monkeypatch.setattr(peers, "local_location", lambda ordinal: dict(HERE))
+    comm = _TwoRankComm({"handle type": [peer, None, None, None]})
+    with pytest.raises(peers.ConfigMismatch, match=rf"rank 0: '{mine}', rank 1: '{peer}'"):
+        peers.choose_handle_type(comm, "host", 0, mine)
+    assert comm.steps == ["handle type"]
+
+
+def test_ranks_asking_for_the_same_explicit_handle_type_get_it_in_one_step(monkeypatch):
+    from vmmkv.ipc import peers
+
+    def no_location(ordinal):
+        raise AssertionError("an explicit handle type reads no location")
+
+    monkeypatch.setattr(peers, "local_location", no_location)
+    comm = _TwoRankComm({"handle type": ["posix_fd", None, None, None]})
+    assert peers.choose_handle_type(comm, "cuda", 0, "posix_fd") == "posix_fd"
+    assert comm.steps == ["handle type"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -276,8 +276,14 @@ def local_location(ordinal: int | None) -> dict[str, str]:
     return {"host": host, "boot_id": boot, "domain": domain}
 
 
-def choose_handle_type(comm: StoreComm, backend: str, ordinal: int | None) -> str:
-    """Collective: the handle type a group's regions should be created with. Several hosts
+def choose_handle_type(
+    comm: StoreComm, backend: str, ordinal: int | None, requested: str = "auto"
+) -> str:
+    """Collective: the handle type a group's regions should be created with. Every rank runs
+    the first step whatever it ``requested``: ranks that asked for different handle types get
+    the same :class:`ConfigMismatch` naming each rank's request (instead of steps out of
+    order); when all asked for the same explicit type, that is the answer. When all asked
+    ``"auto"``: several hosts
     inside one NVLink domain, every rank on the same backend: by value (``"shm_name"``, the
     simulation, on the host backend; ``"fabric"`` on CUDA when every rank's
     ``cuda.fabric_probe`` passes, a second step, since a domain key says nothing about the IMEX
@@ -285,11 +291,22 @@ def choose_handle_type(comm: StoreComm, backend: str, ordinal: int | None) -> st
     anyway; several hosts whose devices cannot create fabric memory, which then fall back to
     gather too, the probes' reasons logged). ``backend``: ``"cuda"`` or ``"host"`` (anything
     else: fds). Every rank decides from gathered values only, so all take the same steps."""
-    loc = local_location(ordinal)
+    mine: list[Any] = [requested, None, None, None]
+    if requested == "auto":  # an explicit request needs no location (no NVML read)
+        loc = local_location(ordinal)
+        mine = [requested, backend, loc["boot_id"], loc["domain"]]
     try:
-        locs = comm.all_gather([backend, loc["boot_id"], loc["domain"]], "handle type")
+        gathered = comm.all_gather(mine, "handle type")
     except GroupError as exc:
         raise as_rendezvous_error(exc) from None
+    if len({q for q, *_ in gathered}) > 1:
+        raise ConfigMismatch(
+            f"rendezvous rejected (rank {comm.rank} of {comm.world_size}): handle_type differs "
+            "between ranks: " + ", ".join(f"rank {r}: {q!r}" for r, (q, *_) in enumerate(gathered))
+        )
+    if requested != "auto":
+        return requested
+    locs = [tuple(g[1:]) for g in gathered]
     backends = {b for b, _, _ in locs}
     boots = {b for _, b, _ in locs}
     domains = {d for _, _, d in locs}
@@ -479,8 +496,10 @@ class PeerMap:
         ``local_error``, tell every peer this rank cannot take part (see
         ``_exchange_and_map``). ``nonce``: fresh per exchange, the same on every rank; the
         caller runs ``finish_exchange(nonce)`` after the agreement that follows, whatever
-        happened."""
-        self._check_open()
+        happened. A closed PeerMap still takes part, as a rank that cannot (its error goes in
+        ``local_error``), so the peers' steps stay in order."""
+        if self._closed and local_error is None:
+            local_error = RuntimeError(f"rank {self.rank}: PeerMap is closed")
         _exchange_and_map(
             self._comm, chunks, self._peers, self._transport(nonce),
             signal=None, signal_peers=None, local_error=local_error,
@@ -553,8 +572,10 @@ class _Transport:
         pass
 
     def exchange(
-        self, body: bytes, handles: list[Any], others: list[int]
+        self, body: bytes, handles: list[Any], others: list[int], per_peer: int
     ) -> dict[int, tuple[bytes, list[Any]]]:
+        """Send ``body`` and ``handles`` to every rank of ``others`` and return what each sent;
+        ``per_peer``: the most handles one peer may send (its chunks and signal chunk)."""
         raise NotImplementedError
 
     def map(self, peer: PeerRegion, handle: Any, chunk: Chunk) -> None:
@@ -580,11 +601,13 @@ class _FdTransport(_Transport):
             os.close(fd)
 
     def exchange(
-        self, body: bytes, handles: list[Any], others: list[int]
+        self, body: bytes, handles: list[Any], others: list[int], per_peer: int
     ) -> dict[int, tuple[bytes, list[Any]]]:
         # The RLIMIT_NOFILE soft limit is raised for the exchange if needed, and restored by
-        # ``release`` once the received fds are closed.
-        self._restore = _raise_fd_limit((len(handles) + 1) * (len(others) + 1))
+        # ``release`` once the received fds are closed. Sized by what the peers may send, not
+        # by what this rank sends: a rank that cannot take part sends nothing but must still
+        # receive its peers' fds, or the truncated message would hide its own cause.
+        self._restore = _raise_fd_limit((max(len(handles), per_peer) + 1) * (len(others) + 1))
         try:
             return fdpass.exchange_fds(
                 rank=self.comm.rank,
@@ -596,7 +619,8 @@ class _FdTransport(_Transport):
                 cancel=self.comm.pending_abort,  # a peer that gave up releases us at once
             )
         except BaseException:
-            self._restore()
+            restore, self._restore = self._restore, None  # release() must not restore again
+            restore()
             raise
 
     def map(self, peer: PeerRegion, handle: Any, chunk: Chunk) -> None:
@@ -625,7 +649,7 @@ class _ValueTransport(_Transport):
         return owner.export_chunk_value(chunk, self.nonce)
 
     def exchange(
-        self, body: bytes, handles: list[Any], others: list[int]
+        self, body: bytes, handles: list[Any], others: list[int], per_peer: int
     ) -> dict[int, tuple[bytes, list[Any]]]:
         mine = [body.decode(), [h.hex() for h in handles]]
         try:
@@ -694,7 +718,8 @@ def _exchange_and_map(
                 transport.discard(handles)
                 handles = []
                 desc = {"abort": repr(local_error)}
-            received = transport.exchange(json.dumps(desc).encode(), handles, others)
+            per_peer = len(chunks) + (1 if signal is not None else 0)
+            received = transport.exchange(json.dumps(desc).encode(), handles, others, per_peer)
         finally:
             transport.discard(handles)
         if local_error is not None:

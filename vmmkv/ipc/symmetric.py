@@ -12,8 +12,9 @@ Contract:
   namespaces) every rank falls back together to an unmapped region, ``why_not_mapped`` saying
   why (identical on every rank); ``"off"`` never maps. Timeouts (a rank missing) and
   configuration mismatches (:class:`ConfigMismatch`) always raise.
-- ``handle_type``: how chunks are shared. ``"auto"`` (default; one extra collective step before
-  the region exists, two on CUDA across hosts): by value (``"fabric"`` on CUDA when every
+- ``handle_type``: how chunks are shared. One collective step before the region exists (two
+  on CUDA across hosts with ``"auto"``) compares every rank's request: ranks that ask for
+  different types raise the same :class:`ConfigMismatch`. ``"auto"`` (default): by value (``"fabric"`` on CUDA when every
   rank's fabric probe passes, ``"shm_name"``, the simulation, on the host backend) when the
   ranks run on several hosts of one NVLink domain, else ``"posix_fd"``; ranks of several NVLink
   domains (or several hosts without fabric) fall back to gather (``peers="auto"``) or raise
@@ -279,14 +280,17 @@ class SymmetricRegion:
                 f"{handle_type!r}"
             )
         self._comm = StoreComm(group, timeout)
+        # Collective on every rank whatever it asked for, before the region exists (its chunks
+        # are created for one handle type): ranks asking for different types get one
+        # ConfigMismatch; "auto" is by value for several hosts of one NVLink domain, else fds
+        # (see choose_handle_type).
+        be, ordinal = "unknown", None
         if handle_type == "auto":
-            # Collective, before the region exists (its chunks are created for one handle type):
-            # by value for several hosts of one NVLink domain, else fds (see choose_handle_type).
             try:
                 be, ordinal = _resolve_device(device, backend)
             except Exception:  # the region's creation below reports it, in the request
-                be, ordinal = "unknown", None
-            handle_type = choose_handle_type(self._comm, be, ordinal)
+                pass
+        handle_type = choose_handle_type(self._comm, be, ordinal, handle_type)
         self._closed = False
         self._broken = ""  # set when a failed shrink left the mappings inconsistent
         self._lock = threading.Lock()

@@ -151,8 +151,8 @@ class PreparedStore(_Prepared):
                 specs.append((name, dtype, w, max(1, a // dtype.itemsize), a))
         self._specs = tuple(specs)
         t0 = self.targets[0]
-        # the grid cap of both kernels (vmmkv.ops.launch.resident_grid); no device: the
-        # functional API's cap, what the CPU tests and the host-cost benchmark check
+        # the grid cap of both kernels (vmmkv.ops.launch.resident_grid); without a device (the
+        # CPU tests, the host-cost benchmark's --cpu run) the launch limit _MAX_GRID
         self._max_grid = (
             _launch.resident_grid(
                 (_launch.STORES[self.kinds], _launch.PUBLISHES[self.kinds]), ordinal, _THREADS
