@@ -814,3 +814,33 @@ def test_prepared_ue8m0_mla_stores_launch_their_own_kernel_variants_with_the_sam
         ("vmmkv_store_layer_ue8m0_mxfp8", 3, 256, 0x4FFF, layer(mx)),
         ("vmmkv_store_layer_ue8m0_mxfp8_barrier", 3, 256, 0x4FFF, [*layer(mx), bar._args[0]]),
     ]
+
+
+def test_the_resident_grid_is_sms_times_the_smallest_occupancy_asked_once_per_key(monkeypatch):
+    import contextlib
+    from types import SimpleNamespace
+
+    per_sm = {"fn-a": 4, "fn-b": 3}
+    asked = []
+
+    class Loaded:
+        def function(self, name):
+            return {launch.STORE_LAYER.name: "fn-a", launch.STORE_LAYER_BARRIER.name: "fn-b"}[name]
+
+    def call(fn, handle, block, smem, **context):
+        asked.append((handle, block, smem, context["device"]))
+        return per_sm[handle]
+
+    monkeypatch.setattr(launch, "_resident", {})
+    monkeypatch.setattr(build, "load_module", lambda ordinal: Loaded())
+    monkeypatch.setattr(driver, "call", call)
+    monkeypatch.setattr(driver, "primary_context", lambda ordinal: contextlib.nullcontext())
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda o: SimpleNamespace(multi_processor_count=132)
+    )
+    pair = (launch.STORE_LAYER, launch.STORE_LAYER_BARRIER)
+    assert launch.resident_grid(pair, 1, 256) == 132 * 3
+    assert launch.resident_grid(pair, 1, 256) == 132 * 3  # cached: no second query
+    assert asked == [("fn-a", 256, 0, 1), ("fn-b", 256, 0, 1)]
+    assert launch.resident_grid(pair[:1], 1, 256) == 132 * 4  # another key asks again
+    assert len(asked) == 3

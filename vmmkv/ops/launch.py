@@ -259,7 +259,7 @@ def lookup_handle(live: Mapping[int, Any], handle: int, what: str, traced: str) 
     return obj
 
 
-_resident: dict[tuple[int, int, tuple[str, ...]], int] = {}
+_resident: dict[tuple[int, int, tuple[Kernel, ...]], int] = {}
 
 
 def resident_grid(kernels: tuple[Kernel, ...], ordinal: int, block: int) -> int:
@@ -271,7 +271,7 @@ def resident_grid(kernels: tuple[Kernel, ...], ordinal: int, block: int) -> int:
     of once per 8 tokens. Cached per (device, block, kernels). A new key asks the driver (host
     queries, no stream work, so also during CUDA-graph capture); it loads the kernels first if
     nothing launched on the device yet, as a launch would (``warm_up`` does that beforehand)."""
-    key = (ordinal, block, tuple(k.name for k in kernels))
+    key = (ordinal, block, kernels)  # Kernel objects hash by identity: no per-call name walk
     hit = _resident.get(key)
     if hit is not None:
         return hit
