@@ -58,15 +58,42 @@ def map_all_chunks(region, peer) -> None:
             os.close(fd)
 
 
-def struct_offset_checks(struct: str, header: str, fields: list[str], sizes: list[int]) -> str:
-    """CUDA source that includes ``header`` and static_asserts that the fields of
-    ``vmmkv::<struct>`` sit at the offsets the packed ``sizes`` give (as the host mirror packs)."""
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    checks = "\n".join(
-        f'static_assert(__builtin_offsetof(vmmkv::{struct}, {f}) == {o}, "{f}");'
-        for f, o in zip(fields, offsets, strict=True)
+def struct_layout(struct: str, header: str, fields: list[str]) -> dict[str, int]:
+    """The byte offset of each field of ``vmmkv::<struct>`` (declared in ``header``) and its
+    ``sizeof`` (key ``"sizeof"``), as NVRTC lays them out for sm_90.
+
+    Read from PTX rather than asserted with ``__builtin_offsetof``, which NVRTC 13.0 (the one
+    torch 2.14's CUDA build pins) does not have: a kernel stores each offset as a compile-time
+    constant, and every ``st.global.u64 [%rd+8*i], %rdN`` after ``mov.u64 %rdN, value`` gives
+    entry ``i``. Works with any NVRTC that compiles the kernels."""
+    from vmmkv.ops import build
+
+    names = [*fields, "sizeof"]
+    lines = [
+        f"  out[{i}] = (unsigned long long)((const char*)&p->{f} - (const char*)p);"
+        for i, f in enumerate(fields)
+    ]
+    lines.append(f"  out[{len(fields)}] = sizeof(vmmkv::{struct});")
+    source = (
+        f'#include "{header}"\n'
+        'extern "C" __global__ void vmmkv_layout(unsigned long long* out) {\n'
+        f"  const vmmkv::{struct}* p = nullptr;\n" + "\n".join(lines) + "\n}\n"
     )
-    return f'#include "{header}"\n' + checks + "\n"
+    _, headers = build.read_source("kv_store.cu")
+    options = build.compile_options("sm_90", None)
+    ptx = build._nvrtc_compile("layout.cu", source, headers, options, ptx=True).decode()
+    consts = dict(re.findall(r"mov\.u64\s+(%rd\d+),\s*(\d+);", ptx))
+    got: dict[str, int] = {}
+    for off, reg in re.findall(r"st\.global\.u64\s+\[%rd\d+(?:\+(\d+))?\],\s*(%rd\d+);", ptx):
+        got[names[int(off or 0) // 8]] = int(consts[reg])
+    assert sorted(got) == sorted(names), f"PTX of the layout probe: {sorted(got)}\n{ptx}"
+    return got
+
+
+def packed_layout(fields: list[str], sizes: list[int]) -> dict[str, int]:
+    """Offsets (and ``"sizeof"``) of ``fields`` packed back to back as the host mirror packs."""
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return {**dict(zip(fields, offsets, strict=True)), "sizeof": sum(sizes)}
 
 
 def fail_peer_mapping_on(rank_to_fail: int, rank: int):
@@ -139,6 +166,63 @@ def process_gone(pid: int, timeout: float) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
+
+
+SHM_LEDGER_ENV = "VMMKV_TEST_SHM_LEDGER"
+
+
+class ShmLedger:
+    """The ``/dev/shm`` names that this test's own processes linked (test-only): a leak check
+    that other vmmkv processes of the machine cannot disturb. The parent sets
+    ``VMMKV_TEST_SHM_LEDGER`` to a file (:meth:`enable`); every process that calls
+    :func:`record_shm_exports` appends each by-value name it links to that file, flushed before
+    the name is returned (so a rank killed right after the export still leaves its record)."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+
+    def enable(self, monkeypatch) -> ShmLedger:
+        open(self.path, "a").close()
+        monkeypatch.setenv(SHM_LEDGER_ENV, self.path)
+        record_shm_exports()  # this process too (the one-process tests)
+        return self
+
+    def names(self) -> list[str]:
+        with open(self.path) as f:
+            return sorted({line.strip() for line in f if line.strip()})
+
+    def left(self) -> list[str]:
+        """The recorded names that still exist."""
+        from vmmkv.alloc.host import SHM_DIR
+
+        return [n for n in self.names() if os.path.exists(os.path.join(SHM_DIR, n))]
+
+
+def record_shm_exports() -> None:
+    """In a process of a test using :class:`ShmLedger`: record every name
+    ``HostBackend.export_value`` links (idempotent; nothing without the ledger variable)."""
+    path = os.environ.get(SHM_LEDGER_ENV)
+    from vmmkv.alloc.host import HostBackend
+
+    real = HostBackend.export_value
+    if not path or getattr(real, "_vmmkv_ledger", None) == path:
+        return
+    real = getattr(real, "_vmmkv_real", real)
+
+    def export_value(self, ptr, size, tag):
+        value = real(self, ptr, size, tag=tag)
+        with open(path, "a") as f:
+            f.write(value.decode() + "\n")
+        return value
+
+    export_value._vmmkv_ledger, export_value._vmmkv_real = path, real
+    HostBackend.export_value = export_value
+
+
+def shm_ledger_left() -> list[str]:
+    """In a child: the names of the test's ledger that still exist (nothing without one)."""
+    path = os.environ.get(SHM_LEDGER_ENV)
+    return ShmLedger(path).left() if path else []
 
 
 def fds_not_sockets() -> int:

@@ -7,8 +7,10 @@ handle type: a chunk travels as a name in ``/dev/shm`` through the group's store
 fd), is opened by name and mapped like an fd-imported chunk, and every name is removed once the
 exchange's agreement is over, on success and on every failure path, a killed exporter's too.
 
-What every test checks afterwards: no ``/dev/shm/vmmkv-*`` name left (the listing before and
-after, in the parent), no fd or shared mapping of this machinery left in a surviving rank.
+What every test checks afterwards: no ``/dev/shm`` name that the test's own processes linked is
+left (``ShmLedger``: each process records the names it links, so other vmmkv processes running
+on the machine at the same time cannot disturb the check), no fd or shared mapping of this
+machinery left in a surviving rank.
 What this cannot show: real CUDA fabric handles, IMEX, several real hosts (see README).
 """
 
@@ -20,7 +22,14 @@ import time
 
 import pytest
 
-from tests.helpers import KVStep, fds_not_sockets, kill_at
+from tests.helpers import (
+    KVStep,
+    ShmLedger,
+    fds_not_sockets,
+    kill_at,
+    record_shm_exports,
+    shm_ledger_left,
+)
 from vmmkv.alloc.host import shm_names
 from vmmkv.ipc.peers import TEST_DOMAIN_ENV, TEST_HOST_ENV
 from vmmkv.testing.markers import requires_gpu
@@ -31,12 +40,20 @@ LAYERS = 2
 TOKENS = 32  # per rank and layer
 
 
+@pytest.fixture
+def ledger(tmp_path, monkeypatch) -> ShmLedger:
+    """The /dev/shm names this test's processes link (see ``ShmLedger``)."""
+    return ShmLedger(tmp_path / "shm-names").enable(monkeypatch)
+
+
 def _gran() -> int:
     return os.sysconf("SC_PAGE_SIZE")
 
 
 def _place(rank: int, hosts: list[str], domains: list[str] | None) -> None:
-    """Make this rank act as running on ``hosts[rank]`` in NVLink domain ``domains[rank]``."""
+    """Make this rank act as running on ``hosts[rank]`` in NVLink domain ``domains[rank]``, and
+    record the by-value names it links in the test's ledger."""
+    record_shm_exports()
     os.environ[TEST_HOST_ENV] = hosts[rank]
     if domains is not None:
         os.environ[TEST_DOMAIN_ENV] = domains[rank]
@@ -106,7 +123,7 @@ def _prefix_cycle(rank, world, hosts, domains):
     _write_own(sr, rank, [(0, 2 * g)], 1)
     dist.barrier()
     out["rendezvous"] = _check_replicas(sr, world, [(0, 2 * g)], 1)
-    out["names_after_rendezvous"] = len(shm_names())
+    out["names_after_rendezvous"] = shm_ledger_left()
     dist.barrier()
     sr.resize(7 * g)
     _write_own(sr, rank, [(2 * g, 7 * g)], 2)
@@ -126,18 +143,17 @@ def _prefix_cycle(rank, world, hosts, domains):
 
 
 @pytest.mark.timeout(120)
-def test_four_processes_as_two_hosts_of_one_domain_map_grow_and_shrink_by_value():
-    before = shm_names()
+def test_four_processes_as_two_hosts_of_one_domain_map_grow_and_shrink_by_value(ledger):
     g = _gran()
     out = run_world(_prefix_cycle, 4, args=(["h0", "h0", "h1", "h1"], ["d0"] * 4), timeout=100)
     for o in out:
         assert o["handle_type"] == "shm_name" and o["by_value"], o
         assert o["rendezvous"] == [] and o["grow"] == [] and o["after_shrink"] == [], o
-        assert o["names_after_rendezvous"] == len(before), o  # removed once all mapped
+        assert o["names_after_rendezvous"] == [], o  # removed once all mapped
         assert o["mapped_after_grow"] == [7 * g] * 4, o
         assert o["mapped_after_shrink"] == [3 * g] * 4, o
         assert o["leaks"] == (0, 0, 0), o
-    assert shm_names() == before
+    assert ledger.names() and ledger.left() == [], ledger.left()
 
 
 @pytest.mark.timeout(120)
@@ -187,8 +203,7 @@ def _segments_cycle(rank, world):
 
 
 @pytest.mark.timeout(120)
-def test_a_segmented_layout_grows_and_shrinks_by_value_across_three_simulated_hosts():
-    before = shm_names()
+def test_a_segmented_layout_grows_and_shrinks_by_value_across_three_simulated_hosts(ledger):
     g = _gran()
     out = run_world(_segments_cycle, 3, timeout=100)
     # 3 blocks of 1.5 pages: pages [0, 5) of each segment; 1 block: [0, 2)
@@ -200,7 +215,7 @@ def test_a_segmented_layout_grows_and_shrinks_by_value_across_three_simulated_ho
         assert o["shrunk_chunks"] == [shrunk] * 3, o
         assert all(o["regrown_zero"]), o
         assert o["leaks"] == (0, 0, 0), o
-    assert shm_names() == before
+    assert ledger.names() and ledger.left() == [], ledger.left()
 
 
 def _rendezvous_by_value(rank, world):
@@ -225,10 +240,9 @@ def _rendezvous_by_value(rank, world):
 
 
 @pytest.mark.timeout(120)
-def test_rendezvous_maps_shm_name_regions_of_two_simulated_hosts_byte_exact():
-    before = shm_names()
+def test_rendezvous_maps_shm_name_regions_of_two_simulated_hosts_byte_exact(ledger):
     assert run_world(_rendezvous_by_value, 2, timeout=100) == [(True, (0, 0, 0))] * 2
-    assert shm_names() == before
+    assert ledger.names() and ledger.left() == [], ledger.left()
 
 
 def _cache_publish(rank, world, hosts, domains):
@@ -253,19 +267,17 @@ def _cache_publish(rank, world, hosts, domains):
 
 
 @pytest.mark.timeout(150)
-def test_cache_stores_across_simulated_hosts_of_one_domain_are_byte_equal_to_the_reference():
-    before = shm_names()
+def test_cache_stores_across_simulated_hosts_of_one_domain_are_byte_equal_to_the_reference(ledger):
     out = run_world(_cache_publish, 3, args=(["a", "a", "b"], ["d0"] * 3), timeout=130)
     for direct, why, handle, tokens, oob in out:
         assert direct, why
         assert handle == "shm_name"
         assert (tokens, oob) == (TOKENS * LAYERS, 0)
-    assert shm_names() == before
+    assert ledger.names() and ledger.left() == [], ledger.left()
 
 
 @pytest.mark.timeout(150)
-def test_a_group_across_two_nvlink_domains_falls_back_to_gather_naming_domains_and_ranks():
-    before = shm_names()
+def test_a_group_across_two_nvlink_domains_falls_back_to_gather_naming_domains_and_ranks(ledger):
     out = run_world(
         _cache_publish, 4, args=(["a", "a", "b", "b"], ["d0", "d0", "d1", "d1"]), timeout=130
     )
@@ -274,7 +286,7 @@ def test_a_group_across_two_nvlink_domains_falls_back_to_gather_naming_domains_a
         assert "2 NVLink domains" in why, why
         assert "nvlink:test:d0: ranks [0, 1]" in why and "nvlink:test:d1: ranks [2, 3]" in why
         assert (tokens, oob) == (TOKENS * LAYERS, 0)  # the gather path stores the same bytes
-    assert shm_names() == before
+    assert ledger.left() == [], ledger.left()
 
 
 def _require_across_hosts(rank, world):
@@ -425,8 +437,7 @@ def _inject_rdzv_agreement():
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("point", list(INJECT))
-def test_an_error_on_one_rank_at_each_by_value_step_fails_every_rank_naming_it(point):
-    before = shm_names()
+def test_an_error_on_one_rank_at_each_by_value_step_fails_every_rank_naming_it(point, ledger):
     g = _gran()
     world = 3
     out = run_world(_injected, world, args=(point,), timeout=130)
@@ -443,7 +454,7 @@ def test_an_error_on_one_rank_at_each_by_value_step_fails_every_rank_naming_it(p
         assert o["after_failed_grow"] == [2 * g] * world, o
         assert o["replicas"] == [], o
         assert o["leaks"] == (0, 0, 0), o
-    assert shm_names() == before
+    assert ledger.left() == [], ledger.left()
 
 
 # point -> (operation, owner, attribute, die after the real call)
@@ -495,8 +506,7 @@ def _killed(rank, world, point, marker):
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("point", list(KILLS))
-def test_a_rank_killed_at_each_by_value_step_is_named_and_leaves_no_shm_names(point, tmp_path):
-    before = shm_names()
+def test_a_rank_killed_at_each_by_value_step_is_named_and_leaves_no_shm_names(point, tmp_path, ledger):
     world = 3
     marker = tmp_path / "killed-at"
     res = run_world_raw(_killed, world, args=(point, str(marker)), timeout=120)
@@ -509,7 +519,7 @@ def test_a_rank_killed_at_each_by_value_step_is_named_and_leaves_no_shm_names(po
         assert error is not None and "ranks [2]" in error, error
         assert elapsed < TIMEOUT + 3, (elapsed, error)
         assert leaks == (0, 0, 0), leaks
-    assert shm_names() == before
+    assert ledger.left() == [], ledger.left()
 
 
 # --------------------------------------------------------------------------------------------
@@ -522,31 +532,31 @@ def test_an_shm_name_chunk_exported_by_value_shares_its_bytes_and_its_name_is_re
 
     from vmmkv.alloc import VirtualRegion
 
-    before = shm_names()
+    tag = f"t{os.getpid()}x{time.monotonic_ns() % 10**9}"  # no other process uses it
     fds0 = fds_not_sockets()
     g = _gran()
     own = VirtualRegion(4 * g, "cpu", chunk_bytes=g, backend="host", handle_type="shm_name")
     own.commit(2 * g)
     chunk = own.chunks()[1]
-    value = own.export_chunk_value(chunk, "t0")
-    assert value.startswith(b"vmmkv-t0-") and len(shm_names("t0-")) == 1
+    value = own.export_chunk_value(chunk, tag)
+    assert value.startswith(f"vmmkv-{tag}-".encode()) and len(shm_names(f"{tag}-")) == 1
     peer = own.open_peer()
     peer.map_value(value, chunk)
-    own.release_values("t0")  # the mapping keeps the memory; the name goes
-    assert shm_names("t0-") == []
+    own.release_values(tag)  # the mapping keeps the memory; the name goes
+    assert shm_names(f"{tag}-") == []
     data = torch.randint(1, 256, (g,), dtype=torch.uint8)
     own.tensor()[g : 2 * g].copy_(data)
     assert torch.equal(peer.tensor()[g : 2 * g], data)
     peer.close()
     own.close()
-    assert fds_not_sockets() == fds0 and shm_names() == before
+    assert fds_not_sockets() == fds0 and shm_names(f"{tag}-") == []
 
 
 def test_by_value_calls_refuse_bad_names_sizes_tags_and_fd_regions_before_any_system_call():
     from vmmkv.alloc import VirtualRegion
     from vmmkv.alloc.host import HostBackend
 
-    before = shm_names()
+    tag = f"t{os.getpid()}x{time.monotonic_ns() % 10**9}"  # no other process uses it
     fds0 = fds_not_sockets()
     g = _gran()
     be = HostBackend("shm_name")
@@ -566,17 +576,17 @@ def test_by_value_calls_refuse_bad_names_sizes_tags_and_fd_regions_before_any_sy
         r.commit(g)
         with pytest.raises(ValueError, match="tag must be"):
             r.export_chunk_value(r.chunks()[0], "a-b")
-        value = r.export_chunk_value(r.chunks()[0], "t2")
+        value = r.export_chunk_value(r.chunks()[0], tag)
         try:
             with pytest.raises(ValueError, match=f"holds {g} bytes, expected >= {2 * g}"):
                 be.import_value(value, 2 * g)
         finally:
-            r.release_values("t2")
+            r.release_values(tag)
     with VirtualRegion(2 * g, "cpu", chunk_bytes=g, backend="host") as r:
         r.commit(g)
         with pytest.raises(ValueError, match="'posix_fd' has no values"):
-            r.export_chunk_value(r.chunks()[0], "t3")
-    assert shm_names() == before and fds_not_sockets() == fds0  # refusals keep no fd open
+            r.export_chunk_value(r.chunks()[0], tag)
+    assert shm_names(f"{tag}-") == [] and fds_not_sockets() == fds0  # refusals keep no fd open
 
 
 def _req(boot, domain, host="h"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import vmmkv.ops  # noqa: F401  (registers the custom ops)
-from tests.helpers import struct_offset_checks
+from tests.helpers import packed_layout, struct_layout
 from vmmkv.alloc import driver
 from vmmkv.ops import build, launch
 from vmmkv.ops.kv import KVTarget
@@ -200,9 +200,7 @@ def test_barrier_args_layout_matches_the_device_struct():
               "reserved"]  # fmt: skip
     sizes = [8] * 5 + [4] * 4
     assert launch.BARRIER_ARGS.size == sum(sizes) == 56
-    _, headers = build.read_source("kv_store.cu")
-    source = struct_offset_checks("BarrierArgs", "barrier.cuh", fields, sizes)
-    build._nvrtc_compile("layout.cu", source, headers, build.compile_options("sm_90", None))
+    assert struct_layout("BarrierArgs", "barrier.cuh", fields) == packed_layout(fields, sizes)
 
 
 def test_the_fused_kernels_release_their_stores_before_arriving_and_run_the_barrier():
