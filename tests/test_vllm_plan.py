@@ -35,17 +35,92 @@ def configs():
 
 
 @pytest.mark.timeout(300)
-def test_vllms_plugin_loader_finds_the_entry_point_and_it_patches_only_when_enabled():
+def test_vllms_plugin_loader_finds_the_entry_point_and_it_patches_only_in_a_worker_process():
+    """vLLM runs register() in every process: enabled, it checks the version and waits; only the
+    import of MRV2's model runner (a GPU worker) installs the patches. API-server-like
+    processes import no vLLM model-runner or model module on vmmkv's behalf."""
     code = (
         "import sys\n"
         "from vllm.plugins import load_general_plugins\n"
         "load_general_plugins()\n"
         "from vmmkv.integrations import vllm as v\n"
-        "import vllm.v1.worker.gpu_model_runner as g\n"
-        "print(v.installed(), g.allocate_kv_cache.__module__)\n"
+        "heavy = [m for m in sys.modules if m.startswith(('vllm.v1.worker.gpu', 'vllm.models.',"
+        " 'vllm.model_executor.layers.sparse_attn_indexer'))]\n"
+        "before = (v.installed(), heavy)\n"
+        "import vllm.v1.worker.gpu.model_runner\n"
+        "import vllm.v1.worker.gpu.attn_utils as a\n"
+        "print(before, v.installed(), a.allocate_kv_cache.__module__)\n"
     )
-    assert _python(code, VLLM_USE_VMMKV="1") == "True vmmkv.integrations.vllm._patches"
-    assert _python(code, VLLM_USE_VMMKV="0") == "False vllm.v1.worker.utils"
+    assert _python(code, VLLM_USE_VMMKV="1") == "(False, []) True vmmkv.integrations.vllm._patches"
+    assert _python(code, VLLM_USE_VMMKV="0") == "(False, []) False vllm.v1.worker.utils"
+
+
+@pytest.mark.timeout(300)
+def test_a_vllm_release_other_than_the_supported_one_is_refused_naming_vmmkv_and_both_releases():
+    from vmmkv.integrations.vllm import SUPPORTED_VLLM, UnsupportedVLLM, check_vllm_version
+
+    assert SUPPORTED_VLLM == "==0.33.0"
+    assert check_vllm_version() == "0.33.0"  # the installed one
+    assert check_vllm_version("0.33.0+cu130") == "0.33.0+cu130"
+    for other in ("0.33.1", "0.34.0", "0.32.9", "not-a-version"):
+        with pytest.raises(
+            UnsupportedVLLM,
+            match=rf"vmmkv 0\.1\.0's vLLM plugin supports "
+            rf"vllm==0\.33\.0 only .* the installed vLLM is {other}",
+        ):
+            check_vllm_version(other)
+    # through register(), as vLLM's loader calls it in every process (metadata of another vLLM)
+    code = (
+        "import importlib.metadata as md\n"
+        "real = md.version\n"
+        "md.version = lambda n: '0.34.0' if n == 'vllm' else real(n)\n"
+        "from vmmkv.integrations import vllm as v\n"
+        "try:\n"
+        "    v.register()\n"
+        "except v.UnsupportedVLLM as exc:\n"
+        "    print('refused:', exc)\n"
+    )
+    out = _python(code, VLLM_USE_VMMKV="1")
+    assert out.startswith("refused: vmmkv 0.1.0's vLLM plugin supports vllm==0.33.0 only"), out
+    assert "the installed vLLM is 0.34.0" in out, out
+
+
+def test_a_moved_or_changed_site_is_refused_at_install_naming_it_and_nothing_is_patched():
+    """Review R3: a renamed vLLM op used to kill every process with a bare AttributeError."""
+    import vllm._custom_ops as ops
+    from vllm.v1.worker.gpu import attn_utils
+
+    from vmmkv.integrations import vllm as integration
+    from vmmkv.integrations.vllm import _patches
+
+    real_alloc, real_op = attn_utils.allocate_kv_cache, ops.indexer_k_quant_and_cache
+    del ops.indexer_k_quant_and_cache  # a moved site (R3's simulation)
+    try:
+        with pytest.raises(integration.UnsupportedVLLM) as info:
+            integration.install()
+    finally:
+        ops.indexer_k_quant_and_cache = real_op
+    msg = str(info.value)
+    assert "vllm._custom_ops.indexer_k_quant_and_cache: missing (AttributeError" in msg, msg
+    assert "nothing was patched" in msg and "vllm==0.33.0" in msg, msg
+    assert not integration.installed() and attn_utils.allocate_kv_cache is real_alloc
+
+    def changed(kv_cache_config, device, layout, kernel_block_sizes=None, *, extra=None):
+        return real_alloc(kv_cache_config, device, layout, kernel_block_sizes)
+
+    attn_utils.allocate_kv_cache = changed  # a new parameter: signature drift
+    try:
+        with pytest.raises(
+            integration.UnsupportedVLLM,
+            match=r"allocate_kv_cache: parameters "
+            r"\('kv_cache_config', 'device', 'layout', 'kernel_block_sizes', "
+            r"'extra'\), expected",
+        ):
+            integration.install()
+        assert attn_utils.allocate_kv_cache is changed and not integration.installed()
+    finally:
+        attn_utils.allocate_kv_cache = real_alloc
+    assert len(_patches._SITES) == 9
 
 
 @pytest.mark.timeout(120)
@@ -74,11 +149,11 @@ def test_patched_replaces_every_call_site_and_unregister_restores_vllms_objects(
     from vllm.models.deepseek_v32 import attention as v32
     from vllm.v1.worker import gpu_model_runner, utils
     from vllm.v1.worker.gpu import attn_utils
+    from vllm.v1.worker.gpu import model_runner as mrv2
 
     from vmmkv.integrations import vllm as integration
 
     sites = [
-        (gpu_model_runner, "allocate_kv_cache"),
         (attn_utils, "allocate_kv_cache"),
         (v32, "maybe_gather_mla_latent_cache_inputs"),
         (mla_attention, "maybe_gather_mla_latent_cache_inputs"),
@@ -86,6 +161,8 @@ def test_patched_replaces_every_call_site_and_unregister_restores_vllms_objects(
         (ops, "concat_and_cache_mla"),
         (ops, "indexer_k_quant_and_cache"),
         (utils.KVBlockZeroer, "zero_block_ids"),
+        (mrv2, "copy_kv_cache_blocks_inplace"),
+        (mrv2.GPUModelRunner, "shutdown"),
     ]
     before = [getattr(owner, name) for owner, name in sites]
     with integration.patched():
@@ -93,10 +170,12 @@ def test_patched_replaces_every_call_site_and_unregister_restores_vllms_objects(
             now = [getattr(owner, name) for owner, name in sites]
             assert all(a is not b for a, b in zip(before, now, strict=True))
             assert all(f.__module__.endswith("_patches") for f in now)
-            assert integration.original(ops, "concat_and_cache_mla") is before[5]
+            assert integration.original(ops, "concat_and_cache_mla") is before[4]
     assert [getattr(owner, name) for owner, name in sites] == before
     assert not integration.installed() and integration.active_cache() is None
     assert utils.allocate_kv_cache is before[0]  # vLLM's own function is never touched
+    # PCP runs on MRV2 only in 0.33 (the v1 runner refuses it): its sites stay vLLM's
+    assert gpu_model_runner.allocate_kv_cache is utils.allocate_kv_cache
 
 
 @pytest.mark.parametrize("layout", VLLM_LAYOUTS)
@@ -203,15 +282,19 @@ def test_the_three_pcp_cases_map_to_num_local_only_and_this_ranks_slots():
     p = pcp_store_plan(rows, torch.arange(4), 3, True, 1, world)
     assert (p.tokens, p.num_local_only, p.gathered) == (3, 3, None)
     assert p.own_slots.tolist() == [0, 1, 2] and p.slots is p.own_slots
-    # 2. pcp_shard_decode_requests (DCP == 1): every row published, decodes included
+    # 2. pcp_shard_decode_requests (DCP == 1): every row published at the own section
     p = pcp_store_plan(rows, expanded, 2, True, 1, world)
-    assert (p.tokens, p.num_local_only, p.slots) == (rows, 0, None)
+    assert (p.tokens, p.num_local_only) == (rows, 0)
     assert p.gathered.tolist() == list(range(15)) and p.own_slots.tolist() == [5, 6, 7, 8, 9]
-    # 3. DCP > 1: decode rows local only
-    p = pcp_store_plan(rows, expanded, 2, False, 2, world)
-    assert (p.tokens, p.num_local_only) == (rows, 2) and p.own_slots.tolist() == list(range(10, 15))
-    p = pcp_store_plan(rows, expanded, rows, False, 0, world)  # all decodes: nothing published
-    assert p.num_local_only == p.tokens == rows
+    # 3. DCP > 1: decode rows local only, at rank 0's slots (vLLM's canonical writer), on every
+    # rank; the other rows published at the own section
+    for rank in range(world):
+        p = pcp_store_plan(rows, expanded, 2, False, rank, world)
+        assert (p.tokens, p.num_local_only) == (rows, 2)
+        assert p.own_slots.tolist() == [0, 1, *range(5 * rank + 2, 5 * rank + 5)], rank
+        assert p.gathered.tolist() == list(range(15))
+        p = pcp_store_plan(rows, expanded, rows, False, rank, world)  # all decodes
+        assert p.num_local_only == p.tokens == rows and p.own_slots.tolist() == list(range(5))
     with pytest.raises(ValueError, match="num_decode_tokens"):
         pcp_store_plan(rows, expanded, rows + 1, False, 0, world)
     with pytest.raises(ValueError, match="fewer than 3 ranks x 5 rows"):

@@ -81,6 +81,7 @@ __all__ = [
     "RegionClosedError",
     "UnmapError",
     "VirtualRegion",
+    "block_layout_chunk_bytes",
     "covering_chunks",
     "make_backend",
     "run_all",
@@ -219,6 +220,32 @@ def _overlaps(merged: list[Range], offset: int, size: int) -> bool:
     """Whether ``[offset, offset + size)`` overlaps one of the ``merged`` ranges."""
     i = bisect.bisect_left(merged, offset + size, key=lambda r: r[0]) - 1
     return i >= 0 and merged[i][1] > offset
+
+
+def block_layout_chunk_bytes(
+    segments: Any, capacity: int, granularity: int, *, waste: float = 1 / 32
+) -> int:
+    """The chunk size for a region that grows by blocks of ``segments`` (``(offset,
+    block_bytes)`` pairs, as ``set_block_layout`` takes them): the largest power-of-two multiple
+    of ``granularity`` (at most 1 GiB, at least the granularity) whose worst-case overhead, one
+    partly used chunk at each end of every segment (``2 * len(segments)`` chunks), stays within
+    ``waste * capacity``. Pure geometry.
+
+    Why: the default (``capacity / 64``) is larger than a segment as soon as a layout has more
+    than 64 of them (a DeepSeek-V3.2 cache has 122), and then any block count commits the whole
+    capacity. Smaller chunks follow the committed blocks closer but cost one fd and one mapping
+    per chunk and peer; 1/32 of the capacity bounds the overhead while the chunk count stays
+    near ``capacity / chunk`` (measured figures: docs/design.md, "Segmented growth")."""
+    _require_positive("capacity", capacity)
+    _require_positive("granularity", granularity)
+    count = len(list(segments))
+    chunk = granularity
+    while (
+        chunk * 2 <= min(capacity, _MAX_DEFAULT_CHUNK)
+        and 2 * count * chunk * 2 <= waste * capacity
+    ):
+        chunk *= 2
+    return chunk
 
 
 def covering_chunks(ranges: Any, chunk_bytes: int, capacity: int) -> list[Chunk]:

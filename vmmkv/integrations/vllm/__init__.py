@@ -57,8 +57,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from ._patches import (
+    SUPPORTED_VLLM,
+    UnsupportedVLLM,
     active_cache,
+    check_vllm_version,
     install,
+    install_when_worker_starts,
     installed,
     original,
     uninstall,
@@ -68,11 +72,14 @@ from ._patches import (
 
 __all__ = [
     "ENV",
+    "SUPPORTED_VLLM",
     "KVCachePlan",
     "StorePlan",
     "UnsupportedKVCache",
+    "UnsupportedVLLM",
     "VllmKVCache",
     "active_cache",
+    "check_vllm_version",
     "create_views",
     "enabled",
     "installed",
@@ -119,10 +126,13 @@ def enabled() -> bool:
 
 
 def register() -> None:
-    """vLLM's ``vllm.general_plugins`` hook: patch the call sites when ``VLLM_USE_VMMKV=1``,
-    else nothing (no vLLM module is imported). Idempotent."""
+    """vLLM's ``vllm.general_plugins`` hook, run in every vLLM process. ``VLLM_USE_VMMKV=1``:
+    check the installed vLLM's version (package metadata; :class:`UnsupportedVLLM` names vmmkv
+    and the supported release otherwise) and patch the call sites when the process starts an
+    MRV2 GPU worker (``install_when_worker_starts``): the API server and engine-core processes
+    import no vLLM module on vmmkv's behalf. Unset or '0': nothing. Idempotent."""
     if enabled():
-        install()
+        install_when_worker_starts()
 
 
 def unregister() -> None:

@@ -5,8 +5,10 @@ What it does, in order (the constructor):
 1. :func:`plan_kv_cache` validates vLLM's ``KVCacheConfig`` and layout (local; it raises
    :class:`UnsupportedKVCache` naming the layer, spec or layout before any collective).
 2. One ``ReplicatedKVCache`` over the PCP group (``cpu_group`` for its rendezvous,
-   ``device_group`` for its gather fallback) of exactly the backing size, nothing committed.
-3. ``allocate(size)`` is vLLM's backing buffer; ``set_block_layout`` declares the plan's segments
+   ``device_group`` for its gather fallback) of the backing size rounded up to the allocation
+   granularity, nothing committed, chunks sized by ``block_layout_chunk_bytes`` (so that
+   committed bytes follow committed blocks).
+3. ``allocate(size)`` (exactly vLLM's backing size) is vLLM's backing buffer; ``set_block_layout`` declares the plan's segments
    (block growth, both layout families); vLLM's own ``create_kv_cache_views`` builds the layer
    views over that buffer (no whole-buffer ``torch.zeros`` over uncommitted memory).
 4. Every layer view is bound (4-D ``[B, 1, N, C]`` as vLLM makes it) with its kind:
@@ -45,7 +47,8 @@ from typing import Any
 
 import torch
 
-from ..._util import require_int
+from ..._util import require_int, round_up
+from ...alloc.region import block_layout_chunk_bytes, make_backend
 from ...cache import Binding, ReplicatedKVCache
 from ...ops.formats import get_format
 from ._layout import KVCachePlan, create_views, plan_kv_cache
@@ -60,17 +63,20 @@ MLA, INDEXER = "mla", "indexer"
 @dataclass(frozen=True)
 class StorePlan:
     """One layer store in vLLM's PCP convention: ``tokens`` rows of this rank's inputs, the
-    leading ``num_local_only`` of them replicated (own replica only). Slots: ``slots`` (this
-    rank's; case 1) or ``gathered`` (the group's rank-major mapping ``[world * tokens]``;
-    ``slots`` is then None and the cache takes this rank's slice). ``own_slots``: this rank's
-    slots either way (what vLLM's insert receives after the replaced gather)."""
+    leading ``num_local_only`` of them replicated (own replica only). ``slots``: the slot of
+    each of the ``tokens`` rows on this rank (what vLLM's insert receives after the replaced
+    gather); ``gathered``: the group's rank-major mapping ``[world * tokens]`` (the gather
+    fallback takes the peers' slots from it), or None (case 1)."""
 
     case: str
     tokens: int
     num_local_only: int
-    slots: torch.Tensor | None
+    slots: torch.Tensor
     gathered: torch.Tensor | None
-    own_slots: torch.Tensor
+
+    @property
+    def own_slots(self) -> torch.Tensor:
+        return self.slots
 
 
 def pcp_store_plan(
@@ -85,14 +91,21 @@ def pcp_store_plan(
     (``vllm.v1.attention.ops.pcp._gather_prefill_cache_inputs``), without the gather:
 
     1. a slot mapping no longer than the local rows (replicated draft decodes, unexpanded):
-       the first ``num_decode_tokens`` rows, all local only;
+       the first ``num_decode_tokens`` rows, all local only, at ``slot_mapping[:nd]``;
     2. ``shard_decode_requests`` (PCP with DCP == 1: one owner per decode): every local row is
-       this rank's own: ``num_local_only = 0``;
-    3. otherwise (DCP > 1, decodes replicated): the leading ``num_decode_tokens`` rows are local
-       only, the rest published.
+       published at this rank's own section (``num_local_only = 0``);
+    3. otherwise (DCP > 1, decodes replicated): the leading ``nd = num_decode_tokens`` rows are
+       local only, the rest published.
 
-    In 2 and 3 the slot mapping is the expanded one: its first ``world * rows`` entries are
-    rank-major (this rank's at ``[rank * rows, (rank + 1) * rows)``, padding -1)."""
+    In 2 and 3 the slot mapping is the expanded one that vLLM's ``PCPManager`` builds: its first
+    ``world * rows`` entries are rank-major (rank ``r``'s rows at ``[r * rows, (r + 1) * rows)``).
+    vLLM makes rank 0 the canonical writer of replicated rows: every other rank's section holds
+    PAD_SLOT_ID (-1) there. Replicated rows that are published (case 2, and short replicated
+    prefills in case 3) are therefore written by rank 0 into every replica, as vLLM's gather
+    writes rank 0's copy. The local-only rows of case 3 are written on every rank, as vLLM's
+    insert writes them, at rank 0's slots ``mapping[:nd]`` (every rank holds the same rows):
+    this rank's slots are ``mapping[:nd]`` followed by its own section past ``nd`` (one small
+    copy when ``0 < nd``; a view of the mapping otherwise)."""
     require_int("rows", rows, lo=0)
     require_int("num_decode_tokens", num_decode_tokens, lo=0, hi=rows)
     if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
@@ -100,17 +113,20 @@ def pcp_store_plan(
     n = slot_mapping.shape[0]
     if n <= rows:
         nd = num_decode_tokens
-        own = slot_mapping[:nd]
-        return StorePlan("replicated-draft-decodes", nd, nd, own, None, own)
+        return StorePlan("replicated-draft-decodes", nd, nd, slot_mapping[:nd], None)
     if n < world * rows:
         raise ValueError(
             f"rank {rank}: the expanded slot mapping has {n} entries, fewer than "
             f"{world} ranks x {rows} rows"
         )
     gathered = slot_mapping[: world * rows]
-    nlo = 0 if shard_decode_requests else num_decode_tokens
-    case = "shard-decode-requests" if shard_decode_requests else "dcp-replicated-decodes"
-    return StorePlan(case, rows, nlo, None, gathered, gathered[rank * rows : (rank + 1) * rows])
+    own = gathered[rank * rows : (rank + 1) * rows]
+    if shard_decode_requests:
+        return StorePlan("shard-decode-requests", rows, 0, own, gathered)
+    nd = num_decode_tokens
+    if 0 < nd and rank != 0:
+        own = torch.cat((gathered[:nd], own[nd:]))
+    return StorePlan("dcp-replicated-decodes", rows, nd, own, gathered)
 
 
 class VllmKVCache:
@@ -143,8 +159,15 @@ class VllmKVCache:
             initial_blocks = plan.num_blocks
         require_int("initial_blocks", initial_blocks, lo=0, hi=plan.num_blocks)
         self.mla_kind, self.indexer_kind = mla_kind, indexer_kind
+        # The region's capacity is vLLM's backing size rounded up to the granularity (2 MiB on
+        # CUDA: num_blocks x 61 layers x 50432 B almost never is a multiple); vLLM's buffer is
+        # exactly plan.size. Chunks follow the block layout (block_layout_chunk_bytes).
+        gran = make_backend(device, backend).granularity
+        capacity = round_up(plan.size, gran)
+        if chunk_bytes is None:
+            chunk_bytes = block_layout_chunk_bytes(plan.segments, capacity, gran)
         self.cache = ReplicatedKVCache(
-            cpu_group, plan.size, device, device_group=device_group, initial_bytes=0,
+            cpu_group, capacity, device, device_group=device_group, initial_bytes=0,
             chunk_bytes=chunk_bytes, lanes=1, direct=direct, timeout=timeout, backend=backend,
         )  # fmt: skip
         try:
@@ -229,11 +252,10 @@ class VllmKVCache:
         """Store one layer cache's rows (``inputs``: ``kv_c, k_pe`` or ``k``) as ``plan`` says,
         then, in direct mode when rows went to peers, the barrier: every replica holds every
         rank's rows before attention reads them. Collective (see the module docstring)."""
-        slots = plan.slots  # None with a gathered mapping: the cache takes this rank's slice
         mla = self._family(b.kind) == MLA
         store = self.cache.store_ds_mla if mla else self.cache.store_indexer_k
         store(
-            b, *inputs, slots, num_local_only=plan.num_local_only,
+            b, *inputs, plan.slots, num_local_only=plan.num_local_only,
             gathered_slot_mapping=plan.gathered,
         )  # fmt: skip
         if self.cache.direct and plan.num_local_only < plan.tokens:

@@ -1,13 +1,16 @@
 """The vLLM 0.33.0 call sites vmmkv replaces, each patched where vLLM looks it up and restored
-by :func:`uninstall`.
+by :func:`uninstall`. PCP runs only on vLLM's v2 model runner (MRV2) in 0.33 (its v1 runner
+lists "prefill context parallel" as unsupported), so only MRV2's sites are patched.
 
 | site (module: name) | replaced by |
 |---|---|
-| ``vllm.v1.worker.gpu_model_runner: allocate_kv_cache`` and ``vllm.v1.worker.gpu.attn_utils: allocate_kv_cache`` (the two runners' allocation) | a :class:`VllmKVCache` over the PCP group; vLLM's own one when PCP is 1 |
-| ``vllm.models.deepseek_v32.attention`` and ``vllm.model_executor.layers.attention.mla_attention``: ``maybe_gather_mla_latent_cache_inputs`` | no gather: this rank's rows and slots, the PCP case remembered for the insert |
+| ``vllm.v1.worker.gpu.attn_utils: allocate_kv_cache`` (MRV2's allocation) | a :class:`VllmKVCache` over the PCP group, which *replaces* the process's previous one (closed first: vLLM allocates a small profiling cache, tears it down, then allocates the real one); vLLM's own allocation when PCP is 1 |
+| ``vllm.models.deepseek_v32.attention`` and ``vllm.model_executor.layers.attention.mla_attention``: ``maybe_gather_mla_latent_cache_inputs`` | no gather: this rank's rows and slots (replicated rows with the slots vLLM writes them at), the PCP case remembered for the insert |
 | ``vllm.model_executor.layers.sparse_attn_indexer: maybe_gather_indexer_k`` | the same for the indexer (its own metadata's ``num_decode_tokens``) |
 | ``vllm._custom_ops: concat_and_cache_mla``, ``indexer_k_quant_and_cache`` | into a vmmkv layer view after a replaced gather: the cache's store (direct publication + barrier, or vmmkv's gather fallback); any other call: vLLM's op unchanged |
-| ``vllm.v1.worker.utils: KVBlockZeroer.zero_block_ids`` | vLLM's zeroing, then the cache barrier (and a check that the blocks are committed) |
+| ``vllm.v1.worker.utils: KVBlockZeroer.zero_block_ids`` | a check that the blocks are committed, vLLM's zeroing, then the cache barrier |
+| ``vllm.v1.worker.gpu.model_runner: copy_kv_cache_blocks_inplace`` | a check that the blocks are committed, vLLM's copy-on-write block copies (after the zeroing), then the cache barrier again: no peer publishes into this replica before its copies ran |
+| ``vllm.v1.worker.gpu.model_runner: GPUModelRunner.shutdown`` | vLLM's shutdown, then the cache is closed |
 
 A replaced gather and its insert pair up through a pending record per cache family (MLA,
 indexer): the gather stores the PCP case and the tensors it returned; the insert that receives
@@ -15,13 +18,26 @@ exactly those tensors consumes it. An insert that does not (any call outside the
 vLLM's op; a replaced gather whose insert targets memory vmmkv did not allocate raises, naming
 the tensor (the rows of the other ranks were never gathered, so vLLM's op would write too few).
 
+Installation (:func:`install`) is all or nothing: the installed vLLM's version must be in
+:data:`SUPPORTED_VLLM` (checked from the package metadata, :func:`check_vllm_version`, without
+importing vLLM) and every site must exist with the parameters recorded here from 0.33.0;
+otherwise :class:`UnsupportedVLLM` names vmmkv, the supported release and every site that moved,
+and nothing is patched. :func:`install_when_worker_starts` (what ``register()`` uses) defers the
+installation until the process imports MRV2's model runner module, so vLLM's API server and
+engine-core processes never import vLLM modules on vmmkv's behalf.
+
 Local, not thread-safe: install/uninstall from one thread, like vLLM's worker.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.metadata
+import importlib.util
+import inspect
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,8 +47,12 @@ import torch
 from ...ops.formats import FORMATS, INDEXER_DIM
 
 __all__ = [
+    "SUPPORTED_VLLM",
+    "UnsupportedVLLM",
     "active_cache",
+    "check_vllm_version",
     "install",
+    "install_when_worker_starts",
     "installed",
     "original",
     "uninstall",
@@ -44,6 +64,45 @@ log = logging.getLogger(__name__)
 
 MLA, INDEXER = "mla", "indexer"
 MX_INDEXER_KIND = "indexer_k_mxfp8"
+# The vLLM release whose internals the sites below are written against (PEP 440 specifier; a
+# local build such as 0.33.0+cu130 matches).
+SUPPORTED_VLLM = "==0.33.0"
+# The module whose import marks a process that runs an MRV2 GPU worker.
+WORKER_MODULE = "vllm.v1.worker.gpu.model_runner"
+
+
+class UnsupportedVLLM(RuntimeError):
+    """The installed vLLM is not the release vmmkv's plugin is written for, or one of the sites
+    it patches moved or changed its parameters (nothing was patched)."""
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """The installed vLLM's version (from its package metadata: no vLLM import), or
+    :class:`UnsupportedVLLM` when it is not in :data:`SUPPORTED_VLLM`."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    from ... import __version__
+
+    if version is None:
+        try:
+            version = importlib.metadata.version("vllm")
+        except importlib.metadata.PackageNotFoundError:
+            raise UnsupportedVLLM(
+                f"VLLM_USE_VMMKV=1 but vLLM is not installed; vmmkv {__version__} supports "
+                f"vllm{SUPPORTED_VLLM} (pip install 'vmmkv[vllm]')"
+            ) from None
+    try:
+        ok = Version(version) in SpecifierSet(SUPPORTED_VLLM)
+    except InvalidVersion:
+        ok = False
+    if not ok:
+        raise UnsupportedVLLM(
+            f"vmmkv {__version__}'s vLLM plugin supports vllm{SUPPORTED_VLLM} only (it replaces "
+            f"internal call sites of that release); the installed vLLM is {version}. Install "
+            "vllm==0.33.0 (pip install 'vmmkv[vllm]') or unset VLLM_USE_VMMKV"
+        )
+    return version
 
 
 @dataclass
@@ -65,6 +124,7 @@ class _State:
         self.patches: list[_Patch] = []
         self.active: Any = None  # the process's VllmKVCache, once allocated
         self.pending: dict[str, _Pending] = {}
+        self.hook: Any = None  # the import hook of install_when_worker_starts, until it fires
 
 
 _STATE = _State()
@@ -153,11 +213,13 @@ def _allocate(orig: Callable[..., Any]) -> Callable[..., Any]:
         cfg = get_current_vllm_config_or_none()
         if cfg is not None:
             check_vllm_config(cfg)
-        if _STATE.active is not None:
-            raise RuntimeError(
-                f"rank {_STATE.active.rank}: vmmkv already allocated this worker's KV cache; "
-                "vmmkv.integrations.vllm.unregister() closes it"
-            )
+        # vLLM allocates more than once per worker (MRV2 with CUDA graphs: a profiling cache,
+        # torn down by _teardown_profiling_state, then the real one; an engine re-created in
+        # the same process): every allocation replaces the previous cache. vLLM dropped the
+        # old views and graphs by then; a view it still held faults instead of reaching other
+        # memory (the reservation lives as long as a view). Every rank allocates in the same
+        # order, so every rank closes (local) and then builds the new cache (collective).
+        close_active("vLLM allocates a new KV cache")
         try:
             cache = VllmKVCache(
                 kv_cache_config, layout, cpu_group=pcp.cpu_group, device=device,
@@ -171,6 +233,15 @@ def _allocate(orig: Callable[..., Any]) -> Callable[..., Any]:
         return dict(cache.views)
 
     return allocate_kv_cache
+
+
+def close_active(why: str) -> None:
+    """Close the process's cache (local, idempotent): pending records dropped, views invalid."""
+    _STATE.pending.clear()
+    cache, _STATE.active = _STATE.active, None
+    if cache is not None:
+        log.info("vmmkv: rank %d closes its KV cache (%s)", cache.rank, why)
+        cache.close()
 
 
 def _gather_mla(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -298,44 +369,157 @@ def _zero(orig: Callable[..., Any]) -> Callable[..., Any]:
     return zero_block_ids
 
 
-# (module, attribute path, replacement factory): every use site vLLM 0.33.0 looks these up at
-_SITES: tuple[tuple[str, str, Callable[..., Any]], ...] = (
-    ("vllm.v1.worker.gpu_model_runner", "allocate_kv_cache", _allocate),
-    ("vllm.v1.worker.gpu.attn_utils", "allocate_kv_cache", _allocate),
-    ("vllm.models.deepseek_v32.attention", "maybe_gather_mla_latent_cache_inputs", _gather_mla),
+def _copy(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def copy_kv_cache_blocks_inplace(kv_caches, num_blocks, kv_cache_block_copies):
+        cache = _STATE.active
+        if cache is not None and kv_cache_block_copies:
+            cache.check_blocks([b for pair in kv_cache_block_copies for b in pair])
+        orig(kv_caches, num_blocks, kv_cache_block_copies)
+        if cache is not None and kv_cache_block_copies:
+            cache.after_zeroing()  # the copies wrote the own replica, as zeroing does
+
+    return copy_kv_cache_blocks_inplace
+
+
+def _shutdown(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def shutdown(self):
+        try:
+            orig(self)
+        finally:
+            close_active("the worker's model runner shuts down")
+
+    return shutdown
+
+
+# (module, attribute path, replacement factory, the parameters vLLM 0.33.0 gives it): every use
+# site vLLM 0.33.0's MRV2 worker looks these up at
+_SITES: tuple[tuple[str, str, Callable[..., Any], tuple[str, ...]], ...] = (
+    (
+        "vllm.v1.worker.gpu.attn_utils", "allocate_kv_cache", _allocate,
+        ("kv_cache_config", "device", "layout", "kernel_block_sizes"),
+    ),
+    (
+        "vllm.models.deepseek_v32.attention", "maybe_gather_mla_latent_cache_inputs", _gather_mla,
+        ("kv_c_normed", "k_pe", "slot_mapping", "num_decode_tokens", "use_pcp",
+         "pcp_shard_decode_requests"),
+    ),
     (
         "vllm.model_executor.layers.attention.mla_attention",
-        "maybe_gather_mla_latent_cache_inputs",
-        _gather_mla,
+        "maybe_gather_mla_latent_cache_inputs", _gather_mla,
+        ("kv_c_normed", "k_pe", "slot_mapping", "num_decode_tokens", "use_pcp",
+         "pcp_shard_decode_requests"),
     ),
-    ("vllm.model_executor.layers.sparse_attn_indexer", "maybe_gather_indexer_k", _gather_indexer),
-    ("vllm._custom_ops", "concat_and_cache_mla", _insert_mla),
-    ("vllm._custom_ops", "indexer_k_quant_and_cache", _insert_indexer),
-    ("vllm.v1.worker.utils", "KVBlockZeroer.zero_block_ids", _zero),
-)
+    (
+        "vllm.model_executor.layers.sparse_attn_indexer", "maybe_gather_indexer_k",
+        _gather_indexer,
+        ("k", "slot_mapping", "num_decode_tokens", "use_pcp", "pcp_shard_decode_requests"),
+    ),
+    (
+        "vllm._custom_ops", "concat_and_cache_mla", _insert_mla,
+        ("kv_c", "k_pe", "kv_cache", "slot_mapping", "kv_cache_dtype", "scale", "skip_scale"),
+    ),
+    (
+        "vllm._custom_ops", "indexer_k_quant_and_cache", _insert_indexer,
+        ("k", "kv_cache", "slot_mapping", "quant_block_size", "kv_cache_dtype"),
+    ),
+    ("vllm.v1.worker.utils", "KVBlockZeroer.zero_block_ids", _zero, ("self", "block_ids")),
+    (
+        "vllm.v1.worker.gpu.model_runner", "copy_kv_cache_blocks_inplace", _copy,
+        ("kv_caches", "num_blocks", "kv_cache_block_copies"),
+    ),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.shutdown", _shutdown, ("self",)),
+)  # fmt: skip
 
 
-def install() -> None:
-    """Patch every site (idempotent). Imports the vLLM modules that hold them."""
+def _lookup(module: str, path: str) -> tuple[Any, str, Any]:
+    owner: Any = importlib.import_module(module)
+    *outer, name = path.split(".")
+    for part in outer:
+        owner = getattr(owner, part)
+    return owner, name, getattr(owner, name)
+
+
+def install(sites: tuple[tuple[str, str, Callable[..., Any], tuple[str, ...]], ...] = ()) -> None:
+    """Patch every site, all or nothing (idempotent). Checks the vLLM version first, then that
+    every site exists with the parameters 0.33.0 gives it; :class:`UnsupportedVLLM` lists every
+    problem and nothing is patched. Imports the vLLM modules that hold the sites. ``sites``:
+    tests only (default: every site of 0.33.0)."""
     if _STATE.patches:
         return
-    patches = []
-    for module, path, factory in _SITES:
-        owner: Any = importlib.import_module(module)
-        *outer, name = path.split(".")
-        for part in outer:
-            owner = getattr(owner, part)
-        current = getattr(owner, name)
+    version = check_vllm_version()
+    patches, problems = [], []
+    for module, path, factory, params in sites or _SITES:
+        try:
+            owner, name, current = _lookup(module, path)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{module}.{path}: missing ({type(exc).__name__}: {exc})")
+            continue
+        try:
+            got = tuple(inspect.signature(current).parameters)
+        except (TypeError, ValueError) as exc:
+            got = (f"<no signature: {exc}>",)
+        if got != params:
+            problems.append(f"{module}.{path}: parameters {got}, expected {params}")
+            continue
         patches.append(_Patch(owner, name, current, factory(current)))
+    if problems:
+        from ... import __version__
+
+        raise UnsupportedVLLM(
+            f"vmmkv {__version__}'s vLLM plugin (written for vllm{SUPPORTED_VLLM}) cannot patch "
+            f"the installed vLLM {version}; nothing was patched: " + "; ".join(problems)
+        )
     for p in patches:
         setattr(p.owner, p.name, p.replacement)
     _STATE.patches = patches
-    log.info("vmmkv: replaced %d vLLM call sites (VLLM_USE_VMMKV=1)", len(patches))
+    log.info("vmmkv: replaced %d vLLM %s call sites (VLLM_USE_VMMKV=1)", len(patches), version)
+
+
+class _WorkerHook(importlib.abc.MetaPathFinder):
+    """Runs :func:`install` right after ``WORKER_MODULE`` has been executed (first import)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != WORKER_MODULE or _STATE.hook is not self:
+            return None
+        sys.meta_path.remove(self)  # find the real spec below, once
+        _STATE.hook = None
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_then_install(module):
+            exec_module(module)
+            install()
+
+        loader.exec_module = exec_then_install
+        return spec
+
+
+def install_when_worker_starts() -> None:
+    """Check the vLLM version now (no vLLM import), then install the patches when this process
+    imports MRV2's model runner module (``WORKER_MODULE``): at once if it already did. vLLM's
+    API server and engine-core processes never import it, so they import nothing of vLLM on
+    vmmkv's behalf. Idempotent."""
+    check_vllm_version()
+    if _STATE.patches or _STATE.hook is not None:
+        return
+    if WORKER_MODULE in sys.modules:
+        install()
+        return
+    _STATE.hook = _WorkerHook()
+    sys.meta_path.insert(0, _STATE.hook)
 
 
 def uninstall() -> None:
     """Restore every patched site, drop pending records, close the active cache (its views,
-    which vLLM may still hold, are invalid afterwards). Idempotent."""
+    which vLLM may still hold, are invalid afterwards), remove a pending worker hook.
+    Idempotent."""
+    if _STATE.hook is not None:
+        if _STATE.hook in sys.meta_path:
+            sys.meta_path.remove(_STATE.hook)
+        _STATE.hook = None
     patches, _STATE.patches = _STATE.patches, []
     for p in reversed(patches):
         if getattr(p.owner, p.name) is p.replacement:
@@ -343,7 +527,4 @@ def uninstall() -> None:
         else:
             log.warning("vmmkv: %s.%s was patched again by someone else; left as it is",
                         getattr(p.owner, "__name__", p.owner), p.name)  # fmt: skip
-    _STATE.pending.clear()
-    cache, _STATE.active = _STATE.active, None
-    if cache is not None:
-        cache.close()
+    close_active("the plugin is unregistered")
