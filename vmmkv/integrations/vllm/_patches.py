@@ -9,6 +9,10 @@ by :func:`uninstall`.
 | ``vllm._custom_ops: concat_and_cache_mla``, ``indexer_k_quant_and_cache`` | into a vmmkv layer view after a replaced gather: the cache's store (direct publication + barrier, or vmmkv's gather fallback); any other call: vLLM's op unchanged |
 | ``vllm.v1.worker.utils: KVBlockZeroer.zero_block_ids`` | vLLM's zeroing, then the cache barrier (and a check that the blocks are committed) |
 
+Not a patch: ``install`` registers the ``vmmkv`` sleep-mode backend with vLLM's
+``SleepModeBackendFactory`` (``_sleep``), and ``check_vllm_config`` refuses sleep mode under any
+other sleep-mode backend.
+
 A replaced gather and its insert pair up through a pending record per cache family (MLA,
 indexer): the gather stores the PCP case and the tensors it returned; the insert that receives
 exactly those tensors consumes it. An insert that does not (any call outside the PCP path) runs
@@ -133,6 +137,9 @@ def check_vllm_config(cfg: Any) -> None:
         raise UnsupportedKVCache(
             "vmmkv does not support micro-batching (enable_dbo / ubatch_size > 1) yet"
         )
+    from ._sleep import check_config  # sleep mode needs the vmmkv sleep-mode backend
+
+    check_config(cfg)
 
 
 # -- the replacements ------------------------------------------------------------------------
@@ -327,6 +334,9 @@ def install() -> None:
             owner = getattr(owner, part)
         current = getattr(owner, name)
         patches.append(_Patch(owner, name, current, factory(current)))
+    from ._sleep import register_backend  # vLLM's sleep-mode factory: the "vmmkv" backend
+
+    register_backend()
     for p in patches:
         setattr(p.owner, p.name, p.replacement)
     _STATE.patches = patches
