@@ -42,6 +42,18 @@ vLLM's ``KVCacheTensor`` numbers). vLLM 0.33 cannot resize its block pool, so an
 commits fewer blocks than ``num_blocks`` must keep vLLM's block ids below
 ``committed_blocks``; the zeroing wrapper refuses larger ids before vLLM's kernel runs.
 
+Sleep mode (``Worker.sleep``/``wake_up``/``discard``, e.g. RL frameworks between rollouts): the
+plugin registers the sleep-mode backend ``vmmkv`` with vLLM's ``SleepModeBackendFactory``
+(select it with ``--sleep-mode-backend vmmkv``). It wraps vLLM's ``cumem`` backend, which keeps
+handling weights, runtime state and graphs. Sleep (any level) and ``discard`` of ``kv_cache``
+release the KV cache's memory on every PCP rank (a collective ``shrink(0)``: own chunks
+decommitted, peers' chunks unmapped); a wake with ``kv_cache`` in its tags, or with no tags,
+restores the committed blocks zeroed, at the same addresses (vLLM's views and captured CUDA
+graphs stay valid); a wake without ``kv_cache`` keeps them released. vLLM's own backend would
+leave vmmkv's memory untouched (it is outside vLLM's pool) and drop vmmkv's small device tensors
+(allocated under vLLM's ``kv_cache`` pool tag), so sleep mode with another backend is refused
+at allocation; the ``vmmkv`` backend has CuMem offload that tag instead. See ``_sleep``.
+
 Contract: :func:`register`/:func:`unregister` are local and idempotent; :func:`patched` is a
 context manager for tests (install, then unregister on exit). ``unregister`` restores every
 site and closes the cache it allocated (vLLM's views of it become invalid). The stores and the
@@ -78,6 +90,7 @@ __all__ = [
     "UnsupportedKVCache",
     "UnsupportedVLLM",
     "VllmKVCache",
+    "VmmkvSleepModeBackend",
     "active_cache",
     "check_vllm_version",
     "create_views",
@@ -105,6 +118,7 @@ _LAZY = {
     "StorePlan": "_cache",
     "VllmKVCache": "_cache",
     "pcp_store_plan": "_cache",
+    "VmmkvSleepModeBackend": "_sleep",
 }
 
 

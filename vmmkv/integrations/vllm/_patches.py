@@ -12,6 +12,10 @@ lists "prefill context parallel" as unsupported), so only MRV2's sites are patch
 | ``vllm.v1.worker.gpu.model_runner: copy_kv_cache_blocks_inplace`` | a check that the blocks are committed, vLLM's copy-on-write block copies (after the zeroing), then the cache barrier again: no peer publishes into this replica before its copies ran |
 | ``vllm.v1.worker.gpu.model_runner: GPUModelRunner.shutdown`` | vLLM's shutdown, then the cache is closed |
 
+Not a patch: ``install`` registers the ``vmmkv`` sleep-mode backend with vLLM's
+``SleepModeBackendFactory`` (``_sleep``), and ``check_vllm_config`` refuses sleep mode under any
+other sleep-mode backend.
+
 A replaced gather and its insert pair up through a pending record per cache family (MLA,
 indexer): the gather stores the PCP case and the tensors it returned; the insert that receives
 exactly those tensors consumes it. An insert that does not (any call outside the PCP path) runs
@@ -193,6 +197,9 @@ def check_vllm_config(cfg: Any) -> None:
         raise UnsupportedKVCache(
             "vmmkv does not support micro-batching (enable_dbo / ubatch_size > 1) yet"
         )
+    from ._sleep import check_config  # sleep mode needs the vmmkv sleep-mode backend
+
+    check_config(cfg)
 
 
 # -- the replacements ------------------------------------------------------------------------
@@ -469,6 +476,9 @@ def install(sites: tuple[tuple[str, str, Callable[..., Any], tuple[str, ...]], .
             f"vmmkv {__version__}'s vLLM plugin (written for vllm{SUPPORTED_VLLM}) cannot patch "
             f"the installed vLLM {version}; nothing was patched: " + "; ".join(problems)
         )
+    from ._sleep import register_backend  # vLLM's sleep-mode factory: the "vmmkv" backend
+
+    register_backend()
     for p in patches:
         setattr(p.owner, p.name, p.replacement)
     _STATE.patches = patches
