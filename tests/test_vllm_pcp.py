@@ -1,39 +1,49 @@
-"""vmmkv.integrations.vllm against the real vLLM 0.33.0 (CPU, host backend, spawned ranks).
+"""vmmkv.integrations.vllm driven by vLLM 0.33.0's own control flow (CPU, host backend, spawned
+ranks): nothing vLLM computes is drawn by hand here.
 
-Every rank joins vLLM's own process groups (``init_distributed_environment`` +
-``initialize_model_parallel`` on gloo: vLLM builds the PCP ``GroupCoordinator``), builds a
-DeepSeek-V3.2-shaped ``KVCacheConfig`` with vLLM's planner, allocates through the patched
-``gpu_model_runner.allocate_kv_cache`` and stores through vLLM's call sites as vLLM calls them
-(``sparse_attn_indexer``'s ``maybe_gather_indexer_k`` + ``ops.indexer_k_quant_and_cache``;
-``maybe_gather_mla_latent_cache_inputs`` of ``deepseek_v32.attention`` and of
-``mla_attention`` + vLLM's ``MLAAttentionImpl.do_kv_cache_update``). Every replica is compared,
-over the whole backing, with a plain ``vllm.v1.worker.utils.allocate_kv_cache`` of the same
-config, poisoned alike, into which ``vmmkv.ops.reference`` inserted every rank's tokens as vLLM's
-gather would (all ranks' rows with their slots).
-
-The three PCP cases per layer ("draft": replicated draft decodes, unexpanded slot mapping;
-"shard": ``pcp_shard_decode_requests``; "dcp": DCP > 1, decode rows replicated, MLA and indexer
-with different decode counts), each also checked by the bytes sent to peers and the barriers.
+- **Groups**: every rank joins vLLM's own process groups (``init_distributed_environment`` +
+  ``initialize_model_parallel`` on gloo: vLLM builds the PCP ``GroupCoordinator``).
+- **Allocation**: MRV2's sequence with CUDA graphs on: a small profiling KV cache through
+  ``vllm.v1.worker.gpu.attn_utils.allocate_kv_cache`` (the patched site), vLLM's teardown (its
+  views dropped), then the real cache of an uneven block count (its backing is not a multiple
+  of the allocation granularity), both planned by vLLM's ``get_kv_cache_configs``.
+- **Slot mappings**: vLLM's MRV2 ``PCPManager`` (``_build_batch_layout`` +
+  ``_convert_to_gathered_slot_mappings``) for PCP 2 and 4, DCP 1 (vLLM then shards decode
+  requests: ``pcp_shard_decode_requests``) and DCP 2 (decodes and short prefills replicated,
+  rank 0 their canonical writer), over step mixes: decode-only, mixed, prefill-only, a prefill
+  crossing blocks, and replicated draft decodes (unexpanded mapping). Every rank's rows are
+  those of the global tokens ``PCPManager`` gives it (``_padded_gather_idx``), so replicated
+  rows are equal on every rank as in a real forward.
+- **Stores**: through vLLM's call sites (``sparse_attn_indexer``'s ``maybe_gather_indexer_k`` +
+  ``ops.indexer_k_quant_and_cache``; ``maybe_gather_mla_latent_cache_inputs`` of
+  ``deepseek_v32.attention`` and of ``mla_attention`` + ``MLAAttentionImpl.do_kv_cache_update``).
+- **Expected replica**: vLLM's unpatched path on a plain ``vllm.v1.worker.utils.allocate_kv_cache``
+  of the same config, poisoned alike: vLLM's own ``_gather_prefill_cache_inputs`` (its gloo
+  all-gather) on the same inputs, its rows inserted at its slots by ``vmmkv.ops.reference``.
+  Every replica equals it over the whole backing, direct publication and gather fallback.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.helpers import VLLM_LAYOUTS, vllm_marks
+from tests.helpers import vllm_marks
 from vmmkv.testing.spawn import free_port, run_world
 
 pytestmark = vllm_marks()
 
-BS, NUM_BLOCKS, LAYERS = 64, 32, 4
+BS, LAYERS = 64, 4
+NUM_BLOCKS, PROFILE_BLOCKS = 37, 5  # uneven: 37 x 4 x 50432 B is not a multiple of 4 KiB
 MLA_B, IDX_B = 656, 132
-# case -> (rows per rank, slots in the mapping per rank, MLA decodes, indexer decodes, shard)
-CASES = {
-    "draft": (6, 4, 4, 4, True),
-    "shard": (7, 7, 2, 2, True),
-    "dcp": (8, 8, 3, 5, False),
+# step mix -> requests (query length, computed tokens before the step, prefilling), the extra
+# leading rows the indexer's metadata counts as decodes under DCP > 1 (a replicated short
+# prefill right after the decodes: the indexer and MLA may classify it differently)
+MIXES = {
+    "decode-only": ([(1, 70, False), (1, 5, False), (1, 128, False)], 0),
+    "mixed": ([(1, 63, False), (3, 20, True), (1, 9, False), (45, 50, True)], 3),
+    "prefill-only": ([(37, 0, True), (16, 64, True)], 0),
+    "prefill-crossing-blocks": ([(150, 30, True)], 0),
 }
-TAIL = 3  # valid slots after the group's rows in an expanded mapping: never to be written
 
 
 def _bf16(seed, shape):
@@ -44,56 +54,70 @@ def _bf16(seed, shape):
     return x.to(torch.bfloat16)
 
 
-def _slot_pool():
+def _global_step(mix, layer, step_seed):
+    """The scheduler's view of one step, equal on every rank: per request its blocks and the
+    global slot of every scheduled token, and every global token's KV inputs for ``layer``."""
+    import numpy as np
     import torch
 
-    return torch.randperm(NUM_BLOCKS * BS, generator=torch.Generator().manual_seed(99))
+    reqs, _ = MIXES[mix]
+    g = torch.Generator().manual_seed(step_seed)
+    pool = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    slots, used = [], 0
+    for q, computed, _prefill in reqs:
+        need = (computed + q + BS - 1) // BS
+        table, used = pool[used : used + need], used + need
+        slots += [table[p // BS] * BS + p % BS for p in range(computed, computed + q)]
+    n = len(slots)
+    seed = 1000 * step_seed + 10 * layer
+    inputs = [_bf16(seed + s, (n, w)) for s, w in ((1, 512), (2, 64), (3, 128))]
+    nst = np.array([q for q, _, _ in reqs])
+    return {
+        "nst": nst,
+        "computed": np.array([c for _, c, _ in reqs]),
+        "prefilling": np.array([p for _, _, p in reqs]),
+        "qsl": np.concatenate([[0], np.cumsum(nst)]),
+        "slots": torch.tensor(slots, dtype=torch.int64),
+        "inputs": inputs,
+    }
 
 
-def _step(case, layer, prank, world, group_seed):
-    """One layer's inputs of PCP rank ``prank`` in ``case``: (kv_c, k_pe, k, slot_mapping as
-    vLLM hands it, the rank-major slots of every rank [world][rows], decodes MLA / indexer,
-    shard). Replicated rows (decodes; "dcp": the first indexer-decode rows) are equal on every
-    rank; a rank's other rows are its own."""
+def _pcp_step(mix, layer, step_seed, prank, world, dcp):
+    """This PCP rank's share of a step as vLLM's PCPManager lays it out: (kv_c, k_pe, k, the
+    expanded slot mapping, MLA decodes, indexer decodes, shard_decode_requests)."""
     import torch
+    from vllm.v1.worker.gpu import pcp_manager as pm
 
-    rows, nslots, nd_mla, nd_idx, shard = CASES[case]
-    start = {"draft": 0, "shard": 64, "dcp": 128}[case]
-    pool = _slot_pool()[start : start + 64]
-    seed = 1000 * group_seed + 10 * layer + list(CASES).index(case)
-    rep = nslots if case == "draft" else (nd_idx if case == "dcp" else 0)
-
-    def rows_of(r):
-        shared = [_bf16(seed + s, (rows, w)) for s, w in ((1, 512), (2, 64), (3, 128))]
-        own = [_bf16(seed + 100 * (r + 1) + s, (rows, w)) for s, w in ((1, 512), (2, 64), (3, 128))]
-        return [torch.cat([a[:rep], b[rep:]]) for a, b in zip(shared, own, strict=True)]
-
-    if case == "draft":  # unexpanded: the same short mapping on every rank
-        mapping = pool[:nslots].clone()
-        per_rank = [mapping] * world
-    else:
-        per_rank = []
-        for r in range(world):
-            s = pool[8 + r * rows : 8 + (r + 1) * rows].clone()
-            s[:rep] = pool[:rep]  # replicated rows: the same slots on every rank
-            s[rows - 2 if r % 2 else 5] = -1  # padding
-            per_rank.append(s)
-        mapping = torch.cat([*per_rank, pool[60 : 60 + TAIL]])
-    kv_c, k_pe, k = rows_of(prank)
-    return (
-        kv_c,
-        k_pe,
-        k,
-        mapping,
-        [rows_of(r) for r in range(world)],
-        per_rank,
-        nd_mla,
-        nd_idx,
-        shard,
+    # CPU only: vLLM's async_tensor_h2d pins host memory (CUDA); the values are unchanged
+    pm.async_tensor_h2d = lambda data, dtype=None, device=None, **_: torch.tensor(
+        data, dtype=dtype, device=device
     )
+    shard = dcp == 1  # vLLM's ParallelConfig.pcp_shard_decode_requests: PCP > 1 and DCP == 1
+    glob = _global_step(mix, layer, step_seed)
+    m = pm.PCPManager(world, prank, torch.device("cpu"), shard, dcp_world_size=dcp)
+    segments, per_rank = m._build_batch_layout(
+        glob["nst"], glob["computed"], glob["prefilling"], glob["qsl"]
+    )
+    padded = max(per_rank)
+    mapping = m._convert_to_gathered_slot_mappings(glob["slots"].view(1, -1))[0].clone()
+    idx = m._padded_gather_idx[prank * padded : (prank + 1) * padded]
+    kv_c, k_pe, k = (t[idx] for t in glob["inputs"])
+    mine = segments[prank]
+    nd = sum(s.num_tokens for s in mine if not glob["prefilling"][s.global_batch_req_idx])
+    extra = MIXES[mix][1] if dcp > 1 else 0
+    return kv_c, k_pe, k, mapping, nd, nd + extra, shard
 
 
-def _call_sites(vc, views, layer, inputs, world):
+def _draft_step(layer, step_seed):
+    """Replicated draft decodes: the unexpanded slot mapping of the decodes (equal on every
+    rank), the rows padded past it."""
+    glob = _global_step("decode-only", layer, step_seed)
+    n = glob["slots"].numel()
+    kv_c, k_pe, k = (t.repeat(2, 1)[: n + 2] for t in glob["inputs"])
+    return kv_c, k_pe, k, glob["slots"].clone(), n, n, False
+
+
+def _call_sites(views, layer, kv_c, k_pe, k, mapping, nd_mla, nd_idx, shard, world):
     """vLLM's PCP cache writes of one layer, through the names vLLM looks up."""
     import torch
     from vllm.model_executor.layers import sparse_attn_indexer as sai
@@ -103,13 +127,8 @@ def _call_sites(vc, views, layer, inputs, world):
 
     from vmmkv.integrations.vllm.testing import idx_layer, mla_layer
 
-    kv_c, k_pe, k, mapping, _, _, nd_mla, nd_idx, shard = inputs
-    # sparse_attn_indexer: trim k (PCP padding kept), gather, insert
-    n = mapping.shape[0]
-    if n > k.shape[0]:
-        n //= world
     k_cache, k_slots = sai.maybe_gather_indexer_k(
-        k[:n], mapping, nd_idx, True, pcp_shard_decode_requests=shard
+        k, mapping, nd_idx, True, pcp_shard_decode_requests=shard
     )
     sai.ops.indexer_k_quant_and_cache(
         k_cache, views[idx_layer(layer)].squeeze(1), k_slots, 128, "ue8m0"
@@ -125,19 +144,19 @@ def _call_sites(vc, views, layer, inputs, world):
     )  # fmt: skip
 
 
-def _reference(vc, plain, layer, inputs):
-    """vLLM's gather semantics on the plain allocation: every rank's rows with its slots, in
-    the kinds the cache bound."""
+def _vllm_reference(vc, plain, layer, kv_c, k_pe, k, mapping, nd_mla, nd_idx, shard):
+    """vLLM's unpatched gather (collective: its all-gather on the PCP group), its rows inserted
+    at its slots into the plain allocation by vmmkv's reference writer."""
+    from vllm.v1.attention.ops import pcp as vpcp
+
     from vmmkv.integrations.vllm.testing import idx_layer, mla_layer
     from vmmkv.ops import reference as ref
 
-    _, _, _, _, all_rows, per_rank, _, _, _ = inputs
-    for (kv_c, k_pe, k), slots in zip(all_rows, per_rank, strict=True):
-        n = slots.numel()
-        idx, mla = idx_layer(layer), mla_layer(layer)
-        ref.insert_indexer_k(plain[idx].squeeze(1), k[:n], slots, kind=vc.bindings[idx].kind)
-        ref.insert_ds_mla(plain[mla].squeeze(1), kv_c[:n], k_pe[:n], slots,
-                          kind=vc.bindings[mla].kind)  # fmt: skip
+    idx, mla = idx_layer(layer), mla_layer(layer)
+    (ik,), islots = vpcp._gather_prefill_cache_inputs((k,), mapping, nd_idx, shard)
+    ref.insert_indexer_k(plain[idx].squeeze(1), ik, islots, kind=vc.bindings[idx].kind)
+    (mkv, mkp), mslots = vpcp._gather_prefill_cache_inputs((kv_c, k_pe), mapping, nd_mla, shard)
+    ref.insert_ds_mla(plain[mla].squeeze(1), mkv, mkp, mslots, kind=vc.bindings[mla].kind)
 
 
 def _flat(view, size):
@@ -164,7 +183,7 @@ def _refusal(pcp_size, tp):
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.v1.kv_cache_layout import KVCacheLayout
-    from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker.gpu import attn_utils
 
     from vmmkv.integrations import vllm as integration
     from vmmkv.integrations.vllm import testing
@@ -179,16 +198,45 @@ def _refusal(pcp_size, tp):
                                                 specs=specs)  # fmt: skip
     with set_current_vllm_config(cfg), integration.patched():
         try:
-            gpu_model_runner.allocate_kv_cache(
-                config, torch.device("cpu"), KVCacheLayout.LBNHC, [BS]
-            )
+            attn_utils.allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBNHC, [BS])
         except integration.UnsupportedKVCache as exc:
             return f"{exc} (active: {integration.active_cache()})"
     return "no error"
 
 
-def _scenario(rank, world, port, tp, runs):
-    """Per (layout, direct) run: allocate through the plugin, poison, the three cases through
+def _allocate_as_mrv2(layout, tp, pcp_size):
+    """MRV2's allocation sequence with CUDA graphs on (profile_cudagraph_memory ->
+    _init_minimal_kv_cache_for_profiling, _teardown_profiling_state, then
+    initialize_kv_cache): returns (views, cache, what the profiling cache looked like)."""
+    import torch
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.gpu import attn_utils
+
+    from vmmkv.integrations import vllm as integration
+    from vmmkv.integrations.vllm import testing
+
+    _, prof_config = testing.build_profiling_kv_cache_config(
+        layout, PROFILE_BLOCKS, tp=tp, pcp=pcp_size
+    )
+    _, config = testing.build_kv_cache_config(layout, NUM_BLOCKS, tp=tp, pcp=pcp_size)
+    cpu, lay = torch.device("cpu"), KVCacheLayout[layout]
+    prof_views = attn_utils.allocate_kv_cache(prof_config, cpu, lay, [BS])
+    prof = integration.active_cache()
+    seen = {"profiling_blocks": prof.committed_blocks, "profiling_views": len(prof_views)}
+    del prof_views  # vLLM's teardown drops the views (kv_caches.clear(), layers detached)
+    views = attn_utils.allocate_kv_cache(config, cpu, lay, [BS])
+    vc = integration.active_cache()
+    try:
+        prof.cache.allocate(4096)  # local: a closed cache refuses it
+        seen["profiling_after"] = "open"
+    except RuntimeError as exc:
+        seen["profiling_after"] = str(exc)
+    del prof
+    return views, vc, config, seen
+
+
+def _scenario(rank, world, port, tp, runs, dcps):
+    """Per (layout, direct) run: allocate as MRV2 does, poison, every DCP x step mix through
     the call sites; returns what each rank saw."""
     import os
 
@@ -196,61 +244,71 @@ def _scenario(rank, world, port, tp, runs):
     import torch.distributed as dist
     from vllm.config import set_current_vllm_config
     from vllm.v1.kv_cache_layout import KVCacheLayout
-    from vllm.v1.worker import gpu_model_runner
     from vllm.v1.worker import utils as worker_utils
 
     from vmmkv.integrations import vllm as integration
     from vmmkv.integrations.vllm import testing
 
     pcp_size = world // tp
-    cfg0 = testing.vllm_config("LBNHC", NUM_BLOCKS, tp=tp, pcp=pcp_size)
-    ps = testing.join_vllm_groups(cfg0, rank, world, port)
+    cfg = testing.vllm_config("LBNHC", NUM_BLOCKS, tp=tp, pcp=pcp_size)
+    ps = testing.join_vllm_groups(cfg, rank, world, port)
     pcp, tpg = ps.get_pcp_group(), ps.get_tp_group()
+    prank = pcp.rank_in_group
     out = {"pcp_ranks": pcp.ranks, "tp_ranks": tpg.ranks, "runs": {}}
     try:
         out["refused"] = _refusal(pcp_size, tp)
         for layout, direct in runs:
             os.environ["VMMKV_DIRECT"] = "1" if direct else "0"
-            cfg, config = testing.build_kv_cache_config(layout, NUM_BLOCKS, tp=tp, pcp=pcp_size)
-            size = config.kv_cache_tensors[0].size
             rep = {}
             with set_current_vllm_config(cfg), integration.patched():
-                views = gpu_model_runner.allocate_kv_cache(
-                    config, torch.device("cpu"), KVCacheLayout[layout], [BS]
-                )
-                vc = integration.active_cache()
+                views, vc, config, rep["allocation"] = _allocate_as_mrv2(layout, tp, pcp_size)
+                size = config.kv_cache_tensors[0].size
                 rep["direct"], rep["cache_rank"] = vc.direct, vc.rank
                 rep["kinds"] = sorted({b.kind for b in vc.bindings.values()})
+                rep["capacity"], rep["size"] = vc.cache.capacity_bytes, size
                 plain = worker_utils.allocate_kv_cache(
                     config, torch.device("cpu"), KVCacheLayout[layout], [BS]
                 )
                 want = _flat(next(iter(plain.values())), size)
                 rep["views_equal"] = _same_views(views, vc.buffer, plain, want)
-                base = vc.cache.region.base_ptr
-                rep["in_region"] = all(base <= v.data_ptr() < base + size for v in views.values())
-                rep["bound"] = sorted(vc.bindings) == sorted(views)
-                poison = torch.randint(0, 256, (size,), dtype=torch.uint8,
+                rep["committed_blocks"] = vc.committed_blocks
+                poison = torch.randint(1, 256, (size,), dtype=torch.uint8,
                                        generator=torch.Generator().manual_seed(5))  # fmt: skip
                 vc.buffer.view(torch.uint8).copy_(poison)
                 want.copy_(poison)
                 dist.barrier(group=pcp.cpu_group)  # every replica poisoned before any store
-                for case in CASES:
-                    before = vc.stats()
+                steps = [(f"dcp{d}/{mix}", d, mix) for d in dcps for mix in MIXES]
+                steps.append(("draft", None, "draft"))
+                for n, (name, dcp, mix) in enumerate(steps):
+                    before, expect = vc.stats(), {"peer_bytes": 0, "barriers": 0}
                     for layer in range(LAYERS):
-                        inputs = _step(case, layer, pcp.rank_in_group, pcp_size, tpg.rank_in_group)
-                        _call_sites(vc, views, layer, inputs, pcp_size)
-                        _reference(vc, plain, layer, inputs)
+                        seed = 100 * n + 7 * tpg.rank_in_group + 1
+                        step = (
+                            _draft_step(layer, seed)
+                            if dcp is None
+                            else _pcp_step(mix, layer, seed, prank, pcp_size, dcp)
+                        )
+                        _call_sites(views, layer, *step, pcp_size)
+                        _vllm_reference(vc, plain, layer, *step)
+                        rows, mapping, nd_mla, nd_idx, shard = step[0].shape[0], *step[3:]
+                        if direct and mapping.numel() > rows:  # expanded: rows past nlo published
+                            for nd, entry in ((nd_mla, MLA_B), (nd_idx, IDX_B)):
+                                nlo = 0 if shard else nd  # sharded decodes are published
+                                expect["peer_bytes"] += (pcp_size - 1) * (rows - nlo) * entry
+                                expect["barriers"] += int(nlo < rows)
                     after = vc.stats()
                     dist.barrier(group=pcp.cpu_group)  # every rank's stores done
                     got = vc.buffer.view(torch.uint8)
-                    rep[case] = {
+                    rep[name] = {
                         "equal": bool(torch.equal(got, want)),
                         "differing_bytes": int((got != want).sum()),
                         "peer_bytes": after["peer_bytes_issued"] - before["peer_bytes_issued"],
                         "barriers": after["barriers"] - before["barriers"],
                         "skipped": after["out_of_range_slots"] - before["out_of_range_slots"],
+                        "expect": expect,
                     }
-                    dist.barrier(group=pcp.cpu_group)  # compared before the next case stores
+                    dist.barrier(group=pcp.cpu_group)  # compared before the next step stores
+            rep["closed_on_exit"] = integration.active_cache() is None
             out["runs"][f"{layout}/{'direct' if direct else 'gather'}"] = rep
         # rank 0 hosts the store every group uses: it tears down only after every group is done
         dist.barrier(group=ps.get_world_group().cpu_group)
@@ -260,32 +318,35 @@ def _scenario(rank, world, port, tp, runs):
     return out
 
 
-def _expected_peer_bytes(case, world, direct):
-    rows, nslots, nd_mla, nd_idx, _ = CASES[case]
-    if not direct or case == "draft":
-        return 0
-    nlo_mla, nlo_idx = (0, 0) if case == "shard" else (nd_mla, nd_idx)
-    return LAYERS * (world - 1) * ((rows - nlo_mla) * MLA_B + (rows - nlo_idx) * IDX_B)
-
-
-def _check(rep, world, direct):
+def _check(rep, direct, names):
     assert rep["direct"] is direct
     # the bytes vLLM 0.33.0 writes on this machine: power-of-two MLA tile scales, fp32 indexer
     assert rep["kinds"] == ["fp8_ds_mla_ue8m0", "indexer_k"]
-    assert rep["views_equal"] and rep["in_region"] and rep["bound"]
-    for case in CASES:
-        r = rep[case]
-        assert r["equal"], f"{case}: {r['differing_bytes']} bytes differ from the reference"
-        assert r["skipped"] == 0
-        assert r["peer_bytes"] == _expected_peer_bytes(case, world, direct), (case, r)
-        # direct: one barrier per cache store that sent rows to peers; none for local rows
-        assert r["barriers"] == (0 if case == "draft" or not direct else 2 * LAYERS), (case, r)
+    alloc = rep["allocation"]
+    assert alloc["profiling_blocks"] == PROFILE_BLOCKS and alloc["profiling_views"] == 2 * LAYERS
+    assert alloc["profiling_after"].endswith("ReplicatedKVCache is closed"), alloc  # replaced
+    assert rep["size"] % 4096 and rep["capacity"] == -(-rep["size"] // 4096) * 4096, rep
+    assert rep["views_equal"] and rep["committed_blocks"] == NUM_BLOCKS
+    assert rep["closed_on_exit"]
+    for name in names:
+        r = rep[name]
+        assert r["equal"], f"{name}: {r['differing_bytes']} bytes differ from vLLM's own path"
+        assert r["skipped"] == 0, (name, r)
+        assert (r["peer_bytes"], r["barriers"]) == (
+            r["expect"]["peer_bytes"],
+            r["expect"]["barriers"],
+        ), (name, r)
 
 
-@pytest.mark.timeout(600)
-def test_two_pcp_ranks_publish_every_case_through_vllm_call_sites_in_every_layout_and_gather():
-    runs = [(layout, True) for layout in VLLM_LAYOUTS] + [("LBNHC", False)]
-    out = run_world(_scenario, 2, args=(free_port(), 1, runs), init_group=False, timeout=560)
+def _names(dcps):
+    return [f"dcp{d}/{mix}" for d in dcps for mix in MIXES] + ["draft"]
+
+
+@pytest.mark.timeout(900)
+def test_two_pcp_ranks_match_vllms_own_path_for_every_pcp_manager_step_both_families_and_gather():
+    runs = [("LBNHC", True), ("BLNHC", True), ("LBNHC", False)]
+    out = run_world(_scenario, 2, args=(free_port(), 1, runs, (1, 2)), init_group=False,
+                    timeout=860)  # fmt: skip
     for rank, o in enumerate(out):
         assert o["pcp_ranks"] == [0, 1] and o["tp_ranks"] == [rank]
         assert "cannot hold the KV cache of '/" in o["refused"] and "vmmkv-dsv32-" in o["refused"]
@@ -293,18 +354,31 @@ def test_two_pcp_ranks_publish_every_case_through_vllm_call_sites_in_every_layou
         assert "cache_dtype_str='auto'" in o["refused"] and o["refused"].endswith("(active: None)")
         for name, rep in o["runs"].items():
             assert rep["cache_rank"] == rank, name
-            _check(rep, 2, name.endswith("direct"))
+            _check(rep, name.endswith("direct"), _names((1, 2)))
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
+def test_four_pcp_ranks_match_vllms_own_path_for_every_pcp_manager_step_direct_and_gather():
+    runs = [("LBNHC", True), ("LBNHC", False)]
+    out = run_world(_scenario, 4, args=(free_port(), 1, runs, (1, 2)), init_group=False,
+                    timeout=860)  # fmt: skip
+    for rank, o in enumerate(out):
+        assert o["pcp_ranks"] == [0, 1, 2, 3]
+        for name, rep in o["runs"].items():
+            assert rep["cache_rank"] == rank, name
+            _check(rep, name.endswith("direct"), _names((1, 2)))
+
+
+@pytest.mark.timeout(900)
 def test_tp2_pcp2_groups_built_by_vllm_each_hold_only_their_own_pcp_replicas():
     out = run_world(
-        _scenario, 4, args=(free_port(), 2, [("LBNHC", True)]), init_group=False, timeout=560
-    )
+        _scenario, 4, args=(free_port(), 2, [("LBNHC", True)], (2,)), init_group=False,
+        timeout=860,
+    )  # fmt: skip
     # vLLM's order is [..., PCP, TP]: TP groups [0,1], [2,3]; PCP groups [0,2], [1,3]
     assert [o["tp_ranks"] for o in out] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [o["pcp_ranks"] for o in out] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     for rank, o in enumerate(out):
         rep = o["runs"]["LBNHC/direct"]
         assert rep["cache_rank"] == rank // 2
-        _check(rep, 2, True)  # each PCP group's replicas equal its own reference (data per TP rank)
+        _check(rep, True, _names((2,)))  # each PCP group's replicas equal its own reference

@@ -27,6 +27,7 @@ from ...ops.formats import INDEXER_ENTRY_BYTES, MLA_ENTRY_BYTES, MLA_KV_DIM, MLA
 
 __all__ = [
     "build_kv_cache_config",
+    "build_profiling_kv_cache_config",
     "idx_layer",
     "join_vllm_groups",
     "layer_specs",
@@ -148,6 +149,27 @@ def build_kv_cache_config(
     specs = layer_specs(cfg) if specs is None else specs
     groups = get_global_kv_cache_groups(cfg, [specs])
     (config,) = get_kv_cache_configs(cfg, [specs], [1 << 40], groups)
+    config.kv_cache_layout = layout
+    return cfg, config
+
+
+def build_profiling_kv_cache_config(
+    layout: str, num_blocks: int, num_layers: int = 4, *, tp: int = 1, pcp: int = 1
+) -> tuple[Any, Any]:  # fmt: skip
+    """(VllmConfig, KVCacheConfig) of the minimal KV cache MRV2 allocates to profile CUDA-graph
+    memory, as ``vllm.v1.worker.gpu.cudagraph_utils._init_minimal_kv_cache_for_profiling``
+    builds it: the platform's ``KVCacheConfigBuilder``, ``get_kv_cache_groups_from_builder``,
+    then ``get_kv_cache_config_from_groups(num_blocks=...)`` (no memory check)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.core.kv_cache_config_builder import get_kv_cache_config_builder
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_groups_from_builder
+
+    cfg = vllm_config(layout, num_blocks, num_layers, tp=tp, pcp=pcp)
+    specs = layer_specs(cfg)
+    with set_current_vllm_config(cfg):
+        builder = get_kv_cache_config_builder(cfg)
+        groups = get_kv_cache_groups_from_builder(builder, cfg, specs)
+        config = builder.get_kv_cache_config_from_groups(cfg, groups, num_blocks=num_blocks)
     config.kv_cache_layout = layout
     return cfg, config
 
