@@ -835,3 +835,41 @@ def test_bad_mismatched_or_late_layouts_and_wrong_resize_kinds_raise_on_every_ra
             "rank 0",
             "views are bound already",
         )
+
+
+def test_block_layout_chunks_follow_the_blocks_of_a_deepseek_v32_cache():
+    """Review R5: with the default chunk (capacity / 64) a 122-segment layout commits the whole
+    capacity for any block count. ``block_layout_chunk_bytes`` (what the vLLM plugin passes)
+    keeps the committed bytes near the blocks' own bytes; the fd / mapping count is the chunk
+    count (docs/design.md, "Segmented growth")."""
+    from vmmkv._util import ceil_div, round_up
+    from vmmkv.alloc.region import block_layout_chunk_bytes, covering_chunks
+
+    mib, layers, idx, mla = 1 << 20, 61, 64 * 132, 64 * 656
+
+    def geometry(num_blocks):
+        segs = [(i * num_blocks * idx, idx) for i in range(layers)]
+        segs += [(layers * num_blocks * idx + i * num_blocks * mla, mla) for i in range(layers)]
+        return segs, round_up(layers * num_blocks * (idx + mla), 2 * mib)
+
+    def committed(segs, cap, chunk, n):
+        chunks = covering_chunks([(o, o + n * b) for o, b in segs], chunk, cap)
+        return len(chunks), sum(c.size for c in chunks), sum(n * b for _, b in segs)
+
+    segs, cap = geometry(4096)  # the review's example: 11.74 GiB
+    default = min(round_up(ceil_div(cap, 64), 2 * mib), 1 << 30)
+    assert committed(segs, cap, default, 1)[1] == cap  # the defect: everything, for one block
+    chunk = block_layout_chunk_bytes(segs, cap, 2 * mib)
+    assert chunk == 2 * mib
+    count, got, blocks = committed(segs, cap, chunk, 1000)
+    assert (count, round(got / blocks, 3)) == (1586, 1.081)  # <= 1.2x the blocks' bytes
+    assert committed(segs, cap, chunk, 4096)[0] == cap // chunk  # all: 6009 fds per peer
+    # a larger cache takes larger chunks: the chunk count stays bounded, the overhead too
+    segs, cap = geometry(40000)  # ~115 GiB
+    chunk = block_layout_chunk_bytes(segs, cap, 2 * mib)
+    assert chunk == 8 * mib and 2 * len(segs) * chunk <= cap / 32
+    count, got, blocks = committed(segs, cap, chunk, 10000)
+    assert got / blocks <= 1.07 and count == ceil_div(got, chunk)
+    # never below the granularity, never above 1 GiB
+    assert block_layout_chunk_bytes(segs[:1], 4096, 4096) == 4096
+    assert block_layout_chunk_bytes([(0, 1)], 1 << 40, 2 * mib) == 1 << 30

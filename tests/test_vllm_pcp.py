@@ -235,6 +235,27 @@ def _allocate_as_mrv2(layout, tp, pcp_size):
     return views, vc, config, seen
 
 
+def _shutdown_closes(vc):
+    """vLLM's worker shutdown (``Worker.shutdown`` -> MRV2's ``GPUModelRunner.shutdown``, the
+    patched method) on a runner with nothing else to release: (no active cache left, what the
+    closed cache says)."""
+    from unittest import mock
+
+    from vllm.v1.worker.gpu import model_runner as mrv2
+
+    from vmmkv.integrations import vllm as integration
+
+    runner = object.__new__(mrv2.GPUModelRunner)
+    runner.aux_output_connector = None
+    with mock.patch("torch.accelerator.synchronize", lambda *a: None):  # CPU: no device
+        mrv2.GPUModelRunner.shutdown(runner)
+    try:
+        vc.cache.allocate(4096)
+        return integration.active_cache() is None, "open"
+    except RuntimeError as exc:
+        return integration.active_cache() is None, str(exc).split(": ", 1)[1]
+
+
 def _scenario(rank, world, port, tp, runs, dcps):
     """Per (layout, direct) run: allocate as MRV2 does, poison, every DCP x step mix through
     the call sites; returns what each rank saw."""
@@ -308,7 +329,7 @@ def _scenario(rank, world, port, tp, runs, dcps):
                         "expect": expect,
                     }
                     dist.barrier(group=pcp.cpu_group)  # compared before the next step stores
-            rep["closed_on_exit"] = integration.active_cache() is None
+                rep["closed_by_shutdown"] = _shutdown_closes(vc)
             out["runs"][f"{layout}/{'direct' if direct else 'gather'}"] = rep
         # rank 0 hosts the store every group uses: it tears down only after every group is done
         dist.barrier(group=ps.get_world_group().cpu_group)
@@ -327,7 +348,7 @@ def _check(rep, direct, names):
     assert alloc["profiling_after"].endswith("ReplicatedKVCache is closed"), alloc  # replaced
     assert rep["size"] % 4096 and rep["capacity"] == -(-rep["size"] // 4096) * 4096, rep
     assert rep["views_equal"] and rep["committed_blocks"] == NUM_BLOCKS
-    assert rep["closed_on_exit"]
+    assert rep["closed_by_shutdown"] == (True, "ReplicatedKVCache is closed"), rep
     for name in names:
         r = rep[name]
         assert r["equal"], f"{name}: {r['differing_bytes']} bytes differ from vLLM's own path"

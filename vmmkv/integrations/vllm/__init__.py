@@ -2,12 +2,17 @@
 
 A ``vllm.general_plugins`` entry point (``vmmkv = vmmkv.integrations.vllm:register``); vLLM
 calls :func:`register` in each of its processes. It does nothing unless ``VLLM_USE_VMMKV=1``.
-Enabled, it patches the vLLM call sites listed in ``vmmkv.integrations.vllm._patches`` (where
-vLLM looks them up): in each worker whose PCP group has more than one rank,
+Enabled, it checks the installed vLLM's version (``SUPPORTED_VLLM``; :class:`UnsupportedVLLM`
+otherwise) and, once the process imports MRV2's model runner (a GPU worker; API server and
+engine core never do), patches the vLLM call sites listed in ``vmmkv.integrations.vllm._patches``
+(where vLLM looks them up, all or nothing, each site's parameters checked first): in each worker
+whose PCP group has more than one rank,
 
 - ``allocate_kv_cache`` builds a :class:`VllmKVCache`: one :class:`vmmkv.ReplicatedKVCache` over
   vLLM's PCP ``GroupCoordinator`` (its ``cpu_group`` for the rendezvous, its ``device_group`` for
-  the gather fallback), vLLM's own views over ``cache.allocate(size)``, every layer bound;
+  the gather fallback), vLLM's own views over ``cache.allocate(size)``, every layer bound. Each
+  allocation replaces (closes) the previous cache: MRV2 allocates a profiling cache, tears it
+  down, then allocates the real one; MRV2's ``GPUModelRunner.shutdown`` closes it too;
 - the PCP gather + insert pairs (``maybe_gather_mla_latent_cache_inputs`` +
   ``concat_and_cache_mla``, ``maybe_gather_indexer_k`` + ``indexer_k_quant_and_cache``) become
   one store through the cache: direct publication (each rank writes its rows into every
@@ -15,8 +20,10 @@ vLLM looks them up): in each worker whose PCP group has more than one rank,
   when the cache is not direct. ``num_local_only`` per PCP case (MLA and indexer each from
   their own metadata's ``num_decode_tokens``): replicated draft decodes (unexpanded slot
   mapping): all rows, local only; ``pcp_shard_decode_requests`` (DCP == 1): 0, every row is
-  published; DCP > 1: ``num_decode_tokens`` (decode rows local, prefill rows published);
-- ``KVBlockZeroer.zero_block_ids`` runs the cache barrier after vLLM's zeroing.
+  published; DCP > 1: ``num_decode_tokens`` (decode rows local at rank 0's slots, vLLM's
+  canonical writer of replicated rows; prefill rows published);
+- ``KVBlockZeroer.zero_block_ids`` runs the cache barrier after vLLM's zeroing, and MRV2's
+  ``copy_kv_cache_blocks_inplace`` again after vLLM's copy-on-write block copies.
 
 **Zeroing hazard** (why the barrier after zeroing): vLLM zeroes newly allocated blocks of the
 own replica at the start of a step (``needs_kv_cache_zeroing`` holds for the MLA + indexer pair).
@@ -40,7 +47,8 @@ kernel-block splitting, no micro-batching (DBO). The bytes are the ones the inst
 Growth: :meth:`VllmKVCache.grow`/``shrink`` in blocks for both layout families (segments from
 vLLM's ``KVCacheTensor`` numbers). vLLM 0.33 cannot resize its block pool, so an engine that
 commits fewer blocks than ``num_blocks`` must keep vLLM's block ids below
-``committed_blocks``; the zeroing wrapper refuses larger ids before vLLM's kernel runs.
+``committed_blocks``; the zeroing and copy wrappers refuse larger ids before vLLM's kernels
+run.
 
 Sleep mode (``Worker.sleep``/``wake_up``/``discard``, e.g. RL frameworks between rollouts): the
 plugin registers the sleep-mode backend ``vmmkv`` with vLLM's ``SleepModeBackendFactory``
@@ -57,7 +65,7 @@ at allocation; the ``vmmkv`` backend has CuMem offload that tag instead. See ``_
 Contract: :func:`register`/:func:`unregister` are local and idempotent; :func:`patched` is a
 context manager for tests (install, then unregister on exit). ``unregister`` restores every
 site and closes the cache it allocated (vLLM's views of it become invalid). The stores and the
-zeroing barrier are collective over the PCP group, as vLLM's own gathers are.
+zeroing and copy barriers are collective over the PCP group, as vLLM's own gathers are.
 """
 
 from __future__ import annotations
