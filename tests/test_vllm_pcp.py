@@ -245,8 +245,11 @@ def _shutdown_closes(vc):
 
     from vmmkv.integrations import vllm as integration
 
+    from vmmkv.integrations.vllm import testing
+
     runner = object.__new__(mrv2.GPUModelRunner)
     runner.aux_output_connector = None
+    runner.vllm_config = testing.vllm_config("LBNHC", NUM_BLOCKS)  # shutdown resets its fields
     with mock.patch("torch.accelerator.synchronize", lambda *a: None):  # CPU: no device
         mrv2.GPUModelRunner.shutdown(runner)
     try:
