@@ -244,7 +244,6 @@ def _shutdown_closes(vc):
     from vllm.v1.worker.gpu import model_runner as mrv2
 
     from vmmkv.integrations import vllm as integration
-
     from vmmkv.integrations.vllm import testing
 
     runner = object.__new__(mrv2.GPUModelRunner)
