@@ -208,7 +208,8 @@ VMMKV_FN int lane_enter(const BarrierArgs& b) {
     return (threadIdx.x == 0 && blockIdx.x == 0) ? atomicExch(lane_word(b, kLaneBusy), 1) : 0;
 }
 
-// Claims the CTA's report and, if free, the lane's record; writes it (state) and printf's once.
+// Claims the CTA's report and, if free, the lane's record; writes it (state) and printf's once
+// (an abort is printed by barrier_cta once every thread stopped waiting).
 __device__ __noinline__ void report_wait(const BarrierArgs b, BarrierShared* sh, int state,
                                          int peer, int observed, i64 waited_ns) {
     if (atomicCAS(&sh->claim, 0, 1) != 0) return;  // another thread of this CTA reports
@@ -221,11 +222,7 @@ __device__ __noinline__ void report_wait(const BarrierArgs b, BarrierShared* sh,
         printf("vmmkv barrier timeout: lane=%d rank=%d missing peer=%d epoch=%d observed=%d "
                "world=%d timeout_ns=%lld: trapping\n",
                b.lane, b.rank, peer, sh->epoch, observed, b.world, (long long)b.diag_ns);
-    } else if (state == kDiagAborted) {
-        printf("vmmkv barrier: rank %d lane %d epoch %d: aborted after %.3f s waiting for peer "
-               "%d (observed %d, world %d)\n",
-               b.rank, b.lane, sh->epoch, s, peer, observed, b.world);
-    } else {
+    } else if (state == kDiagWaiting) {  // kDiagAborted: printed when the wait has ended
         printf("vmmkv barrier: rank %d lane %d epoch %d: still waiting for peer %d after %.3f s "
                "(observed %d, world %d); waiting on until the peer arrives or the host aborts\n",
                b.rank, b.lane, sh->epoch, peer, s, observed, b.world);
@@ -261,6 +258,26 @@ __device__ __noinline__ int wait_check(const BarrierArgs b, BarrierShared* sh, c
         report_wait(b, sh, kDiagWaiting, peer, observed, waited);
     }
     return state;
+}
+
+// After the wait of a CTA that reported (claim 2: it owns the lane's record; 3: it only
+// printed): the final record ("passed" or "aborted") and one line.
+__device__ __noinline__ void finish_report(const BarrierArgs b, const BarrierShared* sh) {
+    const i64 waited = (i64)(globaltimer_ns() - sh->start);
+    const double s = (double)waited * 1e-9;
+    if (sh->aborted) {
+        if (sh->claim == 2) write_record(b, kDiagAborted, sh->peer, sh->epoch, sh->observed, waited);
+        printf("vmmkv barrier: rank %d lane %d epoch %d: aborted after %.3f s waiting for peer "
+               "%d (observed %d, world %d)\n",
+               b.rank, b.lane, sh->epoch, s, sh->peer, sh->observed, b.world);
+    } else {
+        if (sh->claim == 2) {
+            write_record(b, kDiagPassed, sh->peer, sh->epoch, sh->observed, waited);
+            atomicExch(lane_word(b, kLaneClaim), 0);  // the next late wait may write the record
+        }
+        printf("vmmkv barrier: rank %d lane %d epoch %d: peer %d arrived, passed after %.3f s\n",
+               b.rank, b.lane, sh->epoch, sh->peer, s);
+    }
 }
 
 // The lane's epoch as thread 0 of a CTA reads it when its kernel starts, so that this load is
@@ -322,17 +339,7 @@ VMMKV_FN void barrier_cta(const BarrierArgs& b, int entry_epoch, int busy_found)
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0 && sh.claim == 2) {  // this CTA wrote the lane's record: finish it
-        const i64 waited = (i64)(globaltimer_ns() - sh.start);
-        if (sh.aborted) {
-            write_record(b, kDiagAborted, sh.peer, e, sh.observed, waited);
-        } else {
-            write_record(b, kDiagPassed, sh.peer, e, sh.observed, waited);
-            printf("vmmkv barrier: rank %d lane %d epoch %d: peer %d arrived, passed after %.3f s\n",
-                   b.rank, b.lane, e, sh.peer, (double)waited * 1e-9);
-            atomicExch(lane_word(b, kLaneClaim), 0);  // the next late wait may write the record
-        }
-    }
+    if (threadIdx.x == 0 && sh.claim >= 2) finish_report(b, &sh);
 }
 
 // Test-only build hook (compile with -DVMMKV_TEST_LAG_NS=<ns>, never in production builds):

@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -103,8 +104,10 @@ _ALLOC_ALIGN = 256
 
 
 def _barrier_timeout(value: float | None) -> float:
+    """The host timeout of a barrier wait (docs/design.md "Barrier"): 600 s unless given or set
+    by ``VMMKV_BARRIER_TIMEOUT``; the device diagnostic comes after min(10 s, it)."""
     if value is None:
-        env = os.environ.get("VMMKV_BARRIER_TIMEOUT", "10")
+        env = os.environ.get("VMMKV_BARRIER_TIMEOUT", "600")
         try:
             value = float(env)
         except ValueError:
@@ -217,7 +220,10 @@ class ReplicatedKVCache:
             )  # fmt: skip
             self._direct = None
             if self.direct:
-                self._direct = DirectPath(sr, self._fence, lanes, match["barrier_timeout"])
+                trap = os.environ.get("VMMKV_BARRIER_TRAP", "0").strip().lower() in ("1", "true")
+                self._direct = DirectPath(
+                    sr, self._fence, lanes, match["barrier_timeout"], barrier_trap=trap
+                )
         except Exception as exc:
             error = exc
         try:
@@ -264,6 +270,9 @@ class ReplicatedKVCache:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"rank {self.rank}: ReplicatedKVCache is closed")
+        broken = self._direct.broken if getattr(self, "_direct", None) else None
+        if broken is not None:  # a barrier wait was abandoned: name the call that finds it
+            self._direct._barrier.check(f"ReplicatedKVCache.{sys._getframe(1).f_code.co_name}")
 
     # -- memory ----------------------------------------------------------------------------
     def allocate(self, nbytes: int, device: Any = None) -> torch.Tensor:

@@ -418,6 +418,9 @@ class DeviceBarrier:
             self._blocked = True
             _log.error("%s", self._error)
             self.abort(reason, peer)
+            notify = getattr(self._liveness, "notify", None)
+            if notify is not None:  # e.g. tell the group's peers, so that they stop waiting
+                notify(f"broke: {reason}")
 
     def _watch(self, now: float) -> None:
         """One watchdog pass (the watchdog thread; tests may call it): lane misuse, records
