@@ -204,8 +204,13 @@ __device__ __noinline__ void report_lane_busy(const BarrierArgs b, int epoch, in
 // marks the lane busy and returns what the lane's busy word held (non-zero: lane misuse). The
 // CTA that runs the barrier clears the word after its signals. Off the critical path: the
 // result is first needed after this CTA's stores.
+// (-DVMMKV_TEST_NO_LANE_CHECK, test builds only: no lane check at all, to measure its cost.)
 VMMKV_FN int lane_enter(const BarrierArgs& b) {
+#ifdef VMMKV_TEST_NO_LANE_CHECK
+    return 0;
+#else
     return (threadIdx.x == 0 && blockIdx.x == 0) ? atomicExch(lane_word(b, kLaneBusy), 1) : 0;
+#endif
 }
 
 // Claims the CTA's report and, if free, the lane's record; writes it (state) and printf's once
@@ -302,7 +307,12 @@ VMMKV_FN void barrier_cta(const BarrierArgs& b, int entry_epoch, int busy_found)
         const int e = (int)((u32)entry_epoch + 1u);  // wraps without UB; compared modulo 2^32
         // an exchange, not a store: another launch that advanced the lane since our entry read
         // (lane misuse) shows here; the signal release below waits for it either way
+#ifdef VMMKV_TEST_NO_LANE_CHECK
+        b.epochs[b.lane] = e;
+        prev = entry_epoch;
+#else
         prev = atomicExch(b.epochs + b.lane, e);
+#endif
         sh.epoch = e;
         sh.claim = 0;
         sh.aborted = 0;
@@ -323,7 +333,9 @@ VMMKV_FN void barrier_cta(const BarrierArgs& b, int entry_epoch, int busy_found)
             report_lane_busy(b, e, busy_found != 0 ? busy_found : prev);
         // the lane is free for the next launch once our signals are out (an overlapping launch
         // that starts later still shows in the epoch exchange above)
+#ifndef VMMKV_TEST_NO_LANE_CHECK
         *reinterpret_cast<volatile int*>(lane_word(b, kLaneBusy)) = 0;
+#endif
     }
     int state = 0;  // kWait* bits
     for (int t = threadIdx.x; t < b.world && !(state & kWaitStop); t += blockDim.x) {

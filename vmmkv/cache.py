@@ -271,8 +271,11 @@ class ReplicatedKVCache:
         if self._closed:
             raise RuntimeError(f"rank {self.rank}: ReplicatedKVCache is closed")
         broken = self._direct.broken if getattr(self, "_direct", None) else None
-        if broken is not None:  # a barrier wait was abandoned: name the call that finds it
-            self._direct._barrier.check(f"ReplicatedKVCache.{sys._getframe(1).f_code.co_name}")
+        if broken is not None:  # a barrier wait was abandoned: name the public call
+            frame = sys._getframe(1)
+            while frame.f_back is not None and frame.f_code.co_name.startswith("_"):
+                frame = frame.f_back
+            self._direct._barrier.check(f"ReplicatedKVCache.{frame.f_code.co_name}")
 
     # -- memory ----------------------------------------------------------------------------
     def allocate(self, nbytes: int, device: Any = None) -> torch.Tensor:
