@@ -923,3 +923,94 @@ def test_the_resident_grid_is_sms_times_the_smallest_occupancy_asked_once_per_ke
     assert asked == [("fn-a", 256, 0, 1), ("fn-b", 256, 0, 1)]
     assert launch.resident_grid(pair[:1], 1, 256) == 132 * 4  # another key asks again
     assert len(asked) == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# The barrier's watchdog on a fake control page (what the kernel writes, csrc/barrier.cuh)
+
+
+def _page_barrier(lanes=2, timeout_s=5.0, liveness=None):
+    """A DeviceBarrier's host state over a zeroed ctypes page (no CUDA)."""
+    import threading
+
+    from vmmkv.ops import barrier as B
+
+    page = ctypes.create_string_buffer(B._CTRL_HEADER_BYTES + B._DIAG_BYTES * lanes)
+    bar = _cpu_barrier(lanes=lanes, rank=1, world=3)
+    bar.device, bar.timeout_s, bar.trap, bar.diag_after_s = "cuda:5", timeout_s, False, 1.0
+    bar._host_ptr = ctypes.addressof(page)
+    bar._abort_word = ctypes.c_int32.from_address(bar._host_ptr)
+    bar._abort_reason, bar._liveness, bar._notify, bar._next_live = None, liveness, "", 0.0
+    bar._waiting, bar._logged = {}, set()
+    bar._page_lock = threading.RLock()
+    bar._test_page = page
+    return bar
+
+
+def _write_record(bar, lane, seq, state, peer, epoch, waited_ns, observed=0):
+    from vmmkv.ops import barrier as B
+
+    w = (ctypes.c_int32 * 16).from_address(bar._host_ptr + B._CTRL_HEADER_BYTES + 64 * lane)
+    w[1:8] = [state, lane, bar.rank, peer, epoch, observed, bar.world]
+    w[8], w[9] = waited_ns & 0xFFFFFFFF, waited_ns >> 32
+    w[10], w[11] = 10**9, 0
+    w[12] = B._DIAG_MAGIC
+    w[0] = seq
+
+
+def test_the_watchdog_aborts_a_wait_past_the_host_timeout_and_breaks_once_it_returned():
+    bar = _page_barrier(timeout_s=5.0)
+    _write_record(bar, 1, seq=1, state=1, peer=2, epoch=7, waited_ns=10**9)  # odd: being written
+    bar._watch(100.0)
+    assert bar.read_diagnostic() is None and bar._abort_word.value == 0
+    _write_record(bar, 1, seq=2, state=1, peer=2, epoch=7, waited_ns=10**9)  # waiting, 1 s
+    bar._watch(100.0)
+    rec = bar.read_diagnostic()
+    assert (rec.lane, rec.rank, rec.missing_peer, rec.epoch, rec.state) == (1, 1, 2, 7, "waiting")
+    assert rec.waited_s == pytest.approx(1.0) and str(rec).startswith(
+        "vmmkv barrier timeout: lane=1 rank=1 missing peer=2 epoch=7 observed=0 world=3"
+    )  # fmt: skip
+    bar._watch(103.9)  # 1 s on the device + 3.9 s seen here: not yet
+    assert bar._abort_word.value == 0 and bar.broken is None
+    bar._watch(104.1)
+    assert bar._abort_word.value == 1 and bar.broken is None  # aborted, the kernel not back yet
+    bar.check()  # nothing to raise yet
+    _write_record(bar, 1, seq=4, state=3, peer=2, epoch=7, waited_ns=5 * 10**9)  # it returned
+    bar._watch(104.2)
+    err = bar.broken
+    assert err is not None and (err.peer, err.lane, err.epoch) == (2, 1, 7)
+    with pytest.raises(Exception, match=r"rank 1 \(cuda:5\): publish: vmmkv barrier aborted "
+                       r"\(lane 1 epoch 7, waiting for peer rank 2\): peer rank 2 did not "
+                       r"arrive within the barrier timeout of 5 s"):  # fmt: skip
+        bar.barrier_args(0)
+
+
+def test_the_watchdog_aborts_on_a_dead_peer_and_names_it_and_a_passed_wait_breaks_nothing():
+    calls = []
+
+    def liveness():
+        calls.append(1)
+        return (0, "peer rank 0's process (pid 77) is gone") if len(calls) > 1 else None
+
+    bar = _page_barrier(liveness=liveness)
+    _write_record(bar, 0, seq=2, state=1, peer=0, epoch=3, waited_ns=2 * 10**9)
+    bar._watch(10.0)
+    _write_record(bar, 0, seq=4, state=2, peer=0, epoch=3, waited_ns=3 * 10**9)  # passed
+    bar._watch(10.2)  # liveness is asked every 0.5 s only
+    assert len(calls) == 1 and bar._abort_word.value == 0 and bar.broken is None
+    bar._watch(10.6)
+    assert len(calls) == 2 and bar._abort_word.value == 1 and bar.broken is None
+    _write_record(bar, 0, seq=6, state=3, peer=0, epoch=4, waited_ns=10**6)
+    bar._watch(10.7)
+    assert "peer rank 0's process (pid 77) is gone" in str(bar.broken)
+    assert bar.broken.peer == 0 and bar.broken.epoch == 4
+
+
+def test_the_watchdog_breaks_the_barrier_when_a_launch_found_its_lane_busy():
+    bar = _page_barrier()
+    hdr = (ctypes.c_int32 * 4).from_address(bar._host_ptr)
+    hdr[1], hdr[2], hdr[3], hdr[0] = 2, 9, 1, 2  # lane 1 (+1), epoch 9, found busy; aborted
+    bar._watch(1.0)
+    assert bar.broken is not None and bar.broken.lane == 1
+    assert "lane 1 was used by two launches at once" in str(bar.broken)
+    assert bar._notify.startswith("broke: lane 1 was used")

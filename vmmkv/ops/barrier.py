@@ -276,6 +276,9 @@ class DeviceBarrier:
         self._blocked = False  # closed or broken: the launch paths' one check
         self._abort_reason: tuple[int | None, str] | None = None
         self._liveness = liveness
+        self._notify = ""  # why the peers should be told (the watchdog posts it, unlocked)
+        # the control page is read by the watchdog thread and freed by close(): never both
+        self._page_lock = threading.RLock()
         self._next_live = 0.0
         self._waiting: dict[int, tuple[int, int, float]] = {}  # lane -> (epoch, seq, first seen)
         self._logged: set[tuple[int, int, int]] = set()
@@ -358,11 +361,12 @@ class DeviceBarrier:
         check (within about a millisecond) instead of waiting; the barrier is broken once one
         did (or at once when ``peer`` is None and nothing waits: see ``_watch``). Local,
         idempotent, thread-safe (the watchdog calls it); no CUDA call."""
-        if self._closed:
-            return
-        if self._abort_reason is None:
-            self._abort_reason = (peer, str(reason))
-        self._abort_word.value = _ABORT_BY_HOST
+        with self._page_lock:
+            if self._closed:
+                return
+            if self._abort_reason is None:
+                self._abort_reason = (peer, str(reason))
+            self._abort_word.value = _ABORT_BY_HOST
 
     def _records(self) -> list[BarrierTimeout | None]:
         out = []
@@ -418,16 +422,31 @@ class DeviceBarrier:
             self._blocked = True
             _log.error("%s", self._error)
             self.abort(reason, peer)
-            notify = getattr(self._liveness, "notify", None)
-            if notify is not None:  # e.g. tell the group's peers, so that they stop waiting
-                notify(f"broke: {reason}")
+            self._notify = f"broke: {reason}"
 
     def _watch(self, now: float) -> None:
         """One watchdog pass (the watchdog thread; tests may call it): lane misuse, records
         (log late waits; abort one waiting past ``timeout_s``; break on an abandoned wait),
-        then ``liveness()`` about twice a second."""
-        if self._closed or self._error is not None:
-            return
+        then ``liveness()`` about twice a second (outside the page lock: it may ask a store)."""
+        with self._page_lock:
+            if not self._closed and self._error is None:
+                self._watch_page(now)
+        notify = getattr(self._liveness, "notify", None)
+        if self._notify and notify is not None:  # tell the group's peers: they stop waiting
+            why, self._notify = self._notify, ""
+            notify(why)
+        if (
+            self._error is None
+            and not self._closed
+            and self._liveness is not None
+            and now >= self._next_live
+        ):
+            self._next_live = now + _LIVE_S
+            dead = self._liveness()
+            if dead is not None:
+                self.abort(dead[1], dead[0])
+
+    def _watch_page(self, now: float) -> None:
         abort, busy_lane, busy_epoch, busy_found = self._header()
         if busy_lane:
             self._fail(busy_lane - 1, busy_epoch, None,
@@ -473,17 +492,13 @@ class DeviceBarrier:
                     "then passed", self.rank, self.device, lane, rec.epoch, rec.waited_s,
                     rec.missing_peer,
                 )  # fmt: skip
-        if self._liveness is not None and now >= self._next_live:
-            self._next_live = now + _LIVE_S
-            dead = self._liveness()
-            if dead is not None:
-                self.abort(dead[1], dead[0])
 
     def close(self) -> None:
         """Free the host-mapped control page. Idempotent; raises CudaError if the free fails
         (the memory is then left to process exit)."""
-        self._closed = True
-        self._blocked = True
+        with self._page_lock:
+            self._closed = True
+            self._blocked = True
         _watchdog.discard(self)
         if self._free.detach() is not None:
             _free_host(self._host_ptr, self.ordinal)
