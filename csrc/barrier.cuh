@@ -202,7 +202,7 @@ __device__ __noinline__ void report_lane_busy(const BarrierArgs b, int epoch, in
 
 // Thread 0 of CTA 0 of every launch that runs the barrier of b.lane, at the kernel's start:
 // marks the lane busy and returns what the lane's busy word held (non-zero: lane misuse). The
-// CTA that runs the barrier clears the word after its signals. Off the critical path: the
+// CTA that runs the barrier clears the word once its wait is over. Off the critical path: the
 // result is first needed after this CTA's stores.
 // (-DVMMKV_TEST_NO_LANE_CHECK, test builds only: no lane check at all, to measure its cost.)
 VMMKV_FN int lane_enter(const BarrierArgs& b) {
@@ -328,15 +328,8 @@ VMMKV_FN void barrier_cta(const BarrierArgs& b, int entry_epoch, int busy_found)
     for (int t = threadIdx.x; t < b.world; t += blockDim.x) {
         st_release_sys(signal_slot(b.sig_table, t, b.lane, parity, b.world, b.rank), e);
     }
-    if (threadIdx.x == 0) {
-        if (busy_found != 0 || prev != entry_epoch)
-            report_lane_busy(b, e, busy_found != 0 ? busy_found : prev);
-        // the lane is free for the next launch once our signals are out (an overlapping launch
-        // that starts later still shows in the epoch exchange above)
-#ifndef VMMKV_TEST_NO_LANE_CHECK
-        *reinterpret_cast<volatile int*>(lane_word(b, kLaneBusy)) = 0;
-#endif
-    }
+    if (threadIdx.x == 0 && (busy_found != 0 || prev != entry_epoch))
+        report_lane_busy(b, e, busy_found != 0 ? busy_found : prev);
     int state = 0;  // kWait* bits
     for (int t = threadIdx.x; t < b.world && !(state & kWaitStop); t += blockDim.x) {
         const int* own = signal_slot(b.sig_table, b.rank, b.lane, parity, b.world, t);
@@ -351,7 +344,14 @@ VMMKV_FN void barrier_cta(const BarrierArgs& b, int entry_epoch, int busy_found)
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0 && sh.claim >= 2) finish_report(b, &sh);
+    if (threadIdx.x == 0) {
+        // the lane is free for the next launch once this wait is over: a launch that overlaps
+        // any part of this one, its wait included, finds the word set (one store, at the end)
+#ifndef VMMKV_TEST_NO_LANE_CHECK
+        *reinterpret_cast<volatile int*>(lane_word(b, kLaneBusy)) = 0;
+#endif
+        if (sh.claim >= 2) finish_report(b, &sh);
+    }
 }
 
 // Test-only build hook (compile with -DVMMKV_TEST_LAG_NS=<ns>, never in production builds):

@@ -18,6 +18,7 @@ Two-rank tests: one process per GPU when there are two GPUs, else both processes
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import subprocess
@@ -169,14 +170,20 @@ def _absent_peer(rank, world, out_dir, timeout_s):
         result["error"] = str(error)
         result["peer"] = getattr(error, "peer", None)
         result["diag"] = str(cache._path._barrier.read_diagnostic(0))
+        with pytest.raises(BarrierAborted, match="ReplicatedKVCache.store_layer"):
+            _publish_step(kv)  # its first call, a store, raises already
+        mla, idx = kv.bound[-1]
         with pytest.raises(BarrierAborted, match="ReplicatedKVCache.publish_layer"):
-            _publish_step(kv)
+            cache.publish_layer(mla, idx, *kv.inputs, kv.slots)
         x = torch.arange(1000, device=device, dtype=torch.float32)
         result["context_ok"] = float(x.sum().item()) == 499500.0  # the context is usable
     dist.barrier()  # rank 1 waited here, alive, the whole time
+    torch.cuda.synchronize(device)
     free_before = torch.cuda.mem_get_info(device)[0]
     cache.close()
     del kv, cache
+    gc.collect()
+    dist.barrier()  # both closed: no peer mapping holds a region any more
     torch.cuda.synchronize(device)
     result["freed"] = torch.cuda.mem_get_info(device)[0] - free_before
     return result
