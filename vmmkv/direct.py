@@ -25,6 +25,7 @@ Contract:
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -53,9 +54,14 @@ class _HostBarrier:
 
 
 class _GroupLiveness:
-    """``DeviceBarrier``'s ``liveness`` for a mapped region: pids of the peers on this host,
-    and notices in the group's store (``notify``: this rank closed or broke). Best effort: a
-    store that cannot be reached is logged once and skipped (the host timeout still holds)."""
+    """``DeviceBarrier``'s ``liveness`` for a mapped region: pids of the peers on this host
+    (read on each call), and notices in the group's store (``notify``: this rank closed or
+    broke), polled by a daemon thread of its own every ``_STORE_POLL_S``, so that a store that
+    hangs never stalls the barrier's watchdog. Best effort: a store that cannot be reached is
+    logged once and skipped (the host timeout still holds)."""
+
+    _STORE_POLL_S = 0.5
+    _NOTIFY_WAIT_S = 2.0
 
     def __init__(self, region: Any) -> None:
         self.rank = region.rank
@@ -67,43 +73,60 @@ class _GroupLiveness:
         comm = getattr(region, "_comm", None)
         self._store = getattr(comm, "_store", None)
         self._prefix = f"{getattr(comm, '_prefix', 'vmmkv')}/liveness"
-        self._seen = 0
-        self._store_failed = False
+        self._verdict: tuple[int, str] | None = None
+        self._stop = threading.Event()
+        if self._store is not None:
+            threading.Thread(
+                target=self._poll, name=f"vmmkv-liveness-rank{self.rank}", daemon=True
+            ).start()
 
     def __call__(self) -> tuple[int | None, str] | None:
         if self._pids is not None:
             dead = self._pids()
             if dead is not None:
                 return dead
-        if self._store is None:
-            return None
-        try:
-            count = int(self._store.add(f"{self._prefix}/count", 0))
-            if count <= self._seen:
-                return None
-            self._seen = count
-            for peer in range(self.world):
-                key = f"{self._prefix}/{peer}"
-                if peer != self.rank and self._store.check([key]):
-                    why = self._store.get(key).decode(errors="replace")
-                    return peer, f"peer rank {peer} {why}"
-        except Exception as exc:  # the store's host may be gone too: not a verdict
-            if not self._store_failed:
-                self._store_failed = True
-                log.warning("vmmkv: rank %d cannot read the group's store for liveness: %s",
-                            self.rank, exc)  # fmt: skip
-        return None
+        return self._verdict
+
+    def _poll(self) -> None:
+        seen, failed = 0, False
+        while not self._stop.wait(self._STORE_POLL_S) and self._verdict is None:
+            try:
+                count = int(self._store.add(f"{self._prefix}/count", 0))
+                if count <= seen:
+                    continue
+                seen = count
+                for peer in range(self.world):
+                    key = f"{self._prefix}/{peer}"
+                    if peer != self.rank and self._store.check([key]):
+                        why = self._store.get(key).decode(errors="replace")
+                        self._verdict = (peer, f"peer rank {peer} {why}")
+                        break
+            except Exception as exc:  # the store's host may be gone too: not a verdict
+                if not failed:
+                    failed = True
+                    log.warning("vmmkv: rank %d cannot read the group's store for liveness: %s",
+                                self.rank, exc)  # fmt: skip
 
     def notify(self, why: str) -> None:
-        """Tell the peers (through the store) that this rank is gone for the barrier."""
+        """Tell the peers (through the store) that this rank is gone for the barrier. Waits at
+        most ``_NOTIFY_WAIT_S`` for the store (a daemon thread posts it)."""
         if self._store is None:
             return
-        try:
-            self._store.set(f"{self._prefix}/{self.rank}", why.encode())
-            self._store.add(f"{self._prefix}/count", 1)
-        except Exception as exc:
-            log.warning("vmmkv: rank %d could not post %r in the group's store: %s",
-                        self.rank, why, exc)  # fmt: skip
+
+        def post() -> None:
+            try:
+                self._store.set(f"{self._prefix}/{self.rank}", why.encode())
+                self._store.add(f"{self._prefix}/count", 1)
+            except Exception as exc:
+                log.warning("vmmkv: rank %d could not post %r in the group's store: %s",
+                            self.rank, why, exc)  # fmt: skip
+
+        t = threading.Thread(target=post, name=f"vmmkv-notify-rank{self.rank}", daemon=True)
+        t.start()
+        t.join(self._NOTIFY_WAIT_S)
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 class DirectPath:
@@ -193,6 +216,7 @@ class DirectPath:
     def close(self) -> None:
         self._stores.clear()
         if self._liveness is not None:
+            self._liveness.stop()
             err = self.broken
             self._liveness.notify(f"broke: {err.reason}" if err else "closed its cache")
         self._barrier.close()
