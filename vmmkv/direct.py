@@ -213,6 +213,12 @@ class DirectPath:
         """The error of an abandoned barrier wait (``vmmkv.ops.BarrierAborted``), else None."""
         return getattr(self._barrier, "broken", None)
 
+    def abort_waits(self, why: str) -> None:
+        """Make every device barrier wait of this path, running or queued, return (closing)."""
+        abort = getattr(self._barrier, "abort", None)
+        if abort is not None:
+            abort(why)
+
     def close(self) -> None:
         self._stores.clear()
         if self._liveness is not None:
