@@ -54,7 +54,7 @@ print(f"LATENCY one-launch publish T=1 world=1 graph-replayed: median {statistic
       f" (min {min(times):.2f}) per launch; epochs {bar.epochs.tolist()}")
 EOF
 : > "$OUT/latency.log"
-for round in 1 2; do
+for defines_round in 1; do
     for defines in "" "VMMKV_TEST_NO_LANE_CHECK"; do
         VMMKV_TEST_DEFINES="$defines" $PY "$OUT/latency.py" 2>&1 | tail -3 \
             | sed "s/^LATENCY/LATENCY [${defines:-real kernels}]/" >> "$OUT/latency.log"

@@ -410,7 +410,7 @@ def test_the_relaxed_fence_mutants_are_run_and_their_outcome_recorded(tmp_path, 
     """No assertion on the stale rows: this records what the hardware showed (the PTX model
     requires the fences whatever it shows). One process per GPU on two GPUs (stores travel over
     NVLink), else two ranks in one process."""
-    result = run_stress(tmp_path, mutant, _rounds(2000), _replays(300), processes=_two_gpus())
+    result = run_stress(tmp_path, mutant, _rounds(1500), _replays(300), processes=_two_gpus())
     print(f"OUTCOME {mutant} ({result['mode']}): {_total_bad(result)} stale rows", flush=True)
     for r in result["ranks"]:
         assert r["epochs"] == r["expected_epochs"], r
