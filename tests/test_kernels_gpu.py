@@ -149,7 +149,7 @@ def test_the_custom_ops_declare_what_they_mutate():
     assert "Tensor(a0!) cache" in schema and "Tensor(a1!) error_counter" in schema
     schema = str(torch.ops.vmmkv.barrier.default._schema)
     assert "Tensor(a0!) epochs" in schema and "Tensor(a1!)[] fence" in schema
-    assert "int handle" in schema
+    assert "Int handle" in schema and "Int lane" in schema  # the barrier by handle
     for op in ("store_indexer_k", "store_layer", "publish_rows"):
         assert "!" in str(getattr(torch.ops.vmmkv, op).default._schema)
 
