@@ -697,8 +697,8 @@ def host_cost_cpu(tokens=16):
         bar.epochs = torch.zeros(1, dtype=torch.int32)
         bar.rank, bar.world, bar.lanes, bar.ordinal = 0, 1, 1, -1
         bar.timeout_ns, bar._diag_dev_ptr, bar._threads, bar._closed = 10**10, 0, 32, False
-        bar._launches, bar.fence = [None], []
-        bar._args = (launch.BARRIER_ARGS.pack(0, 0, 0, 0, 10**10, 0, 0, 1, 0),)
+        bar._launches, bar.fence, bar._blocked, bar._error = [None], [], False, None
+        bar._args = (launch.BARRIER_ARGS.pack(0, 0, 0, 0, 0, 10**10, 0, 0, 1, 0),)
         print(f"host time per call without the driver, T={tokens} (CPU tensors):", flush=True)
         show(
             "stage: validate + collect values + grid (_values)",

@@ -242,9 +242,11 @@ vmmkv_publish_rows_barrier(KVDest dst, const u8* __restrict__ rows, i64 row_stri
                            i64 row_bytes, const void* __restrict__ slots, int slots_is_64,
                            i64 num_tokens, i64 num_local_only, int vec16, BarrierArgs bar) {
     const int entry_epoch = epoch_at_entry(bar.epochs, bar.lane);
+    const int busy_found = lane_enter(bar);
+    VMMKV_TEST_LAG(bar);
     rows_tokens(dst, rows, row_stride, row_bytes, slots, slots_is_64, num_tokens, num_local_only,
                 vec16);
-    arrive_then_barrier(bar, entry_epoch);
+    arrive_then_barrier(bar, entry_epoch, busy_found);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -266,9 +268,11 @@ vmmkv_publish_rows_barrier(KVDest dst, const u8* __restrict__ rows, i64 row_stri
         i64 k_pe_stride, const void* __restrict__ slots, int slots_is_64, i64 num_tokens,        \
         i64 num_local_only, BarrierArgs bar) {                                                   \
         const int entry_epoch = epoch_at_entry(bar.epochs, bar.lane);                            \
+        const int busy_found = lane_enter(bar);                                                  \
+        VMMKV_TEST_LAG(bar);                                                                     \
         ds_mla_tokens<POW2>(dst, kv_c, kv_c_stride, k_pe, k_pe_stride, slots, slots_is_64,       \
                             num_tokens, num_local_only);                                         \
-        arrive_then_barrier(bar, entry_epoch);                                                   \
+        arrive_then_barrier(bar, entry_epoch, busy_found);                                       \
     }
 
 #define VMMKV_INDEXER_STORES(SUFFIX, MX)                                                         \
@@ -282,9 +286,11 @@ vmmkv_publish_rows_barrier(KVDest dst, const u8* __restrict__ rows, i64 row_stri
         KVDest dst, const u16* __restrict__ k, i64 k_stride, const void* __restrict__ slots,     \
         int slots_is_64, i64 num_tokens, i64 num_local_only, int ue8m0, BarrierArgs bar) {       \
         const int entry_epoch = epoch_at_entry(bar.epochs, bar.lane);                            \
+        const int busy_found = lane_enter(bar);                                                  \
+        VMMKV_TEST_LAG(bar);                                                                     \
         indexer_k_tokens<MX>(dst, k, k_stride, slots, slots_is_64, num_tokens, num_local_only,   \
                              ue8m0);                                                             \
-        arrive_then_barrier(bar, entry_epoch);                                                   \
+        arrive_then_barrier(bar, entry_epoch, busy_found);                                       \
     }
 
 // Both stores of one attention layer in one launch.
@@ -303,9 +309,11 @@ vmmkv_publish_rows_barrier(KVDest dst, const u8* __restrict__ rows, i64 row_stri
         const void* __restrict__ slots, int slots_is_64, i64 num_tokens, i64 num_local_only,     \
         int ue8m0, BarrierArgs bar) {                                                            \
         const int entry_epoch = epoch_at_entry(bar.epochs, bar.lane);                            \
+        const int busy_found = lane_enter(bar);                                                  \
+        VMMKV_TEST_LAG(bar);                                                                     \
         layer_tokens<POW2, MX>(mla, idx, kv_c, kv_c_stride, k_pe, k_pe_stride, k, k_stride,      \
                                slots, slots_is_64, num_tokens, num_local_only, ue8m0);           \
-        arrive_then_barrier(bar, entry_epoch);                                                   \
+        arrive_then_barrier(bar, entry_epoch, busy_found);                                       \
     }
 
 VMMKV_DS_MLA_STORES(, false)

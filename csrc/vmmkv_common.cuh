@@ -133,6 +133,13 @@ VMMKV_FN i64 load_slot(const void* slots, int slots_is_64, i64 i) {
 
 // The committed bytes of the regions, read once per launch and warp (before its token loop,
 // off the per-token dependency chain): a graph captured before a grow sees the grown value.
+// A plain load that can race the host's copy_ of a new bound during a resize (a copy-engine
+// write PTX does not model; the review's F6). Benign by the resize protocol's order: grow raises
+// the bound only after every rank mapped the new chunks, shrink lowers it and drains the device
+// before anything is unmapped, an aligned 8-byte value is not torn, and launches (or replays)
+// after the resize returned see the new value. So a kernel already running may use the old or
+// the new bound, both safe; one consequence: a store into blocks a grow is opening, in flight
+// while it runs, may be skipped and counted as out of range.
 VMMKV_FN i64 committed_now(const KVDest& d) { return *d.committed_bytes; }
 
 // Byte offset of the token's block inside every region, or -1 when the token writes nothing:

@@ -149,6 +149,7 @@ def test_the_custom_ops_declare_what_they_mutate():
     assert "Tensor(a0!) cache" in schema and "Tensor(a1!) error_counter" in schema
     schema = str(torch.ops.vmmkv.barrier.default._schema)
     assert "Tensor(a0!) epochs" in schema and "Tensor(a1!)[] fence" in schema
+    assert "Int handle" in schema and "Int lane" in schema  # the barrier by handle
     for op in ("store_indexer_k", "store_layer", "publish_rows"):
         assert "!" in str(getattr(torch.ops.vmmkv, op).default._schema)
 
@@ -1016,14 +1017,17 @@ def test_barrier_lanes_interleave_eagerly_and_in_captured_graphs(dev):
 
 
 @requires_gpu
-def test_a_missing_peer_times_out_with_a_diagnostic_and_kills_the_process(dev):
+def test_with_the_opt_in_trap_a_missing_peer_times_out_with_a_diagnostic_and_kills_the_process(
+    dev,
+):
     setup = """
         import os, torch
         from vmmkv.ops.barrier import DeviceBarrier
         dev = torch.device("cuda", 0)
         """
     launch = """
-        bar = DeviceBarrier(table, None, rank=0, world=2, lanes=2, device=dev, timeout_s=0.2)
+        bar = DeviceBarrier(table, None, rank=0, world=2, lanes=2, device=dev, timeout_s=0.2,
+                            trap=True)  # the opt-in trap
         bar.arrive_and_wait(lane=1)  # rank 1 never arrives
         """
     out = _barrier_timeout_output(dev, setup, launch)
@@ -1402,7 +1406,9 @@ def test_two_ranks_see_each_others_rows_after_publish_mixing_fused_and_standalon
 
 
 @requires_gpu
-def test_a_missing_peer_times_out_in_the_fused_publish_with_a_diagnostic(dev):
+def test_with_the_opt_in_trap_a_missing_peer_times_out_in_the_fused_publish_with_a_diagnostic(
+    dev,
+):
     setup = """
         import os, torch
         from vmmkv.ops import prepare
@@ -1412,7 +1418,8 @@ def test_a_missing_peer_times_out_in_the_fused_publish_with_a_diagnostic(dev):
         case = _Case("layer", dev, tokens=64, seed=5)
         """
     launch = """
-        bar = DeviceBarrier(table, None, rank=1, world=2, lanes=2, device=dev, timeout_s=0.2)
+        bar = DeviceBarrier(table, None, rank=1, world=2, lanes=2, device=dev, timeout_s=0.2,
+                            trap=True)  # the opt-in trap
         prepare(case.targets).publish(case.inputs, case.slots, 0, bar, 1)  # rank 0 never comes
         """
     out = _barrier_timeout_output(dev, setup, launch)

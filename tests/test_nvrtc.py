@@ -78,6 +78,39 @@ def test_barrier_ptx_uses_system_scope_release_and_acquire():
     assert "%globaltimer" in ptx
 
 
+def test_the_test_lag_hook_exists_only_in_test_builds_and_other_defines_are_refused(monkeypatch):
+    plain = build.compile_ptx("kv_store.cu", "sm_90")
+    assert "-DVMMKV_TEST" not in " ".join(build.compile_options("sm_90", None))
+    monkeypatch.setenv("VMMKV_TEST_DEFINES", "VMMKV_TEST_LAG_NS=50000 VMMKV_TEST_LAG_CTA=0")
+    opts = build.compile_options("sm_90", None)
+    assert opts[-2:] == ["-DVMMKV_TEST_LAG_NS=50000", "-DVMMKV_TEST_LAG_CTA=0"]
+    lagged = build.compile_ptx("kv_store.cu", "sm_90")
+    # the lag spins on the timer in every fused kernel, before its stores; the plain ones have none
+    for entry in ("vmmkv_publish_rows_barrier", "vmmkv_store_layer_barrier"):
+        body = re.search(rf"\.entry {entry}\((.*?)\n}}\n", lagged, re.S).group(1)
+        plain_body = re.search(rf"\.entry {entry}\((.*?)\n}}\n", plain, re.S).group(1)
+        assert body.count("%globaltimer") > plain_body.count("%globaltimer"), entry
+    for bad in ("FOO=1", "VMMKV_TEST_X=1;rm", "-DVMMKV_TEST_X", "VMMKV_TEST_LAG_NS=1e3"):
+        monkeypatch.setenv("VMMKV_TEST_DEFINES", bad)
+        with pytest.raises(build.BuildError, match="VMMKV_TEST_DEFINES"):
+            build.compile_options("sm_90", None)
+
+
+def test_vmmkv_csrc_dir_replaces_the_sources_and_the_cache_key(tmp_path, monkeypatch, cache):
+    for f in build.csrc_dir().iterdir():
+        (tmp_path / f.name).write_text(f.read_text())
+    text = (tmp_path / "barrier.cuh").read_text()
+    (tmp_path / "barrier.cuh").write_text(text.replace("kBackoffNs = 100", "kBackoffNs = 101"))
+    first = build.compile_source("barrier.cu", "sm_90")
+    monkeypatch.setenv("VMMKV_CSRC_DIR", str(tmp_path))
+    assert build.csrc_dir() == tmp_path
+    assert build.compile_source("barrier.cu", "sm_90") != first
+    assert len(_cache_files(cache)) == 2  # its own cache entry
+    monkeypatch.setenv("VMMKV_CSRC_DIR", str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="VMMKV_CSRC_DIR"):
+        build.csrc_dir()
+
+
 def test_bad_arch_and_unknown_source_are_rejected():
     with pytest.raises(ValueError, match="sm_90"):
         build.compile_options("90", None)

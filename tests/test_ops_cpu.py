@@ -169,7 +169,7 @@ def test_load_module_keeps_everything_loaded_when_all_succeed(fake_load):
 # Kernel parameter layouts: the host packing of every entry point matches the compiled kernel
 
 _PTX_PARAM = re.compile(r"\.param\s+(?:\.align\s+\d+\s+)?\.(\w+)\s+\w+?_param_\d+(?:\[(\d+)\])?")
-_CODE_SIZE = {"Q": 8, "q": 8, "i": 4, "D": 80, "B": 56}
+_CODE_SIZE = {"Q": 8, "q": 8, "i": 4, "D": 80, "B": 64}
 
 
 def _ptx_param_sizes(ptx: str, entry: str) -> list[int]:
@@ -196,11 +196,62 @@ def test_every_kernel_layout_matches_the_compiled_parameter_list():
 
 
 def test_barrier_args_layout_matches_the_device_struct():
-    fields = ["sig_table", "epochs", "arrivals", "diag", "timeout_ns", "lane", "rank", "world",
-              "reserved"]  # fmt: skip
-    sizes = [8] * 5 + [4] * 4
-    assert launch.BARRIER_ARGS.size == sum(sizes) == 56
+    fields = ["sig_table", "epochs", "arrivals", "lane_state", "ctrl", "diag_ns", "lane", "rank",
+              "world", "flags"]  # fmt: skip
+    sizes = [8] * 6 + [4] * 4
+    assert launch.BARRIER_ARGS.size == sum(sizes) == 64
     assert struct_layout("BarrierArgs", "barrier.cuh", fields) == packed_layout(fields, sizes)
+
+
+def test_the_control_page_and_record_layouts_match_what_the_host_reads():
+    from vmmkv.ops import barrier as B
+
+    record = ["seq", "state", "lane", "rank", "missing_peer", "epoch", "observed", "world",
+              "waited_ns", "diag_ns", "magic"]  # fmt: skip
+    sizes = [4] * 8 + [8, 8, 4]
+    header = ["abort", "busy_lane", "busy_epoch", "busy_found", "diag"]
+    diag = packed_layout(record, sizes)
+    assert diag.pop("sizeof") <= B._DIAG_BYTES
+    assert struct_layout("BarrierDiag", "barrier.cuh", record) == {**diag, "sizeof": B._DIAG_BYTES}
+    ctrl = struct_layout("BarrierCtrl", "barrier.cuh", header)
+    del ctrl["sizeof"]  # the records array follows the header
+    assert ctrl == {"abort": 0, "busy_lane": 4, "busy_epoch": 8, "busy_found": 12, "diag": 64}
+    _, headers = build.read_source("kv_store.cu")
+    source = '#include "barrier.cuh"\n'
+    source += f"static_assert(vmmkv::kDiagMagic == {B._DIAG_MAGIC});\n"
+    source += f"static_assert(vmmkv::kFlagTrap == {B._FLAG_TRAP});\n"
+    source += f"static_assert(vmmkv::kAbortByHost == {B._ABORT_BY_HOST});\n"
+    source += f"static_assert(vmmkv::kLaneStateWords == {B._LANE_STATE_WORDS});\n"
+    for value, name in B._STATES.items():
+        source += f"static_assert(vmmkv::kDiag{name.capitalize()} == {value});\n"
+    build._nvrtc_compile("layout.cu", source, headers, build.compile_options("sm_90", None))
+
+
+def _function_body(ptx: str, name: str) -> str:
+    m = re.search(rf"\.func\s+(?:\([^)]*\)\s+)?\w*{name}\w*\([^;{{]*?\)\s*{{(.*?)\n}}\n", ptx, re.S)
+    assert m is not None, f"{name} not in the PTX"
+    return m.group(1)
+
+
+def test_the_wait_polls_the_abort_word_and_the_timer_only_off_the_fast_path():
+    """The spin loads the peer's slot with ld.acquire.sys; the abort word (ld.relaxed.sys), the
+    timer and the opt-in trap live only in the out-of-line check the loop calls every
+    kCheckEvery spins, after a nanosleep backoff."""
+    for name in ("barrier.cu", "kv_store.cu"):
+        ptx = build.compile_ptx(name, "sm_90")
+        check = _function_body(ptx, "wait_check")
+        assert "ld.relaxed.sys.global" in check and "%globaltimer" in check
+        assert "trap;" in check  # kFlagTrap: opt-in, after the record (report_wait) is complete
+        assert check.index("report_wait") < check.rindex("trap;")
+        entry = "vmmkv_barrier" if name == "barrier.cu" else "vmmkv_publish_rows_barrier"
+        body = re.search(rf"\.entry {entry}\((.*?)\n}}\n", ptx, re.S).group(1)
+        assert "ld.relaxed.sys" not in body and "trap;" not in body  # not inlined into the loop
+        spin = body[body.index("ld.acquire.sys.global") :]
+        assert "nanosleep.u32" in spin and "wait_check" in spin
+        assert spin.index("nanosleep.u32") < spin.index("wait_check")
+        # the lane's busy word is exchanged at entry, long before the signals
+        assert body.index("atom.global.exch.b32") < body.index("st.release.sys.global")
+        assert "VMMKV_TEST" not in ptx and "test_lag" not in ptx  # no test hook in production
 
 
 def test_the_fused_kernels_release_their_stores_before_arriving_and_run_the_barrier():
@@ -209,8 +260,9 @@ def test_the_fused_kernels_release_their_stores_before_arriving_and_run_the_barr
         body = re.search(rf"\.entry {entry}\((.*?)\n}}\n", ptx, re.S).group(1)
         fused = entry.endswith("_barrier")
         for op in ("fence.acq_rel.gpu", "st.release.sys.global", "ld.acquire.sys.global",
-                   "%globaltimer", "trap"):  # fmt: skip
+                   "%globaltimer", "wait_check", "lane_busy"):  # fmt: skip
             assert (op in body) == fused, (entry, op)
+        assert "trap;" not in body, entry  # only in wait_check, behind the opt-in flag
         # the system-scope release is the signal store itself (no extra sys fence per CTA)
         assert "fence.acq_rel.sys" not in body, entry
         if fused:  # the gpu-scope release comes before the arrival count, the signals after it
@@ -269,8 +321,7 @@ def test_torch_compile_keeps_store_barrier_and_publish_ops_in_program_order():
 
     def step(rows, slots):
         vmmkv.ops.publish_rows(target, rows, slots)
-        torch.ops.vmmkv.barrier(epochs, [region], target.ptr_table, 0, 0, 1, 10**9, 0,
-                                [region_ptr])  # fmt: skip
+        torch.ops.vmmkv.barrier(epochs, [region], 1, 0, [region_ptr])
         torch.ops.vmmkv.prepared_publish([region], [target.error_counter], epochs, arrivals,
                                          [rows], slots, 1, 1, 0, 0)  # fmt: skip
         return view.sum(dtype=torch.int64)
@@ -475,7 +526,7 @@ def _decode_params(kernel: launch.Kernel, params: int) -> list:
     out: list = []
     for code, ptr in zip(kernel.layout, ptrs, strict=True):
         if code in "DB":
-            out.append(ctypes.string_at(ptr, 80 if code == "D" else 56))
+            out.append(ctypes.string_at(ptr, 80 if code == "D" else 64))
         else:
             fmt = _SCALAR[code]
             out.append(struct.unpack(fmt, ctypes.string_at(ptr, struct.calcsize(fmt)))[0])
@@ -530,13 +581,15 @@ def _cpu_barrier(lanes: int, rank: int = 1, world: int = 2):
     bar.arrivals = torch.zeros(lanes, dtype=torch.int32)
     bar.rank, bar.world, bar.lanes, bar.ordinal = rank, world, lanes, -1
     bar.device = torch.device("cpu")
+    bar.lane_state = torch.zeros(lanes, 4, dtype=torch.int32)
     bar.timeout_ns, bar._diag_dev_ptr, bar._threads = 3 * 10**9, 0x7F00_1234_5000, 32
     bar.fence, bar._fence_ptrs, bar._closed = [], [], False
+    bar._error, bar._blocked = None, False
     bar._launches = [None] * lanes
     bar._args = tuple(
         launch.BARRIER_ARGS.pack(bar.sig_table.data_ptr(), bar.epochs.data_ptr(),
-                                 bar.arrivals.data_ptr(), bar._diag_dev_ptr, bar.timeout_ns,
-                                 lane, rank, world, 0)
+                                 bar.arrivals.data_ptr(), bar.lane_state.data_ptr(),
+                                 bar._diag_dev_ptr, bar.timeout_ns, lane, rank, world, 0)
         for lane in range(lanes)
     )  # fmt: skip
     return bar
@@ -568,11 +621,15 @@ def test_a_stand_alone_barrier_launches_its_lanes_prepared_parameters_without_re
     bar = _cpu_barrier(lanes=3)
     for lane in (0, 2, 0):
         bar.arrive_and_wait(lane)
-    sig, epochs = bar.sig_table.data_ptr(), bar.epochs.data_ptr()
-    expected = [
-        ("vmmkv_barrier", 1, 32, 0x5000 - 1, [sig, epochs, lane, 1, 2, 3 * 10**9, 0x7F00_1234_5000])
-        for lane in (0, 2, 0)
-    ]
+    expected = [("vmmkv_barrier", 1, 32, 0x5000 - 1, [bar._args[lane]]) for lane in (0, 2, 0)]
+    sig, epochs, arr, state, ctrl, diag_ns, lane, rank, world, flags = launch.BARRIER_ARGS.unpack(
+        bar._args[2]
+    )
+    assert (sig, epochs, arr, state) == (
+        bar.sig_table.data_ptr(), bar.epochs.data_ptr(), bar.arrivals.data_ptr(),
+        bar.lane_state.data_ptr(),
+    )  # fmt: skip
+    assert (ctrl, diag_ns, lane, rank, world, flags) == (0x7F00_1234_5000, 3 * 10**9, 2, 1, 2, 0)
     assert recorded_launches == expected
     assert bar._launches[1] is None  # one prepared launch per lane used, each with its buffer
     assert bar._launches[0]._buf is not bar._launches[2]._buf
@@ -585,11 +642,37 @@ def test_a_stand_alone_barrier_refuses_bad_lanes_and_a_closed_barrier_before_lau
     for lane in (2, -1, True, 1.0, None):
         with pytest.raises(ValueError, match=r"lane must be an int in \[0, 2\), got"):
             bar.arrive_and_wait(lane)
-    bar._closed = True
+    bar._closed = bar._blocked = True
     with pytest.raises(RuntimeError, match="closed"):
         bar.arrive_and_wait(0)
     with pytest.raises(RuntimeError, match="closed"):
         bar.barrier_args(0)
+    assert recorded_launches == []
+
+
+def test_a_broken_barrier_refuses_every_launch_naming_rank_peer_lane_device_and_call(
+    recorded_launches,
+):
+    from vmmkv.ops.barrier import BarrierAborted
+
+    bar = _cpu_barrier(lanes=2)
+    bar._error = BarrierAborted(1, "cuda:3", "watchdog", 0, 7, 0, "peer rank 0's process (pid "
+                                "42) is gone")  # fmt: skip
+    bar._blocked = True
+    prepared = _cpu_prepared(_layer_targets())
+    kv_c, k_pe, k = _layer_inputs(3)
+    for call, fn in (
+        ("arrive_and_wait", lambda: bar.arrive_and_wait(1)),
+        ("publish", lambda: bar.barrier_args(0)),
+        ("publish", lambda: prepared.publish((kv_c, k_pe, k), torch.arange(3), 0, bar, 1)),
+        ("check", bar.check),
+    ):
+        with pytest.raises(BarrierAborted) as info:
+            fn()
+        msg = str(info.value)
+        assert msg.startswith(f"rank 1 (cuda:3): {call}: vmmkv barrier aborted (lane 0 epoch 7, "
+                              "waiting for peer rank 0): peer rank 0's process (pid 42) is gone")
+        assert (info.value.peer, info.value.lane, info.value.call) == (0, 0, call)
     assert recorded_launches == []
 
 
@@ -726,7 +809,7 @@ def test_prepared_calls_give_the_functional_apis_errors_and_launch_nothing(recor
         p.publish((kv_c, k_pe, k), s, 0, bar, 1)
     with pytest.raises(ValueError, match="slot_mapping must be contiguous"):
         p.publish((kv_c, k_pe, k), torch.arange(96)[::2], 0, bar, 0)
-    bar._closed = True
+    bar._closed = bar._blocked = True
     with pytest.raises(RuntimeError, match="closed"):
         p.publish((kv_c, k_pe, k), s, 0, bar, 0)
     assert recorded_launches == []
@@ -842,3 +925,94 @@ def test_the_resident_grid_is_sms_times_the_smallest_occupancy_asked_once_per_ke
     assert asked == [("fn-a", 256, 0, 1), ("fn-b", 256, 0, 1)]
     assert launch.resident_grid(pair[:1], 1, 256) == 132 * 4  # another key asks again
     assert len(asked) == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# The barrier's watchdog on a fake control page (what the kernel writes, csrc/barrier.cuh)
+
+
+def _page_barrier(lanes=2, timeout_s=5.0, liveness=None):
+    """A DeviceBarrier's host state over a zeroed ctypes page (no CUDA)."""
+    import threading
+
+    from vmmkv.ops import barrier as B
+
+    page = ctypes.create_string_buffer(B._CTRL_HEADER_BYTES + B._DIAG_BYTES * lanes)
+    bar = _cpu_barrier(lanes=lanes, rank=1, world=3)
+    bar.device, bar.timeout_s, bar.trap, bar.diag_after_s = "cuda:5", timeout_s, False, 1.0
+    bar._host_ptr = ctypes.addressof(page)
+    bar._abort_word = ctypes.c_int32.from_address(bar._host_ptr)
+    bar._abort_reason, bar._liveness, bar._notify, bar._next_live = None, liveness, "", 0.0
+    bar._waiting, bar._logged = {}, set()
+    bar._page_lock = threading.RLock()
+    bar._test_page = page
+    return bar
+
+
+def _write_record(bar, lane, seq, state, peer, epoch, waited_ns, observed=0):
+    from vmmkv.ops import barrier as B
+
+    w = (ctypes.c_int32 * 16).from_address(bar._host_ptr + B._CTRL_HEADER_BYTES + 64 * lane)
+    w[1:8] = [state, lane, bar.rank, peer, epoch, observed, bar.world]
+    w[8], w[9] = waited_ns & 0xFFFFFFFF, waited_ns >> 32
+    w[10], w[11] = 10**9, 0
+    w[12] = B._DIAG_MAGIC
+    w[0] = seq
+
+
+def test_the_watchdog_aborts_a_wait_past_the_host_timeout_and_breaks_once_it_returned():
+    bar = _page_barrier(timeout_s=5.0)
+    _write_record(bar, 1, seq=1, state=1, peer=2, epoch=7, waited_ns=10**9)  # odd: being written
+    bar._watch(100.0)
+    assert bar.read_diagnostic() is None and bar._abort_word.value == 0
+    _write_record(bar, 1, seq=2, state=1, peer=2, epoch=7, waited_ns=10**9)  # waiting, 1 s
+    bar._watch(100.0)
+    rec = bar.read_diagnostic()
+    assert (rec.lane, rec.rank, rec.missing_peer, rec.epoch, rec.state) == (1, 1, 2, 7, "waiting")
+    assert rec.waited_s == pytest.approx(1.0) and str(rec).startswith(
+        "vmmkv barrier timeout: lane=1 rank=1 missing peer=2 epoch=7 observed=0 world=3"
+    )  # fmt: skip
+    bar._watch(103.9)  # 1 s on the device + 3.9 s seen here: not yet
+    assert bar._abort_word.value == 0 and bar.broken is None
+    bar._watch(104.1)
+    assert bar._abort_word.value == 1 and bar.broken is None  # aborted, the kernel not back yet
+    bar.check()  # nothing to raise yet
+    _write_record(bar, 1, seq=4, state=3, peer=2, epoch=7, waited_ns=5 * 10**9)  # it returned
+    bar._watch(104.2)
+    err = bar.broken
+    assert err is not None and (err.peer, err.lane, err.epoch) == (2, 1, 7)
+    with pytest.raises(Exception, match=r"rank 1 \(cuda:5\): publish: vmmkv barrier aborted "
+                       r"\(lane 1 epoch 7, waiting for peer rank 2\): peer rank 2 did not "
+                       r"arrive within the barrier timeout of 5 s"):  # fmt: skip
+        bar.barrier_args(0)
+
+
+def test_the_watchdog_aborts_on_a_dead_peer_and_names_it_and_a_passed_wait_breaks_nothing():
+    calls = []
+
+    def liveness():
+        calls.append(1)
+        return (0, "peer rank 0's process (pid 77) is gone") if len(calls) > 1 else None
+
+    bar = _page_barrier(liveness=liveness)
+    _write_record(bar, 0, seq=2, state=1, peer=0, epoch=3, waited_ns=2 * 10**9)
+    bar._watch(10.0)
+    _write_record(bar, 0, seq=4, state=2, peer=0, epoch=3, waited_ns=3 * 10**9)  # passed
+    bar._watch(10.2)  # liveness is asked every 0.5 s only
+    assert len(calls) == 1 and bar._abort_word.value == 0 and bar.broken is None
+    bar._watch(10.6)
+    assert len(calls) == 2 and bar._abort_word.value == 1 and bar.broken is None
+    _write_record(bar, 0, seq=6, state=3, peer=0, epoch=4, waited_ns=10**6)
+    bar._watch(10.7)
+    assert "peer rank 0's process (pid 77) is gone" in str(bar.broken)
+    assert bar.broken.peer == 0 and bar.broken.epoch == 4
+
+
+def test_the_watchdog_breaks_the_barrier_when_a_launch_found_its_lane_busy():
+    bar = _page_barrier()
+    hdr = (ctypes.c_int32 * 4).from_address(bar._host_ptr)
+    hdr[1], hdr[2], hdr[3], hdr[0] = 2, 9, 1, 2  # lane 1 (+1), epoch 9, found busy; aborted
+    bar._watch(1.0)
+    assert bar.broken is not None and bar.broken.lane == 1
+    assert "lane 1 was used by two launches at once" in str(bar.broken)
+    assert bar._notify.startswith("broke: lane 1 was used")

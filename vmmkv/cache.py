@@ -19,6 +19,10 @@ Contract:
   ``grow_blocks``/``shrink_blocks`` (refused during capture), ``set_block_layout``, the gather stores without a device group (they stage through host memory over gloo,
   and are refused during capture), ``stats`` (it reads a device counter).
 - Every host-side wait (the host-backend barrier, gloo gathers) is bounded by ``timeout``.
+- Device barriers never trap by default (docs/design.md "Barrier"): a wait past
+  ``barrier_timeout`` (``VMMKV_BARRIER_TIMEOUT``, default 600 s), or on a peer found dead, is
+  aborted by a watchdog; every later call then raises ``vmmkv.ops.BarrierAborted`` naming the
+  peer, and ``close`` still works. ``VMMKV_BARRIER_TRAP=1`` restores the device trap.
 - Views returned by ``allocate`` and ``bind`` are invalid after ``close``.
 
 Growth: by a byte prefix (default) or by blocks (a block layout, for layer-major layouts where
@@ -77,6 +81,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -103,8 +108,10 @@ _ALLOC_ALIGN = 256
 
 
 def _barrier_timeout(value: float | None) -> float:
+    """The host timeout of a barrier wait (docs/design.md "Barrier"): 600 s unless given or set
+    by ``VMMKV_BARRIER_TIMEOUT``; the device diagnostic comes after min(10 s, it)."""
     if value is None:
-        env = os.environ.get("VMMKV_BARRIER_TIMEOUT", "10")
+        env = os.environ.get("VMMKV_BARRIER_TIMEOUT", "600")
         try:
             value = float(env)
         except ValueError:
@@ -217,7 +224,10 @@ class ReplicatedKVCache:
             )  # fmt: skip
             self._direct = None
             if self.direct:
-                self._direct = DirectPath(sr, self._fence, lanes, match["barrier_timeout"])
+                trap = os.environ.get("VMMKV_BARRIER_TRAP", "0").strip().lower() in ("1", "true")
+                self._direct = DirectPath(
+                    sr, self._fence, lanes, match["barrier_timeout"], barrier_trap=trap
+                )
         except Exception as exc:
             error = exc
         try:
@@ -264,6 +274,12 @@ class ReplicatedKVCache:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"rank {self.rank}: ReplicatedKVCache is closed")
+        broken = self._direct.broken if getattr(self, "_direct", None) else None
+        if broken is not None:  # a barrier wait was abandoned: name the public call
+            frame = sys._getframe(1)
+            while frame.f_back is not None and frame.f_code.co_name.startswith("_"):
+                frame = frame.f_back
+            self._direct._barrier.check(f"ReplicatedKVCache.{frame.f_code.co_name}")
 
     # -- memory ----------------------------------------------------------------------------
     def allocate(self, nbytes: int, device: Any = None) -> torch.Tensor:
@@ -482,14 +498,19 @@ class ReplicatedKVCache:
             if self._closed:
                 return
             self._closed = True
-        # Synchronize before freeing the barrier's host-mapped diagnostic page: a barrier still
-        # in flight (e.g. spinning on a dead peer until its timeout) writes into it.
-        steps = [] if finalizing() else [self._sync]
+        # Synchronize before freeing the barrier's host-mapped control page: a barrier still in
+        # flight writes into it. Its waits are aborted first (a wait longer than about 1 ms
+        # returns; peers still got this rank's signals), so that close never waits for a peer.
+        steps = [] if finalizing() else [self._abort_waits, self._sync]
         steps += [self._gather.close] + ([self._direct.close] if self._direct else [])
         run_all([*steps, self._sr.close])
         # The whole-region view holds the address range reserved (alloc's view rule); bindings
         # the engine still holds keep it until they go too.
         self._fence = None
+
+    def _abort_waits(self) -> None:
+        if self._direct is not None:
+            self._direct.abort_waits(f"rank {self.rank} closed its cache")
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

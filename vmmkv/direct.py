@@ -11,6 +11,13 @@ Contract:
 - ``barrier`` is collective in effect: every rank calls it for the same lane the same number of
   times. On CUDA it is a device-side system-scope barrier (capture-safe); on the host backend a
   host barrier bounded by vmmkv's timeout (not the group's), ``SymmetricRegion.host_barrier``.
+- Liveness on CUDA (docs/design.md "Barrier"): the barrier's watchdog aborts its waits when
+  ``_GroupLiveness`` finds a peer gone: a peer process of this host that exited (fd handles
+  imply one host and PID namespace; pid and start time from the rendezvous), or a peer that
+  posted in the group's store that it closed its cache or that its barrier broke (any host).
+  Waits longer than ``barrier_timeout`` are aborted too. After an abandoned wait ``broken``
+  holds the error every later call of the cache raises; ``close`` still works (it posts
+  "closed" for the peers first, so that a peer stuck waiting for this rank is released).
 - Slots: ``slot_mapping`` (this rank's ``T`` tokens) or, when the engine holds only the
   gathered slot mapping (``[world * T]``, rank-major), this rank's slice of it (a view).
 """
@@ -18,6 +25,7 @@ Contract:
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -45,6 +53,82 @@ class _HostBarrier:
         pass
 
 
+class _GroupLiveness:
+    """``DeviceBarrier``'s ``liveness`` for a mapped region: pids of the peers on this host
+    (read on each call), and notices in the group's store (``notify``: this rank closed or
+    broke), polled by a daemon thread of its own every ``_STORE_POLL_S``, so that a store that
+    hangs never stalls the barrier's watchdog. Best effort: a store that cannot be reached is
+    logged once and skipped (the host timeout still holds)."""
+
+    _STORE_POLL_S = 0.5
+    _NOTIFY_WAIT_S = 2.0
+
+    def __init__(self, region: Any) -> None:
+        self.rank = region.rank
+        self.world = region.world_size
+        peers = region.peers
+        # fd handles: one host and one PID namespace, checked at the rendezvous
+        pids = None if peers.by_value else getattr(peers, "_pids", None)
+        self._pids = ops.barrier.pid_liveness(pids, self.rank) if pids else None
+        comm = getattr(region, "_comm", None)
+        self._store = getattr(comm, "_store", None)
+        self._prefix = f"{getattr(comm, '_prefix', 'vmmkv')}/liveness"
+        self._verdict: tuple[int, str] | None = None
+        self._stop = threading.Event()
+        if self._store is not None:
+            threading.Thread(
+                target=self._poll, name=f"vmmkv-liveness-rank{self.rank}", daemon=True
+            ).start()
+
+    def __call__(self) -> tuple[int | None, str] | None:
+        if self._pids is not None:
+            dead = self._pids()
+            if dead is not None:
+                return dead
+        return self._verdict
+
+    def _poll(self) -> None:
+        seen, failed = 0, False
+        while not self._stop.wait(self._STORE_POLL_S) and self._verdict is None:
+            try:
+                count = int(self._store.add(f"{self._prefix}/count", 0))
+                if count <= seen:
+                    continue
+                seen = count
+                for peer in range(self.world):
+                    key = f"{self._prefix}/{peer}"
+                    if peer != self.rank and self._store.check([key]):
+                        why = self._store.get(key).decode(errors="replace")
+                        self._verdict = (peer, f"peer rank {peer} {why}")
+                        break
+            except Exception as exc:  # the store's host may be gone too: not a verdict
+                if not failed:
+                    failed = True
+                    log.warning("vmmkv: rank %d cannot read the group's store for liveness: %s",
+                                self.rank, exc)  # fmt: skip
+
+    def notify(self, why: str) -> None:
+        """Tell the peers (through the store) that this rank is gone for the barrier. Waits at
+        most ``_NOTIFY_WAIT_S`` for the store (a daemon thread posts it)."""
+        if self._store is None:
+            return
+
+        def post() -> None:
+            try:
+                self._store.set(f"{self._prefix}/{self.rank}", why.encode())
+                self._store.add(f"{self._prefix}/count", 1)
+            except Exception as exc:
+                log.warning("vmmkv: rank %d could not post %r in the group's store: %s",
+                            self.rank, why, exc)  # fmt: skip
+
+        t = threading.Thread(target=post, name=f"vmmkv-notify-rank{self.rank}", daemon=True)
+        t.start()
+        t.join(self._NOTIFY_WAIT_S)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
 class DirectPath:
     """Stores into every replica plus a barrier (see the module docstring)."""
 
@@ -56,6 +140,7 @@ class DirectPath:
         fence: torch.Tensor,
         lanes: int,
         barrier_timeout: float,
+        barrier_trap: bool = False,
     ) -> None:
         self.rank = region.rank
         self.world_size = region.world_size
@@ -71,6 +156,7 @@ class DirectPath:
                     f"lanes={lanes} needs {need} signal bytes, more than the "
                     f"{peers.signal_bytes} of the signal region"
                 )
+            self._liveness: _GroupLiveness | None = _GroupLiveness(region)
             self._barrier: Any = ops.DeviceBarrier(
                 peers.signal_table,
                 None,
@@ -80,8 +166,11 @@ class DirectPath:
                 self.device,
                 timeout_s=barrier_timeout,
                 fence=fence,
+                trap=barrier_trap,
+                liveness=self._liveness,
             )
         else:
+            self._liveness = None
             self._barrier = _HostBarrier(region)
 
     def target(self, geometry: dict[str, Any], **tensors: torch.Tensor) -> KVTarget:
@@ -119,6 +208,21 @@ class DirectPath:
     def barrier(self, lane: int) -> None:
         self._barrier.arrive_and_wait(lane)
 
+    @property
+    def broken(self) -> Any:
+        """The error of an abandoned barrier wait (``vmmkv.ops.BarrierAborted``), else None."""
+        return getattr(self._barrier, "broken", None)
+
+    def abort_waits(self, why: str) -> None:
+        """Make every device barrier wait of this path, running or queued, return (closing)."""
+        abort = getattr(self._barrier, "abort", None)
+        if abort is not None:
+            abort(why)
+
     def close(self) -> None:
         self._stores.clear()
+        if self._liveness is not None:
+            self._liveness.stop()
+            err = self.broken
+            self._liveness.notify(f"broke: {err.reason}" if err else "closed its cache")
         self._barrier.close()

@@ -13,7 +13,7 @@ custom ops (namespace ``vmmkv``) and the pure-torch reference of the KV byte for
 Importing this package registers the custom ops; it needs no GPU.
 """
 
-from .barrier import BarrierTimeout, DeviceBarrier
+from .barrier import BarrierAborted, BarrierTimeout, DeviceBarrier
 from .formats import indexer_kind_for, mla_kind_for
 from .kv import (
     KVTarget,
@@ -38,6 +38,7 @@ from .reference import (
 )
 
 __all__ = [
+    "BarrierAborted",
     "BarrierTimeout",
     "DeviceBarrier",
     "HostPreparedStore",

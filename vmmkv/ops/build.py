@@ -5,7 +5,11 @@ Contract:
   package data ``vmmkv._csrc``. Every ``#include "x.cuh"`` of a source is resolved in that folder
   and handed to NVRTC in memory, so the cache key covers exactly what is compiled.
 - Options: ``-std=c++17 --gpu-architecture=sm_XX -default-device``, never fast-math (the KV
-  formats need IEEE division and accurate ``log2f``). When the CUDA headers are found
+  formats need IEEE division and accurate ``log2f``). Test builds only: ``VMMKV_TEST_DEFINES``
+  (space-separated ``VMMKV_TEST_NAME[=integer]``, e.g. ``VMMKV_TEST_LAG_NS=50000``, the lag hook
+  of csrc/barrier.cuh) adds ``-D`` options; anything else in it is refused. ``VMMKV_CSRC_DIR``
+  replaces the source folder (the GPU tests build mutated copies of csrc/ there). Both enter the
+  cache key like any source or option, so such cubins never replace production ones. When the CUDA headers are found
   (:func:`cuda_include_dir`), ``cuda_fp8.h`` provides the fp8 conversion; otherwise the kernels
   use an equivalent built-in one (the same PTX instruction on sm_89+, an exact software path
   below). A failed compile with the headers falls back to the built-in path with a warning.
@@ -58,6 +62,7 @@ __all__ = [
     "load_module",
     "nvrtc_version",
     "read_source",
+    "test_defines",
 ]
 
 # Every kernel source and the extern "C" entry points it defines.
@@ -135,6 +140,12 @@ def csrc_dir() -> Path:
     """The folder holding the CUDA sources: the checkout's csrc/ first, then vmmkv._csrc."""
     import vmmkv
 
+    override = os.environ.get("VMMKV_CSRC_DIR")
+    if override:
+        folder = Path(override)
+        if not (folder / "kv_store.cu").is_file():
+            raise FileNotFoundError(f"VMMKV_CSRC_DIR={override!r} holds no kv_store.cu")
+        return folder
     checkout = Path(vmmkv.__file__).resolve().parents[1] / "csrc"
     if (checkout / "kv_store.cu").is_file():
         return checkout
@@ -216,7 +227,21 @@ def compile_options(arch: str, include_dir: str | None) -> list[str]:
     opts = [*_BASE_OPTIONS, f"--gpu-architecture={arch}"]
     if include_dir:
         opts += ["-DVMMKV_HAVE_CUDA_FP8_H=1", f"-I{include_dir}"]
-    return opts
+    return opts + test_defines()
+
+
+_TEST_DEFINE = re.compile(r"VMMKV_TEST_[A-Z0-9_]+(=-?\d+)?")
+
+
+def test_defines() -> list[str]:
+    """``-D`` options of ``VMMKV_TEST_DEFINES`` (test builds only; see the module docstring)."""
+    value = os.environ.get("VMMKV_TEST_DEFINES", "").split()
+    bad = [d for d in value if not _TEST_DEFINE.fullmatch(d)]
+    if bad:
+        raise BuildError(
+            f"VMMKV_TEST_DEFINES may hold only VMMKV_TEST_NAME[=integer] items, got {bad}"
+        )
+    return [f"-D{d}" for d in value]
 
 
 def _fp8_header_text(include_dir: str | None) -> bytes:

@@ -46,10 +46,10 @@ __all__ = [
 KVDEST = struct.Struct("<QQQqqqqqiiii")
 assert KVDEST.size == 80
 
-# Host mirror of csrc/barrier.cuh `struct BarrierArgs` (56 bytes, 8-byte aligned):
-# sig_table, epochs, arrivals, diag, timeout_ns, lane, rank, world, reserved.
-BARRIER_ARGS = struct.Struct("<QQQQqiiii")
-assert BARRIER_ARGS.size == 56
+# Host mirror of csrc/barrier.cuh `struct BarrierArgs` (64 bytes, 8-byte aligned):
+# sig_table, epochs, arrivals, lane_state, ctrl, diag_ns, lane, rank, world, flags.
+BARRIER_ARGS = struct.Struct("<QQQQQqiiii")
+assert BARRIER_ARGS.size == 64
 
 # code -> (struct format, size, alignment). "D" is a KVDest, "B" a BarrierArgs, by value.
 _PARAM = {
@@ -57,7 +57,7 @@ _PARAM = {
     "q": ("q", 8, 8),  # int64
     "i": ("i", 4, 4),  # int32
     "D": ("80s", 80, 8),
-    "B": ("56s", 56, 8),
+    "B": ("64s", 64, 8),
 }
 
 
@@ -297,7 +297,7 @@ STORE_DS_MLA = Kernel("vmmkv_store_ds_mla", "DQqQqQiqq")
 STORE_INDEXER_K = Kernel("vmmkv_store_indexer_k", "DQqQiqqi")
 STORE_LAYER = Kernel("vmmkv_store_layer", "DDQqQqQqQiqqi")
 PUBLISH_ROWS = Kernel("vmmkv_publish_rows", "DQqqQiqqi")
-BARRIER = Kernel("vmmkv_barrier", "QQiiiqQ")
+BARRIER = Kernel("vmmkv_barrier", "B")
 NOOP = Kernel("vmmkv_noop", "")
 # the stores above, then the barrier in the same launch (csrc/kv_store.cu, barrier.cuh)
 STORE_DS_MLA_BARRIER = Kernel("vmmkv_store_ds_mla_barrier", "DQqQqQiqqB")

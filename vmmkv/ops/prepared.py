@@ -209,12 +209,12 @@ class PreparedStore(_Prepared):
             type(barrier) is _DeviceBarrier
             and type(lane) is int
             and 0 <= lane < barrier.lanes
-            and not barrier._closed
+            and not barrier._blocked  # closed or broken: barrier_args raises why
         ):
             bar_args = barrier._args[lane]  # what barrier_args(lane) returns, without its checks
         else:
             self._check_barrier(barrier)
-            bar_args = barrier.barrier_args(lane)  # raises for a bad lane or a closed barrier
+            bar_args = barrier.barrier_args(lane)  # raises: bad lane, closed or broken barrier
         if barrier.ordinal != self.ordinal:
             raise ValueError(f"barrier is on {barrier.device}, the targets on {self.device}")
         tokens, grid, values = self._values(inputs, slot_mapping, num_local_only)
