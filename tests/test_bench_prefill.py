@@ -16,6 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import bench_prefill as bp  # noqa: E402
+from prefill import model, report  # noqa: E402
+from prefill.paths import mla_kind  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_prefill.py")
 
@@ -87,9 +89,9 @@ def test_dual_chunk_swap_gives_every_position_to_exactly_one_rank():
     import torch
 
     for world, per_rank in ((2, 8), (4, 6)):
-        got = torch.cat([bp._rank_positions(r, world, per_rank) for r in range(world)])
+        got = torch.cat([model._rank_positions(r, world, per_rank) for r in range(world)])
         assert sorted(got.tolist()) == list(range(world * per_rank))
-    assert bp._rank_positions(0, 2, 8).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert model._rank_positions(0, 2, 8).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
 
 
 @pytest.mark.parametrize("kind", ["indexer_k", "indexer_k_mxfp8"])
@@ -99,15 +101,15 @@ def test_the_attention_reads_back_what_the_reference_wrote_in_position_order(kin
     from vmmkv.ops import reference as ref
     from vmmkv.testing.kv import interleaved_views, layer_inputs
 
-    spec = bp.WorkloadSpec("2x128", 2, 64, 2)  # 2 prompts of 128 tokens: 4 blocks
-    wl = bp._Workload(spec, 0, bp.TINY, 1, torch.device("cpu"), seed=3)
+    spec = model.WorkloadSpec("2x128", 2, 64, 2)  # 2 prompts of 128 tokens: 4 blocks
+    wl = model._Workload(spec, 0, bp.TINY, 1, torch.device("cpu"), seed=3)
     buf = torch.full((spec.blocks * 64 * (656 + 132),), 0xA5, dtype=torch.uint8)
     ((mla, idx),) = interleaved_views(buf, 1, spec.blocks)
     kv_c, k_pe, k = layer_inputs(7, 2 * spec.tokens)
     ref.insert_ds_mla(mla, kv_c, k_pe, wl.gslots)  # every rank's rows, rank-major
     insert = ref.insert_indexer_k_mxfp8 if kind == "indexer_k_mxfp8" else ref.insert_indexer_k
     insert(idx, k, wl.gslots)
-    kv, kidx = bp._read_cache(bp._read_views([(mla, idx)], kind)[0], wl)
+    kv, kidx = model._read_cache(model._read_views([(mla, idx)], kind)[0], wl)
     # token at position p of prompt j: find its row in the gathered (rank-major) order
     slot_of = {int(s): i for i, s in enumerate(wl.gslots)}
     for j, p in ((0, 0), (0, 127), (1, 5), (1, 64), (1, 100)):
@@ -127,7 +129,7 @@ def test_flops_are_the_documented_deepseek_v32_figures():
     assert s.weights()["qkv_a"] == (7168, 1536 + 512 + 64)
     assert s.linear_flops() == 1_194_852_352  # 1.195 GFLOP per token and layer
     assert s.attention_flops(512) == 2 * 512 * (576 + 128 + 512)
-    one = bp.WorkloadSpec("x", 1, 256, 2)
+    one = model.WorkloadSpec("x", 1, 256, 2)
     assert one.flops(s, 61) == 61 * 256 * (s.linear_flops() + s.attention_flops(512))
 
 
@@ -146,11 +148,11 @@ def test_merge_takes_each_iterations_slowest_rank_and_summary_compares_with_the_
                {"vllm_gather": [2, 2, 2], "direct": [1, 1, 1]})  # fmt: skip
     r1 = _step("8/rank", "eager", {"vllm_gather": [11, 10, 13], "direct": [7, 9, 9]},
                {"vllm_gather": [3, 1, 2], "direct": [1, 2, 1]})  # fmt: skip
-    merged = bp.merge_ranks([r0, r1])
+    merged = report.merge_ranks([r0, r1])
     assert merged["paths"]["vllm_gather"]["forward_ms"] == [11, 12, 13]
     assert merged["paths"]["direct"]["forward_ms"] == [9, 9, 10]
     assert merged["paths"]["vllm_gather"]["kv_ms"] == [3, 2, 2]
-    skipped = bp.merge_ranks([_step("big", "eager", {}, {}, "budget")] * 2)
+    skipped = report.merge_ranks([_step("big", "eager", {}, {}, "budget")] * 2)
     rows = bp.summarize([merged, skipped])
     assert [(r["path"], r["workload"]) for r in rows] == [("direct", "8/rank"),
                                                           ("vllm_gather", "8/rank")]  # fmt: skip
@@ -177,7 +179,7 @@ def test_host_backend_run_verifies_every_path_and_writes_positive_numbers(tmp_pa
     data = json.loads((tmp_path / "bench_prefill.json").read_text())
     paths = ["direct", "vllm_gather", "vmmkv_gather"]
     assert data["paths"] == ["vllm_gather", "direct", "vmmkv_gather"]  # the baseline first
-    assert data["kv_kinds"][0] == bp.mla_kind("indexer_k") and data["kv_kinds"][1] == "indexer_k"
+    assert data["kv_kinds"][0] == mla_kind("indexer_k") and data["kv_kinds"][1] == "indexer_k"
     assert [(s["workload"], s["mode"]) for s in data["steps"]] == [("64/rank", "eager"),
                                                                   ("4x48", "eager")]  # fmt: skip
     for step in data["steps"]:

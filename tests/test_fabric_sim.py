@@ -333,7 +333,7 @@ def test_ranks_creating_regions_with_different_handle_types_all_get_the_same_mis
 # point -> (owner "module:Class", attribute, raise after the real call)
 INJECT = {
     "export": ("vmmkv.alloc.host:HostBackend", "export_value", False),
-    "exchange": ("vmmkv.ipc.peers:_ValueTransport", "exchange", False),  # sends one short
+    "exchange": ("vmmkv.ipc.transports:_ValueTransport", "exchange", False),  # sends one short
     "import": ("vmmkv.alloc.host:HostBackend", "import_value", False),
     "map": ("vmmkv.alloc:PeerRegion", "map_value", True),
     "agreement": ("vmmkv.ipc.peers:PeerMap", "exchange_new", True),
@@ -460,7 +460,7 @@ def test_an_error_on_one_rank_at_each_by_value_step_fails_every_rank_naming_it(p
 # point -> (operation, owner, attribute, die after the real call)
 KILLS = {
     "export": ("rendezvous", "vmmkv.alloc.host:HostBackend", "export_value", True),
-    "exchange": ("grow", "vmmkv.ipc.peers:_ValueTransport", "exchange", False),
+    "exchange": ("grow", "vmmkv.ipc.transports:_ValueTransport", "exchange", False),
     "import": ("grow", "vmmkv.alloc.host:HostBackend", "import_value", False),
     "agreement": ("grow", "vmmkv.ipc.comm:StoreComm", "agree", False),
 }
@@ -594,14 +594,14 @@ def _req(boot, domain, host="h"):
 
 
 def test_placement_one_host_keeps_fds_whatever_its_gpus_domains_say():
-    from vmmkv.ipc.peers import _placement_problem
+    from vmmkv.ipc.placement import _placement_problem
 
     reqs = [_req("b0", "nvlink:c:1"), _req("b0", "host:b0")]  # one GPU not registered yet
     assert _placement_problem(reqs, by_value=False) == ""
 
 
 def test_placement_names_every_domain_and_its_ranks_and_needs_values_across_hosts():
-    from vmmkv.ipc.peers import _placement_problem
+    from vmmkv.ipc.placement import _placement_problem
 
     two = [_req("b0", "nvlink:c:1", "a"), _req("b1", "nvlink:c:2", "b"), _req("b2", "nvlink:c:1")]
     for by_value in (False, True):
@@ -658,7 +658,7 @@ def test_a_cuda_group_across_hosts_of_one_domain_takes_fabric_handles_only_if_ev
     monkeypatch, caplog, backend, peer_loc, probes, want, steps
 ):
     from vmmkv.alloc import cuda
-    from vmmkv.ipc import peers
+    from vmmkv.ipc import placement
 
     def probe(ordinal):
         assert ordinal == 0
@@ -666,11 +666,11 @@ def test_a_cuda_group_across_hosts_of_one_domain_takes_fabric_handles_only_if_ev
             raise probes[0]
         return probes[0]
 
-    monkeypatch.setattr(peers, "local_location", lambda ordinal: dict(HERE))
+    monkeypatch.setattr(placement, "local_location", lambda ordinal: dict(HERE))
     monkeypatch.setattr(cuda, "fabric_probe", probe)
     comm = _TwoRankComm({"handle type": peer_loc, "fabric probe": list(probes[1]) if probes else 0})
     with caplog.at_level("WARNING", logger="vmmkv.ipc.peers"):
-        assert peers.choose_handle_type(comm, backend, 0) == want
+        assert placement.choose_handle_type(comm, backend, 0) == want
     assert comm.steps == ["handle type", "fabric probe"][:steps]
     if probes and want == "posix_fd":  # the failing ranks and their reasons are logged
         text = caplog.text
@@ -683,24 +683,24 @@ def test_a_cuda_group_across_hosts_of_one_domain_takes_fabric_handles_only_if_ev
 def test_ranks_asking_for_different_handle_types_get_one_config_mismatch_naming_each(
     monkeypatch, mine, peer
 ):
-    from vmmkv.ipc import peers
+    from vmmkv.ipc import peers, placement
 
-    monkeypatch.setattr(peers, "local_location", lambda ordinal: dict(HERE))
+    monkeypatch.setattr(placement, "local_location", lambda ordinal: dict(HERE))
     comm = _TwoRankComm({"handle type": [peer, None, None, None]})
     with pytest.raises(peers.ConfigMismatch, match=rf"rank 0: '{mine}', rank 1: '{peer}'"):
-        peers.choose_handle_type(comm, "host", 0, mine)
+        placement.choose_handle_type(comm, "host", 0, mine)
     assert comm.steps == ["handle type"]
 
 
 def test_ranks_asking_for_the_same_explicit_handle_type_get_it_in_one_step(monkeypatch):
-    from vmmkv.ipc import peers
+    from vmmkv.ipc import placement
 
     def no_location(ordinal):
         raise AssertionError("an explicit handle type reads no location")
 
-    monkeypatch.setattr(peers, "local_location", no_location)
+    monkeypatch.setattr(placement, "local_location", no_location)
     comm = _TwoRankComm({"handle type": ["posix_fd", None, None, None]})
-    assert peers.choose_handle_type(comm, "cuda", 0, "posix_fd") == "posix_fd"
+    assert placement.choose_handle_type(comm, "cuda", 0, "posix_fd") == "posix_fd"
     assert comm.steps == ["handle type"]
 
 

@@ -557,7 +557,7 @@ def test_a_sender_of_another_uid_is_refused_even_with_a_member_pid():
 def test_the_fd_limit_is_raised_for_an_exchange_and_restored_after():
     import resource
 
-    from vmmkv.ipc.peers import _raise_fd_limit
+    from vmmkv.ipc.transports import _raise_fd_limit
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < soft + 256:

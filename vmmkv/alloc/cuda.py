@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from .driver import call, cu, primary_context
+from .driver import call, cu, nvml_uuid, primary_context
+from .fabric import fabric_info
 
-__all__ = ["CudaBackend", "fabric_probe", "nvml_uuid"]
+__all__ = ["CudaBackend", "fabric_probe", "nvml_uuid"]  # nvml_uuid: driver's, re-exported
 
 _POSIX_FD = "posix_fd"
 _FABRIC = "fabric"
@@ -86,20 +87,9 @@ def fabric_probe(ordinal: int) -> tuple[bool, str]:
     return True, ""
 
 
-def nvml_uuid(ordinal: int) -> str:
-    """The device's UUID as NVML spells it ("GPU-8-4-4-4-12" hex). NVML indices follow PCI
-    order and ignore CUDA_VISIBLE_DEVICES, so NVML lookups go by UUID, never by CUDA ordinal."""
-    with primary_context(ordinal):
-        raw = bytes(call(cu.cuDeviceGetUuid, call(cu.cuDeviceGet, ordinal), device=ordinal).bytes)
-    h = raw.hex()
-    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
-
-
 def _nvml_fabric_state(ordinal: int) -> str:
     """'' when NVML reports the GPU's fabric registration completed with a success status, else
     the reason (``fabric.fabric_info``'s, naming the device and its UUID; never raises)."""
-    from .fabric import fabric_info
-
     info = fabric_info(ordinal)
     if info.state == "completed" and not info.status:
         return ""

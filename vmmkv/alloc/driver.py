@@ -8,6 +8,8 @@ Contract:
   the calling thread for the duration of a ``with`` block and restores the previous one. It works
   in fresh threads, where no context is current.
 - ``cuda_usable()`` never raises: it says whether a driver and at least one device exist.
+- ``nvml_uuid(ordinal)`` is the device's UUID as NVML spells it (the backend and the NVML
+  fabric query both key devices by it).
 - Nothing here is collective; everything is capture-safe except ``cuInit`` (done once).
 """
 
@@ -34,6 +36,7 @@ __all__ = [
     "device_count",
     "ensure_init",
     "finalizing",
+    "nvml_uuid",
     "primary_context",
 ]
 
@@ -183,6 +186,15 @@ class primary_context:  # noqa: N801 - used like a function: ``with primary_cont
         if self.prev is not None:
             prev, self.prev = self.prev, None
             call(cu.cuCtxSetCurrent, prev, device=self.ordinal)
+
+
+def nvml_uuid(ordinal: int) -> str:
+    """The device's UUID as NVML spells it ("GPU-8-4-4-4-12" hex). NVML indices follow PCI
+    order and ignore CUDA_VISIBLE_DEVICES, so NVML lookups go by UUID, never by CUDA ordinal."""
+    with primary_context(ordinal):
+        raw = bytes(call(cu.cuDeviceGetUuid, call(cu.cuDeviceGet, ordinal), device=ordinal).bytes)
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
 def finalizing() -> bool:

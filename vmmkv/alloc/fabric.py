@@ -4,7 +4,7 @@ Contract:
 - ``fabric_info(device_index)`` reads NVML's GPU fabric info for the CUDA device
   ``device_index`` and returns a :class:`FabricInfo`. Local, never collective, no CUDA context
   work beyond the UUID lookup, not for use during stream capture.
-- The CUDA ordinal is mapped to the NVML device by UUID (``cuda.nvml_uuid``), never by index:
+- The CUDA ordinal is mapped to the NVML device by UUID (``driver.nvml_uuid``), never by index:
   NVML numbers GPUs in PCI order and ignores ``CUDA_VISIBLE_DEVICES``.
 - "Not available" never raises: no usable CUDA device, pynvml not importable, NVML library
   missing or failing, ``NVML_ERROR_NOT_SUPPORTED``, a fabric that is not (yet) registered, a
@@ -123,10 +123,8 @@ def _cuda_uuid(device_index: int) -> tuple[str | None, str]:
     n = drv.device_count()
     if device_index >= n:
         raise ValueError(f"device_index must be < the CUDA device count {n}, got {device_index}")
-    from .cuda import nvml_uuid  # imports torch: only where CUDA is there to ask
-
     try:
-        return nvml_uuid(device_index), ""
+        return drv.nvml_uuid(device_index), ""
     except Exception as exc:
         return None, f"UUID lookup failed: {exc}"
 

@@ -8,18 +8,18 @@ one outcome on every rank, see ``vmmkv.ipc.comm``):
    protocol version, the caller's ``must_match`` settings, a random nonce) and validate it
    identically on every rank: a mismatch raises the same :class:`ConfigMismatch` everywhere,
    naming field and ranks;
-2. decide whether peer mapping is possible at all: one NVLink domain (``local_location``;
-   several domains never map each other, see docs/design.md "Handles by value and NVLink
-   domains"); for fd handles one host (same boot id), one PID and one network namespace, one
-   uid (the fd transport checks credentials); P2P access and native atomics for every pair of
-   distinct devices (ranks that share a device need neither); if not,
-   :class:`DirectUnsupported` on every rank, listing every reason;
+2. decide whether peer mapping is possible at all (``vmmkv.ipc.placement``): one NVLink
+   domain (``local_location``; several domains never map each other, see docs/design.md
+   "Handles by value and NVLink domains"); for fd handles one host (same boot id), one PID and
+   one network namespace, one uid (the fd transport checks credentials); P2P access and native
+   atomics for every pair of distinct devices (ranks that share a device need neither); if
+   not, :class:`DirectUnsupported` on every rank, listing every reason;
 3. export every committed chunk plus the barrier's signal chunk and send them over the
-   exchange's transport: fds (``posix_fd``) with SCM_RIGHTS (``vmmkv.ipc.fdpass``) over
-   abstract sockets named with rank 0's nonce, or values (``BY_VALUE_HANDLES``: ``fabric``,
-   ``shm_name``) in one step of the group's store; a rank whose local preparation failed still
-   takes part and sends an abort notice instead of handles, so its peers learn the cause at
-   once;
+   exchange's transport (``vmmkv.ipc.transports``): fds (``posix_fd``) with SCM_RIGHTS
+   (``vmmkv.ipc.fdpass``) over abstract sockets named with rank 0's nonce, or values
+   (``BY_VALUE_HANDLES``: ``fabric``, ``shm_name``) in one step of the group's store; a rank
+   whose local preparation failed still takes part and sends an abort notice instead of
+   handles, so its peers learn the cause at once;
 4. import and map each peer chunk at its offset inside a ``PeerRegion`` (a reservation of the
    peer's full capacity, so growth never moves anything), then close the fd; the committed
    chunks are any chunk set (a prefix, or the chunks of a block layout's segments), and a peer
@@ -37,17 +37,17 @@ chunks overlapping ``ranges``) drop peers' chunks, trying every peer and raising
 Ownership: ``PeerMap`` owns the peer mappings and the signal region, never the caller's region.
 ``PeerMap.close()`` is local and idempotent and unmaps peers' memory before releasing anything
 of its own. ``SymmetricRegion`` (``vmmkv.ipc.symmetric``) owns a region and its ``PeerMap``.
+
+The errors (``vmmkv.ipc.errors``), the placement and handle-type names and
+``BY_VALUE_HANDLES`` are importable from here too.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import resource
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -58,9 +58,29 @@ import torch
 from .._util import run_all
 from ..alloc import Chunk, PeerRegion, VirtualRegion
 from ..alloc import driver as drv
-from ..alloc.fabric import boot_id
 from . import fdpass
-from .comm import GroupError, PeerTimeoutError, StoreComm
+from .comm import GroupError, StoreComm
+from .errors import (
+    ConfigMismatch,
+    DirectUnsupported,
+    ExchangeLost,
+    PeerAborted,
+    RendezvousError,
+    RendezvousTimeout,
+    as_rendezvous_error,
+)
+from .placement import (
+    TEST_DOMAIN_ENV,
+    TEST_HOST_ENV,
+    _by_value,
+    _namespace_id,
+    _p2p_problems,
+    _placement_problem,
+    choose_handle_type,
+    local_location,
+    select_handle_type,
+)
+from .transports import BY_VALUE_HANDLES, _FdTransport, _Transport, _ValueTransport
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -81,52 +101,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 3
-
-# Handle types whose chunks travel as values through the group's store (no socket, no fd).
-BY_VALUE_HANDLES = ("fabric", "shm_name")
-
-# TEST-ONLY overrides of where a rank runs (read in ``local_location`` only): its host name
-# (the boot id is derived from it) and its NVLink domain. They let processes of one machine act
-# as several hosts of one domain, or as several domains, to run the by-value protocol in CI.
-TEST_HOST_ENV = "VMMKV_TEST_HOST"
-TEST_DOMAIN_ENV = "VMMKV_TEST_NVLINK_DOMAIN"
-
-
-class RendezvousError(GroupError):
-    """The rendezvous or a resize failed; raised on every rank of the group."""
-
-
-class RendezvousTimeout(RendezvousError, PeerTimeoutError):
-    """Some ranks did not arrive at a step of the rendezvous or a resize (``missing`` names
-    them); raised on every rank that got there, late ones included."""
-
-    def __init__(self, message: str, missing: list[int]):
-        PeerTimeoutError.__init__(self, message, missing)
-
-
-class ExchangeLost(RendezvousError):
-    """The by-value exchange timed out: ``peers_lost`` did not arrive (like
-    ``fdpass.FdExchangeError`` for the fd transport)."""
-
-    def __init__(self, message: str, peers_lost: list[int]):
-        super().__init__(message)
-        self.peers_lost = list(peers_lost)
-
-
-class PeerAborted(RendezvousError):
-    """Peers announced in the fd exchange that they cannot take part; they report their own
-    cause in the agreement that follows, so receivers of the notice add no error of theirs."""
-
-
-class ConfigMismatch(RendezvousError):
-    """The ranks' requests disagree (capacity, chunk size, mode, ...): the caller's
-    configuration differs between ranks; raised identically on every rank."""
-
-
-class DirectUnsupported(RendezvousError):
-    """Peer mapping is impossible for this group (several NVLink domains, several hosts with fd
-    handles, no P2P between two devices, no native atomics); raised identically on every rank,
-    so callers can fall back to gather-then-insert together."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,237 +134,6 @@ def _validate_requests(reqs: list[dict[str, Any]]) -> str:
     if len(set(zip(pids, hosts, strict=True))) != len(pids):
         problems.append("two ranks are the same process: " + _by_value(pids, "have pid"))
     return "; ".join(problems)
-
-
-def _by_value(values: list[Any], verb: str) -> str:
-    groups: dict[str, list[int]] = {}
-    for rank, v in enumerate(values):
-        groups.setdefault(repr(v), []).append(rank)
-    return ", ".join(f"ranks {rk} {verb} {v}" for v, rk in groups.items())
-
-
-# What fds need to travel, in the order checked: (request field, verb, what it is, why).
-# PID namespaces are compared only on one host (several hosts already rule fds out).
-_SAME_FOR_FDS = (
-    ("host", "on", "on several hosts", "POSIX fds only reach one host; cross-host mapping needs "
-     "by-value (fabric) handles inside one NVLink domain, and this region's handles are fds"),
-    ("pidns", "in", "in different PID namespaces", "the fd transport identifies senders by pid"),
-    ("netns", "in", "in different network namespaces", "abstract Unix sockets do not cross them"),
-    ("uid", "have uid", "as different users", "the fd transport only accepts its own uid"),
-)  # fmt: skip
-
-
-def _host_problem(reqs: list[dict[str, Any]]) -> str:
-    """'' when POSIX fds can travel between every pair of ranks (one host, one PID and one
-    network namespace, one uid), else every reason, with the ranks on each side."""
-    problems = []
-    for field, verb, what, why in _SAME_FOR_FDS:
-        if field == "host":
-            values = [f"{r['host']} (boot {r['boot_id'][:8]})" for r in reqs]
-        elif field == "pidns" and problems:
-            continue
-        else:
-            values = [r[field] for r in reqs]
-        if len(set(values)) > 1:
-            problems.append(f"ranks run {what} ({_by_value(values, verb)}): {why}")
-    return "; ".join(problems)
-
-
-def _placement_problem(reqs: list[dict[str, Any]], by_value: bool) -> str:
-    """'' when the ranks can map each other with this handle kind, else why not. Ranks of
-    several NVLink domains never map each other directly (docs/design.md, "Handles by value
-    and NVLink domains"); inside one domain by-value handles reach every rank, fds only one
-    host (``_host_problem``), whatever the domains of its GPUs say."""
-    if not by_value and len({r["boot_id"] for r in reqs}) == 1:
-        return _host_problem(reqs)
-    domains: dict[str, list[int]] = {}
-    for rank, r in enumerate(reqs):
-        domains.setdefault(r["domain"], []).append(rank)
-    if len(domains) > 1 and any(d.startswith("nvlink:") for d in domains):
-        return (
-            f"ranks span {len(domains)} NVLink domains ("
-            + "; ".join(f"{d}: ranks {rk}" for d, rk in domains.items())
-            + "): ranks map each other only inside one domain; a group across domains is not "
-            "published directly (gather-then-insert between them)"
-        )
-    if by_value:
-        if len(domains) > 1:
-            return "by-value handles need one NVLink domain, got " + "; ".join(
-                f"{d}: ranks {rk}" for d, rk in domains.items()
-            )
-        return ""
-    return _host_problem(reqs)
-
-
-_domains: dict[int, str] = {}  # CUDA ordinal -> domain key, read once per process
-_domains_lock = threading.Lock()
-
-
-def _fabric_domain(ordinal: int) -> str:
-    """The NVLink domain key of CUDA device ``ordinal`` (``vmmkv.alloc.fabric.domain_key``:
-    ``nvlink:<cluster uuid>:<clique id>`` when the GPU's fabric state is completed, else
-    ``host:<boot id>``); the host key when the query itself fails. Read once per process and
-    device (an NVML session each time would cost every collective construction; a GPU's fabric
-    registration completes before jobs start)."""
-    with _domains_lock:
-        if ordinal in _domains:
-            return _domains[ordinal]
-        try:
-            from ..alloc.fabric import domain_key
-
-            key = domain_key(ordinal)
-        except Exception as exc:  # never fatal: the host is a domain of its own
-            log.info("vmmkv: NVLink domain of cuda:%d unknown (%s); using the host", ordinal, exc)
-            key = f"host:{boot_id()}"
-        _domains[ordinal] = key
-        return key
-
-
-_warned_test_location: list[bool] = []  # the override is logged once per process
-
-
-def local_location(ordinal: int | None) -> dict[str, str]:
-    """Local: where this process runs, ``{"host", "boot_id", "domain"}``. ``domain`` is the
-    NVLink domain key (CUDA device ``ordinal``; ``None``: host memory, the host's key).
-    Test-only: ``VMMKV_TEST_HOST`` replaces host and boot id, ``VMMKV_TEST_NVLINK_DOMAIN``
-    the domain (``nvlink:test:<value>``); read here and nowhere else."""
-    sim_host = os.environ.get(TEST_HOST_ENV, "")
-    sim_domain = os.environ.get(TEST_DOMAIN_ENV, "")
-    if (sim_host or sim_domain) and not _warned_test_location:
-        _warned_test_location.append(True)
-        log.warning(
-            "vmmkv: test-only location override in effect (%s=%r, %s=%r): not for production",
-            TEST_HOST_ENV, sim_host, TEST_DOMAIN_ENV, sim_domain,
-        )  # fmt: skip
-    if sim_host:
-        host = sim_host
-        boot = "test-" + hashlib.sha256(sim_host.encode()).hexdigest()[:24]
-    else:
-        host, boot = socket.gethostname(), boot_id()
-    if sim_domain:
-        domain = f"nvlink:test:{sim_domain}"
-    elif sim_host or ordinal is None:
-        domain = f"host:{boot}"
-    else:
-        domain = _fabric_domain(ordinal)
-    return {"host": host, "boot_id": boot, "domain": domain}
-
-
-def choose_handle_type(
-    comm: StoreComm, backend: str, ordinal: int | None, requested: str = "auto"
-) -> str:
-    """Collective: the handle type a group's regions should be created with. Every rank runs
-    the first step whatever it ``requested``: ranks that asked for different handle types get
-    the same :class:`ConfigMismatch` naming each rank's request (instead of steps out of
-    order); when all asked for the same explicit type, that is the answer. When all asked
-    ``"auto"``: several hosts
-    inside one NVLink domain, every rank on the same backend: by value (``"shm_name"``, the
-    simulation, on the host backend; ``"fabric"`` on CUDA when every rank's
-    ``cuda.fabric_probe`` passes, a second step, since a domain key says nothing about the IMEX
-    channel); otherwise ``"posix_fd"`` (one host; several domains, which fall back to gather
-    anyway; several hosts whose devices cannot create fabric memory, which then fall back to
-    gather too, the probes' reasons logged). ``backend``: ``"cuda"`` or ``"host"`` (anything
-    else: fds). Every rank decides from gathered values only, so all take the same steps."""
-    mine: list[Any] = [requested, None, None, None]
-    if requested == "auto":  # an explicit request needs no location (no NVML read)
-        loc = local_location(ordinal)
-        mine = [requested, backend, loc["boot_id"], loc["domain"]]
-    try:
-        gathered = comm.all_gather(mine, "handle type")
-    except GroupError as exc:
-        raise as_rendezvous_error(exc) from None
-    if len({q for q, *_ in gathered}) > 1:
-        raise ConfigMismatch(
-            f"rendezvous rejected (rank {comm.rank} of {comm.world_size}): handle_type differs "
-            "between ranks: " + ", ".join(f"rank {r}: {q!r}" for r, (q, *_) in enumerate(gathered))
-        )
-    if requested != "auto":
-        return requested
-    locs = [tuple(g[1:]) for g in gathered]
-    backends = {b for b, _, _ in locs}
-    boots = {b for _, b, _ in locs}
-    domains = {d for _, _, d in locs}
-    if len(boots) == 1 or len(domains) > 1 or len(backends) > 1:
-        return "posix_fd"
-    if backends == {"host"}:
-        return "shm_name"
-    if backends != {"cuda"}:
-        return "posix_fd"
-    try:
-        from ..alloc.cuda import fabric_probe
-
-        ok, why = fabric_probe(ordinal) if ordinal is not None else (False, "no CUDA ordinal")
-    except Exception as exc:  # a probe that cannot run says no, with why
-        ok, why = False, f"fabric probe failed: {type(exc).__name__}: {exc}"
-    try:
-        probes = comm.all_gather([bool(ok), str(why)], "fabric probe")
-    except GroupError as exc:
-        raise as_rendezvous_error(exc) from None
-    failing = [f"rank {r}: {w}" for r, (o, w) in enumerate(probes) if not o]
-    if not failing:
-        return "fabric"
-    log.warning(
-        "rank %d: several hosts of one NVLink domain, but fabric handles are unavailable (%s): "
-        "posix_fd, so the group cannot map across hosts",
-        comm.rank, "; ".join(failing),
-    )  # fmt: skip
-    return "posix_fd"
-
-
-def _namespace_id(kind: str) -> str:
-    try:
-        return str(os.stat(f"/proc/self/ns/{kind}").st_ino)
-    except OSError:
-        return "unknown"
-
-
-def _local_ordinals_by_uuid() -> dict[str, int]:
-    out = {}
-    for i in range(drv.device_count()):
-        dev = drv.call(drv.cu.cuDeviceGet, i, device=i)
-        out[bytes(drv.call(drv.cu.cuDeviceGetUuid, dev, device=i).bytes).hex()] = i
-    return out
-
-
-def _p2p_problems(rank: int, reqs: list[dict[str, Any]]) -> list[str]:
-    """This rank's view of P2P between its device and every distinct peer device."""
-    mine = reqs[rank]
-    if mine["backend"] != "cuda":
-        return []
-    local = _local_ordinals_by_uuid()
-    problems = []
-    attr = drv.cu.CUdevice_P2PAttribute
-    for peer, req in enumerate(reqs):
-        if peer == rank or req["uuid"] == mine["uuid"]:
-            continue  # several ranks may share one device
-        src = local.get(mine["uuid"])
-        dst = local.get(req["uuid"])
-        if src is None or dst is None:
-            log.info(
-                "rank %d: device of rank %d is not visible here (CUDA_VISIBLE_DEVICES); "
-                "P2P is checked by mapping it",
-                rank,
-                peer,
-            )
-            continue
-        d_src = drv.call(drv.cu.cuDeviceGet, src, device=src)
-        d_dst = drv.call(drv.cu.cuDeviceGet, dst, device=dst)
-        ok = drv.call(drv.cu.cuDeviceCanAccessPeer, d_src, d_dst, rank=rank, peer=peer)
-        atomics = drv.call(
-            drv.cu.cuDeviceGetP2PAttribute,
-            attr.CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
-            d_src,
-            d_dst,
-            rank=rank,
-            peer=peer,
-        )
-        if not ok:
-            problems.append(f"rank {rank} (cuda:{src}) cannot access rank {peer} (cuda:{dst})")
-        elif not atomics:
-            problems.append(
-                f"rank {rank} (cuda:{src}) -> rank {peer} (cuda:{dst}): no native atomics"
-            )
-    return problems
 
 
 # --------------------------------------------------------------------------------------------
@@ -550,126 +293,6 @@ class PeerMap:
         self.close()
 
 
-class _Transport:
-    """How one exchange moves chunks between ranks; the protocol around it
-    (``_exchange_and_map``: descriptions, abort notices, validation, mapping, agreement and
-    rollback) is the same for both. ``export``: a committed chunk's handle to send (the
-    caller ``discard``-s those it does not send); ``exchange``: send ``body`` and the handles
-    to every peer, get theirs (``{peer: (body, handles)}``), raising ``FdExchangeError`` or
-    :class:`ExchangeLost` (with ``peers_lost``) when peers vanished; ``map`` a received handle;
-    ``release`` every received handle (mapped or not) once mapping is over; ``finish`` after
-    the agreement, on every rank."""
-
-    what = ""
-
-    def __init__(self, comm: StoreComm, region: VirtualRegion, nonce: str, pids: list[int]) -> None:
-        self.comm, self.region, self.nonce, self.pids = comm, region, nonce, pids
-
-    def export(self, owner: VirtualRegion, chunk: Chunk) -> Any:
-        raise NotImplementedError
-
-    def discard(self, handles: list[Any]) -> None:
-        pass
-
-    def exchange(
-        self, body: bytes, handles: list[Any], others: list[int], per_peer: int
-    ) -> dict[int, tuple[bytes, list[Any]]]:
-        """Send ``body`` and ``handles`` to every rank of ``others`` and return what each sent;
-        ``per_peer``: the most handles one peer may send (its chunks and signal chunk)."""
-        raise NotImplementedError
-
-    def map(self, peer: PeerRegion, handle: Any, chunk: Chunk) -> None:
-        raise NotImplementedError
-
-    def release(self, received: dict[int, tuple[bytes, list[Any]]]) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
-
-
-class _FdTransport(_Transport):
-    """POSIX fds over abstract Unix sockets (``vmmkv.ipc.fdpass``): one host."""
-
-    what = "fd exchange"
-
-    def export(self, owner: VirtualRegion, chunk: Chunk) -> int:
-        return owner.export_chunk(chunk)
-
-    def discard(self, handles: list[Any]) -> None:
-        for fd in handles:
-            os.close(fd)
-
-    def exchange(
-        self, body: bytes, handles: list[Any], others: list[int], per_peer: int
-    ) -> dict[int, tuple[bytes, list[Any]]]:
-        # The RLIMIT_NOFILE soft limit is raised for the exchange if needed, and restored by
-        # ``release`` once the received fds are closed. Sized by what the peers may send, not
-        # by what this rank sends: a rank that cannot take part sends nothing but must still
-        # receive its peers' fds, or the truncated message would hide its own cause.
-        self._restore = _raise_fd_limit((max(len(handles), per_peer) + 1) * (len(others) + 1))
-        try:
-            return fdpass.exchange_fds(
-                rank=self.comm.rank,
-                nonce=self.nonce,
-                outgoing={p: (body, handles) for p in others},
-                expect_from=others,
-                pids=self.pids,
-                timeout=self.comm.timeout,
-                cancel=self.comm.pending_abort,  # a peer that gave up releases us at once
-            )
-        except BaseException:
-            restore, self._restore = self._restore, None  # release() must not restore again
-            restore()
-            raise
-
-    def map(self, peer: PeerRegion, handle: Any, chunk: Chunk) -> None:
-        peer.map_fd(handle, chunk)
-
-    def release(self, received: dict[int, tuple[bytes, list[Any]]]) -> None:
-        try:
-            for _, fds in received.values():
-                for fd in fds:
-                    os.close(fd)
-        finally:
-            restore, self._restore = getattr(self, "_restore", None), None
-            if restore is not None:
-                restore()
-
-
-class _ValueTransport(_Transport):
-    """By-value handles (``BY_VALUE_HANDLES``: CUDA fabric handles, the host simulation's shm
-    names) through the group's store, one collective step; the exports are removed by
-    ``finish`` (``release_values(nonce)``), which every rank runs after the agreement, so a
-    dead exporter's names go too."""
-
-    what = "handle exchange"
-
-    def export(self, owner: VirtualRegion, chunk: Chunk) -> bytes:
-        return owner.export_chunk_value(chunk, self.nonce)
-
-    def exchange(
-        self, body: bytes, handles: list[Any], others: list[int], per_peer: int
-    ) -> dict[int, tuple[bytes, list[Any]]]:
-        mine = [body.decode(), [h.hex() for h in handles]]
-        try:
-            got = self.comm.all_gather(mine, "by-value handle exchange")
-        except PeerTimeoutError as exc:
-            raise ExchangeLost(str(exc), exc.missing) from None
-        except GroupError as exc:
-            raise as_rendezvous_error(exc) from None
-        return {p: (got[p][0].encode(), [bytes.fromhex(v) for v in got[p][1]]) for p in others}
-
-    def map(self, peer: PeerRegion, handle: Any, chunk: Chunk) -> None:
-        peer.map_value(handle, chunk)
-
-    def finish(self) -> None:
-        try:
-            self.region.release_values(self.nonce)
-        except Exception as exc:  # logged: the exchange's own outcome is the one raised
-            log.error("rank %d: removing by-value exports failed: %s", self.comm.rank, exc)
-
-
 def _exchange_and_map(
     comm: StoreComm,
     chunks: list[Chunk],
@@ -795,74 +418,6 @@ def exchange_then_agree(
     finally:
         if finish is not None:
             finish()
-
-
-def as_rendezvous_error(exc: GroupError) -> RendezvousError:
-    """The rendezvous/resize flavour of a collective failure (timeouts keep ``missing``)."""
-    if isinstance(exc, RendezvousError):
-        return exc
-    if isinstance(exc, PeerTimeoutError):
-        return RendezvousTimeout(str(exc), exc.missing)
-    return RendezvousError(str(exc))
-
-
-def select_handle_type(device: Any, group: Any = None, *, timeout: float = 60.0) -> tuple[str, str]:
-    """Collective: which shareable handle type the group should use, and why.
-
-    Fabric handles are chosen only when the group spans several hosts AND every rank's probe
-    (device attribute, NVML fabric state, trial ``cuMemCreate``) passes; otherwise POSIX fds,
-    with the reason logged. Same-host groups always use POSIX fds (they reach every peer and
-    need no IMEX channel). A diagnostic with the trial allocation; ``SymmetricRegion`` decides
-    by NVLink domain (:func:`choose_handle_type`), and ranks of several domains fall back to
-    gather-then-insert whatever this says.
-    """
-    import torch as _torch
-
-    from ..alloc.cuda import fabric_probe
-
-    comm = StoreComm(group, timeout, tag="probe")
-    dev = _torch.device(device) if not isinstance(device, int) else _torch.device("cuda", device)
-    if dev.type == "cuda" and drv.cuda_usable():
-        ok, why = fabric_probe(dev.index if dev.index is not None else 0)
-    else:
-        ok, why = False, f"{dev} is not a CUDA device"
-    probes = comm.all_gather((socket.gethostname(), ok, why), "fabric probe")
-    hosts = {h for h, _, _ in probes}
-    failing = [f"rank {r}: {w}" for r, (_, o, w) in enumerate(probes) if not o]
-    if len(hosts) > 1 and not failing:
-        choice, reason = "fabric", ""
-    elif len(hosts) == 1:
-        choice, reason = (
-            "posix_fd",
-            "all ranks share one host"
-            + (f" (fabric unavailable anyway: {'; '.join(failing)})" if failing else ""),
-        )
-    else:
-        choice, reason = "posix_fd", "fabric unavailable: " + "; ".join(failing)
-    log.info("vmmkv: handle type %s (%s)", choice, reason or "every rank can use fabric handles")
-    return choice, reason
-
-
-def _raise_fd_limit(needed: int) -> Callable[[], None]:
-    """Raise the RLIMIT_NOFILE soft limit (up to the hard one) so that ``needed`` more fds fit
-    (a receiver holds every fd of an exchange until it has mapped them); returns the undo,
-    which restores the caller's limit once those fds are closed (select() users of the
-    process keep their FD_SETSIZE world)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = len(os.listdir("/proc/self/fd")) + needed + 64
-    if soft == resource.RLIM_INFINITY or want <= soft:
-        return lambda: None
-    new = want if hard == resource.RLIM_INFINITY else min(want, hard)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-    log.info("vmmkv: RLIMIT_NOFILE soft limit %d -> %d for an fd exchange", soft, new)
-
-    def restore() -> None:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        except (OSError, ValueError) as exc:
-            log.warning("vmmkv: could not restore RLIMIT_NOFILE to %d: %s", soft, exc)
-
-    return restore
 
 
 def rendezvous(

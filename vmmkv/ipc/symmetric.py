@@ -61,16 +61,9 @@ from .._util import require_int, run_all
 from ..alloc import Chunk, VirtualRegion
 from ..alloc.region import _resolve_device
 from .comm import GroupError, PeerTimeoutError, StoreComm
-from .peers import (
-    ConfigMismatch,
-    PeerMap,
-    RendezvousError,
-    as_rendezvous_error,
-    choose_handle_type,
-    exchange_then_agree,
-    gather_requests,
-    map_peers,
-)
+from .errors import ConfigMismatch, RendezvousError, as_rendezvous_error
+from .peers import PeerMap, exchange_then_agree, gather_requests, map_peers
+from .placement import choose_handle_type
 
 __all__ = ["PEER_MODES", "SymmetricRegion"]
 
