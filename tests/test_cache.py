@@ -150,7 +150,7 @@ def _run(rank, world, backend, modes, committed_blocks=NB - 1):
     with ReplicatedKVCache(
         dist.group.WORLD, cap, device, chunk_bytes=chunk, backend=backend
     ) as cache:
-        buf = cache.allocate(total).view(torch.uint8)
+        buf = cache.allocate(total, reserve=True).view(torch.uint8)  # committed by the grow below
         views = _views(buf)
         # The kernels' bound ends after `committed_blocks` blocks of the interleaved layers
         # (everything is mapped, so a wrong write would land in poison and be seen).
@@ -255,7 +255,9 @@ def _bind_errors(rank, world):
     from vmmkv import ReplicatedKVCache
 
     msgs = []
-    with ReplicatedKVCache(dist.group.WORLD, 1 << 20, "cpu", backend="host") as cache:
+    with ReplicatedKVCache(
+        dist.group.WORLD, 1 << 20, "cpu", backend="host", initial_bytes=1 << 20
+    ) as cache:
         buf = cache.allocate(BS * MLA * 2).view(torch.uint8)
         for call in (
             lambda: cache.bind("x", torch.zeros(2, BS, MLA, dtype=torch.uint8), "fp8_ds_mla"),
@@ -429,3 +431,54 @@ def test_a_bad_setting_on_one_rank_fails_every_rank_at_once_naming_it():
     assert "invalid: VMMKV_DIRECT must be" in msg0, msg0
     assert waited0 < 10 and waited1 < 10  # not the 20 s timeout
     assert path0 == path1 == "direct"
+
+
+def _allocate_uncommitted(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from vmmkv import ReplicatedKVCache
+
+    out = {}
+    with ReplicatedKVCache(
+        dist.group.WORLD, 1 << 20, "cpu", backend="host", chunk_bytes=1 << 16
+    ) as cache:
+        try:
+            cache.allocate(4096).zero_()  # nothing committed: this was a SIGSEGV
+            out["nothing committed"] = "no error"
+        except ValueError as exc:
+            out["nothing committed"] = str(exc)
+        try:
+            cache.region.view(rank).zero_()
+            out["region view"] = "no error"
+        except ValueError as exc:
+            out["region view"] = str(exc)
+        cache.grow(1 << 16)
+        out["inside"] = cache.allocate(4096).zero_().numel()  # the failed call took no bytes
+        try:
+            cache.allocate(1 << 16)  # [4096, 69632) runs past the committed 65536
+            out["past the prefix"] = "no error"
+        except ValueError as exc:
+            out["past the prefix"] = str(exc)
+        out["region view bytes"] = cache.region.view(rank).numel()
+        reserved = cache.allocate(1 << 17, reserve=True).view(torch.uint8)
+        out["reserved"] = (reserved.data_ptr() - cache.region.base_ptr, reserved.numel())
+        out["whole"] = cache.region.view(rank, reserve=True).numel()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_allocate_over_uncommitted_memory_raises_naming_the_committed_size_unless_reserve():
+    for rank, out in enumerate(run_world(_allocate_uncommitted, 2, timeout=50)):
+        msg = out["nothing committed"]
+        assert f"rank {rank} (cpu): allocate(4096)" in msg, msg
+        assert "committed prefix is 0 of 1048576 bytes" in msg and "grow(" in msg, msg
+        assert "initial_bytes=" in msg and "reserve=True" in msg, msg
+        assert "nothing is committed" in out["region view"], out["region view"]
+        assert out["inside"] == 4096
+        msg = out["past the prefix"]
+        assert "[4096, 69632)" in msg and "committed prefix is 65536 of" in msg, msg
+        assert out["region view bytes"] == 1 << 16  # the committed prefix only
+        assert out["reserved"] == (4096, 1 << 17)  # refused calls took no bytes
+        assert out["whole"] == 1 << 20
+

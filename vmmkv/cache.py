@@ -206,7 +206,8 @@ class ReplicatedKVCache:
         error = None
         try:  # local setup, then one agreement: every rank keeps a cache, or none does
             self.error_counter = torch.zeros(1, dtype=torch.int32, device=sr.device)
-            self._fence = sr.view(sr.rank)  # the whole own region: KVTarget.cache, barrier fence
+            # the whole own region, committed or not: KVTarget.cache, the barrier's fence
+            self._fence = sr.view(sr.rank, reserve=True)
             if sr.device.type == "cuda":
                 # Load every kernel now: a module loaded lazily while a barrier spins would wait
                 # for that barrier, and loading is not capture-safe.
@@ -266,14 +267,26 @@ class ReplicatedKVCache:
             raise RuntimeError(f"rank {self.rank}: ReplicatedKVCache is closed")
 
     # -- memory ----------------------------------------------------------------------------
-    def allocate(self, nbytes: int, device: Any = None) -> torch.Tensor:
+    def allocate(self, nbytes: int, device: Any = None, *, reserve: bool = False) -> torch.Tensor:
         """1-D int8 view of the next ``nbytes`` of the region (256-byte aligned): an engine's
         ``(nbytes, device)`` allocation hook (vLLM 0.33.0 has none; ``vmmkv.integrations.vllm``
-        replaces its ``allocate_kv_cache`` and calls this). Only committed bytes may be
-        touched (the committed prefix, or the committed blocks of a block layout)."""
+        replaces its ``allocate_kv_cache`` and calls this). Local.
+
+        The view lies in committed memory: ValueError (naming the rank, the device, the bytes
+        asked for and what is committed) unless every byte of it is committed (the committed
+        prefix, ``initial_bytes=`` or ``grow(...)``; with a block layout, the chunks of the
+        committed blocks, ``grow_blocks(n)``); nothing is handed out then. ``reserve=True``
+        (keyword only) is for an engine that allocates its whole buffer first and commits it
+        afterwards (``set_block_layout`` + ``grow_blocks``, or ``grow`` later): the view then
+        spans address space, committed or not. Only committed bytes may be touched through it
+        (an uncommitted one kills the process: SIGSEGV on the host backend, an illegal address
+        on CUDA); the stores are safe, since they are bounded per view by the committed size of
+        its segment (or prefix) and skip and count what lies beyond."""
         self._check_open()
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"allocate: nbytes must be an int > 0, got {nbytes!r}")
+        if not isinstance(reserve, bool):
+            raise TypeError(f"allocate: reserve must be True or False, got {reserve!r}")
         if device is not None and torch.device(device) != self.device:
             dev = torch.device(device)
             if not (dev.type == self.device.type and dev.index is None):
@@ -284,6 +297,14 @@ class ReplicatedKVCache:
                 raise ValueError(
                     f"allocate: {nbytes} bytes at offset {start} exceed the capacity "
                     f"{self.capacity_bytes} ({self.capacity_bytes - start} left)"
+                )
+            if not reserve and not self._sr.is_committed(start, start + nbytes):
+                raise ValueError(
+                    f"rank {self.rank} ({self.device}): allocate({nbytes}): region bytes "
+                    f"[{start}, {start + nbytes}) are not all committed; "
+                    f"{self._sr.describe_committed()}. Commit them first "
+                    f"({self._sr.how_to_commit()}), or call allocate({nbytes}, reserve=True) for "
+                    "a view over address space whose committed parts alone may be touched"
                 )
             self._next_offset = start + nbytes
         return self._fence[start : start + nbytes].view(torch.int8)

@@ -99,7 +99,9 @@ def _drive(cache, rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]
         "committed_before": cache.committed_bytes,
     }
     dev = cache.device
-    buf = cache.allocate(num_blocks * block_stride(layers)).view(torch.uint8)
+    # The whole capacity, half of it committed: the engine's pattern when it grows later
+    # (reserve=True; only committed blocks are touched, the stores skip the rest).
+    buf = cache.allocate(num_blocks * block_stride(layers), reserve=True).view(torch.uint8)
     bound = [
         (cache.bind(f"mla.{i}", m, "fp8_ds_mla"), cache.bind(f"idx.{i}", x, "indexer_k"))
         for i, (m, x) in enumerate(interleaved_views(buf, layers, num_blocks))
@@ -133,8 +135,7 @@ def _drive(cache, rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]
     def poison_and_oracle(step, blocks, salt):
         """Poison the committed part of the own replica; the oracle of every rank's step."""
         g = torch.Generator().manual_seed(rank * 31 + salt)
-        own = cache.region.view(cache.rank)  # the whole own region, from its base
-        n = cache.committed_bytes - (buf.data_ptr() - own.data_ptr())
+        n = cache.committed_bytes - (buf.data_ptr() - cache.region.base_ptr)
         n = min(n, buf.numel())
         poison = torch.randint(1, 256, (buf.numel(),), generator=g, dtype=torch.uint8)
         buf[:n].copy_(poison[:n].to(dev))

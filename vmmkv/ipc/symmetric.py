@@ -399,10 +399,74 @@ class SymmetricRegion:
             )
         return self.peers
 
-    def view(self, rank: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        if rank == self.rank:
-            return self.region.tensor(dtype)
-        return self._peer_map().view(rank, dtype)
+    def view(
+        self, rank: int, dtype: torch.dtype = torch.uint8, *, reserve: bool = False
+    ) -> torch.Tensor:
+        """Local: 1-D view of ``rank``'s region as mapped here (this rank's own region for
+        ``rank == self.rank``; a peer's needs ``mapped``), from its base.
+
+        By default the view holds the committed prefix only (``[0, committed_bytes)``, taken at
+        this call: a later grow does not lengthen it), so every byte of it may be touched;
+        ValueError when nothing is committed, and with a block layout (whose committed memory
+        is not a prefix). ``reserve=True``: the whole capacity, committed or not (address space
+        for kernels and CUDA graphs built before growth); only committed chunks may be touched
+        through it (an uncommitted byte kills the process: SIGSEGV on the host backend, an
+        illegal address on CUDA)."""
+        if not isinstance(reserve, bool):
+            raise TypeError(f"view: reserve must be True or False, got {reserve!r}")
+        if not reserve:
+            prefix = self._committed_prefix(f"view({rank})")
+        whole = (
+            self.region.tensor(dtype) if rank == self.rank else self._peer_map().view(rank, dtype)
+        )
+        if reserve:
+            return whole
+        return whole[: prefix // whole.element_size()]
+
+    def _committed_prefix(self, what: str) -> int:
+        """The committed prefix's size in bytes (> 0), or ValueError naming ``what``."""
+        self._check_open()
+        if isinstance(self._layout, _Segments):
+            raise ValueError(
+                f"rank {self.rank} ({self.device}): {what}: the region has a block layout, so "
+                f"its committed memory is not a prefix ({self.describe_committed()}); pass "
+                "reserve=True for the whole capacity and touch only committed blocks"
+            )
+        committed = self.region.committed_bytes
+        if committed == 0:
+            raise ValueError(
+                f"rank {self.rank} ({self.device}): {what}: nothing is committed; commit first "
+                f"({self.how_to_commit()}), or pass reserve=True for a view over address space "
+                "whose committed parts alone may be touched"
+            )
+        return committed
+
+    def is_committed(self, start: int, end: int) -> bool:
+        """Local: whether every byte of ``[start, end)`` (region offsets) lies in a committed
+        chunk of this rank's region (peers commit the same chunks)."""
+        self._check_open()
+        if end <= start:
+            return True
+        have = set(self.region.chunks())
+        return all(c in have for c in self.region.chunks_covering([(start, end)]))
+
+    def describe_committed(self) -> str:
+        """What is committed, in words (for error messages)."""
+        layout = self._layout
+        total = self.region.committed_bytes
+        if isinstance(layout, _Segments):
+            return (
+                f"with a block layout, {layout.blocks} of {layout.max_blocks} blocks of each of "
+                f"its {len(layout.segments)} segments are committed ({total} bytes in chunks of "
+                f"{self.chunk_bytes})"
+            )
+        return f"the committed prefix is {total} of {self.capacity_bytes} bytes"
+
+    def how_to_commit(self) -> str:
+        """The calls that commit memory here, in words (for error messages)."""
+        if isinstance(self._layout, _Segments):
+            return "grow_blocks(n) with the block layout"
+        return "grow(nbytes), or initial_bytes= at construction"
 
     # -- collective helpers for the layers above -------------------------------------------
     def agree(self, error: BaseException | None, what: str) -> None:
