@@ -482,3 +482,72 @@ def test_allocate_over_uncommitted_memory_raises_naming_the_committed_size_unles
         assert out["reserved"] == (4096, 1 << 17)  # refused calls took no bytes
         assert out["whole"] == 1 << 20
 
+
+def _constructor_mistakes(rank, world):
+    import torch.distributed as dist
+
+    from vmmkv import ReplicatedKVCache
+
+    out = []
+    for kw in (
+        dict(capacity_bytes=0),
+        dict(capacity_bytes=-1),
+        dict(capacity_bytes="1M"),
+        dict(backend="cdua"),
+        dict(chunk_bytes=0),
+        dict(chunk_bytes=3),  # found by the region: not a multiple of the granularity
+        dict(initial_bytes=1 << 30),
+    ):
+        args = dict(capacity_bytes=1 << 20, backend="host", timeout=20) | kw
+        try:
+            ReplicatedKVCache(dist.group.WORLD, device="cpu", **args)
+            out.append("constructed")
+        except (ValueError, TypeError) as exc:
+            out.append(f"{'ValueError' if isinstance(exc, ValueError) else 'TypeError'}: {exc}")
+        except Exception as exc:
+            out.append(f"not caught: {type(exc).__name__}: {exc}")
+    with ReplicatedKVCache(dist.group.WORLD, 1 << 20, "cpu", backend="host", timeout=20) as c:
+        out.append(c.path)  # the group is usable afterwards
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_constructor_mistakes_raise_value_or_type_errors_that_callers_can_catch():
+    for rank, out in enumerate(run_world(_constructor_mistakes, 2, timeout=110)):
+        zero, negative, text, typo, chunk0, chunk3, initial, path = out
+        assert zero.startswith("ValueError: capacity_bytes must be >= 1, got 0"), zero
+        assert f"rank {rank}, device='cpu'" in zero, zero
+        assert negative.startswith("ValueError: capacity_bytes must be >= 1, got -1"), negative
+        assert text.startswith("TypeError: capacity_bytes must be an int"), text
+        assert typo.startswith("ValueError: backend must be") and "'cdua'" in typo, typo
+        assert chunk0.startswith("ValueError: chunk_bytes must be >= 1, got 0"), chunk0
+        assert chunk3.startswith("ValueError: chunk_bytes=3 is not a multiple"), chunk3
+        assert initial.startswith("ValueError: initial_bytes must be in [0, 1048576]"), initial
+        assert path == "direct"
+
+
+def _capacity_zero_on_rank_1(rank, world):
+    import time
+
+    import torch.distributed as dist
+
+    from vmmkv import ReplicatedKVCache
+
+    t0 = time.monotonic()
+    try:
+        ReplicatedKVCache(dist.group.WORLD, 0 if rank == 1 else 1 << 20, "cpu", backend="host",
+                          timeout=20)  # fmt: skip
+        msg = "constructed"
+    except Exception as exc:
+        msg = f"{type(exc).__name__} ValueError={isinstance(exc, ValueError)}: {exc}"
+    return msg, time.monotonic() - t0
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_argument_on_one_rank_raises_its_class_there_and_rendezvous_error_on_the_others():
+    (msg0, waited0), (msg1, waited1) = run_world(_capacity_zero_on_rank_1, 2, timeout=50)
+    assert msg1.startswith("RendezvousValueError ValueError=True: capacity_bytes must be"), msg1
+    assert msg0.startswith("RendezvousError ValueError=False"), msg0
+    assert "rank 1: ValueError('capacity_bytes must be >= 1, got 0')" in msg0, msg0
+    assert waited0 < 10 and waited1 < 10  # at once, not after the 20 s timeout
+

@@ -115,20 +115,41 @@ class UnmapError(RuntimeError):
         self.still_mapped = still_mapped
 
 
-def _resolve_device(device: Any, backend: str) -> tuple[str, int | None]:
-    """Returns (backend name, cuda ordinal or None)."""
-    if backend not in ("auto", "cuda", "host"):
+def check_device(device: Any, backend: str) -> torch.device | None:
+    """The checks of ``device`` and ``backend`` that need no driver call: the device as a
+    ``torch.device`` (None for None), or TypeError/ValueError naming the value got and what
+    was expected."""
+    if not isinstance(backend, str) or backend not in ("auto", "cuda", "host"):
         raise ValueError(f"backend must be 'auto', 'cuda' or 'host', got {backend!r}")
     if device is None:
         dev = None
+    elif isinstance(device, bool):
+        raise TypeError(f"device must be None, int, str or torch.device, got {device!r}")
     elif isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"device must be a cuda ordinal >= 0, got {device}")
         dev = torch.device("cuda", device)
     elif isinstance(device, (str, torch.device)):
-        dev = torch.device(device)
+        try:
+            dev = torch.device(device)
+        except RuntimeError as exc:  # torch's parse error, e.g. "cdua:0"
+            raise ValueError(
+                f"device must be a cuda or cpu device, got {device!r}: {exc}"
+            ) from None
     else:
         raise TypeError(f"device must be None, int, str or torch.device, got {type(device)}")
     if dev is not None and dev.type not in ("cuda", "cpu"):
         raise ValueError(f"device must be a cuda or cpu device, got {dev}")
+    if backend == "host" and dev is not None and dev.type != "cpu":
+        raise ValueError(f"the host backend lives on the cpu device, got device={dev}")
+    if backend == "cuda" and dev is not None and dev.type != "cuda":
+        raise ValueError(f"the cuda backend needs a cuda device, got device={dev}")
+    return dev
+
+
+def _resolve_device(device: Any, backend: str) -> tuple[str, int | None]:
+    """Returns (backend name, cuda ordinal or None)."""
+    dev = check_device(device, backend)
     if backend == "auto":
         if dev is not None and dev.type == "cpu":
             backend = "host"

@@ -59,7 +59,7 @@ import torch
 
 from .._util import require_int, run_all
 from ..alloc import Chunk, VirtualRegion
-from ..alloc.region import _resolve_device
+from ..alloc.region import _resolve_device, check_device
 from .comm import GroupError, PeerTimeoutError, StoreComm
 from .peers import (
     ConfigMismatch,
@@ -72,7 +72,7 @@ from .peers import (
     map_peers,
 )
 
-__all__ = ["PEER_MODES", "SymmetricRegion"]
+__all__ = ["PEER_MODES", "RendezvousTypeError", "RendezvousValueError", "SymmetricRegion"]
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +255,45 @@ def _layout_differences(layouts: list[Any]) -> str:
     return "; ".join(parts)
 
 
+class RendezvousValueError(RendezvousError, ValueError):
+    """A caller's bad argument (a value) found in a collective setup: raised on the rank that
+    passed it, while the others raise :class:`RendezvousError` naming it. A ValueError, so
+    ``except ValueError`` catches it as it catches the same mistake in ``resize``."""
+
+
+class RendezvousTypeError(RendezvousError, TypeError):
+    """As :class:`RendezvousValueError`, for an argument of the wrong type."""
+
+
+def _check_region_args(
+    capacity_bytes: Any, device: Any, chunk_bytes: Any, initial_bytes: Any, backend: Any
+) -> None:
+    """The constructor's arguments, without a driver call: TypeError/ValueError naming the
+    argument, the value got and what was expected (the granularity is checked later, by the
+    region, since it needs the device)."""
+    require_int("capacity_bytes", capacity_bytes, lo=1)
+    if chunk_bytes is not None:
+        require_int("chunk_bytes", chunk_bytes, lo=1)
+        if chunk_bytes > capacity_bytes:
+            raise ValueError(f"chunk_bytes={chunk_bytes} exceeds capacity_bytes={capacity_bytes}")
+    require_int("initial_bytes", initial_bytes, lo=0, hi=capacity_bytes)
+    check_device(device, backend)
+
+
+def _raise_setup_error(
+    exc: RendezvousError, error: BaseException | None, rank: int, device: Any, backend: Any
+) -> None:
+    """Raise the failed setup ``exc`` (every rank raises it): on the rank whose own argument
+    was bad (``error`` a TypeError/ValueError), as that class, its own message first."""
+    if isinstance(error, (TypeError, ValueError)) and not isinstance(exc, ConfigMismatch):
+        kind = RendezvousTypeError if isinstance(error, TypeError) else RendezvousValueError
+        raise kind(
+            f"{error} (rank {rank}, device={device!r}, backend={backend!r}: creating the region "
+            f"failed, and every rank of the group raises: {exc})"
+        ) from error
+    raise exc
+
+
 class SymmetricRegion:
     """See the module docstring."""
 
@@ -279,13 +318,21 @@ class SymmetricRegion:
                 "handle_type must be 'auto', 'posix_fd', 'fabric' or 'shm_name', got "
                 f"{handle_type!r}"
             )
+        # The caller's arguments, checked before any driver call or collective step. A bad one
+        # still travels in the first request (the peers fail at once, naming this rank), and
+        # this rank then raises it as the argument's own class (see _raise_setup_error).
+        arg_error: Exception | None = None
+        try:
+            _check_region_args(capacity_bytes, device, chunk_bytes, initial_bytes, backend)
+        except (TypeError, ValueError) as exc:
+            arg_error = exc
         self._comm = StoreComm(group, timeout)
         # Collective on every rank whatever it asked for, before the region exists (its chunks
         # are created for one handle type): ranks asking for different types get one
         # ConfigMismatch; "auto" is by value for several hosts of one NVLink domain, else fds
         # (see choose_handle_type).
         be, ordinal = "unknown", None
-        if handle_type == "auto":
+        if handle_type == "auto" and arg_error is None:
             try:
                 be, ordinal = _resolve_device(device, backend)
             except Exception:  # the region's creation below reports it, in the request
@@ -299,8 +346,10 @@ class SymmetricRegion:
         # The region is created after the StoreComm so that every rank runs the same steps
         # whatever fails locally: a local error travels in the first request.
         self.region: VirtualRegion | None = None
-        error: BaseException | None = None
+        error: BaseException | None = arg_error
         try:
+            if arg_error is not None:
+                raise arg_error
             self.region = VirtualRegion(
                 capacity_bytes, device, chunk_bytes=chunk_bytes, backend=backend,
                 handle_type=handle_type,
@@ -318,7 +367,10 @@ class SymmetricRegion:
             error = exc
         try:
             match = {"peers": peers, **(must_match or {})}
-            reqs = gather_requests(self._comm, self.region, match, error)  # type: ignore[arg-type]
+            try:
+                reqs = gather_requests(self._comm, self.region, match, error)  # type: ignore[arg-type]
+            except RendezvousError as exc:
+                _raise_setup_error(exc, error, self.rank, device, backend)
             if peers != "off":
                 self.peers = self._map(reqs, peers)
         except BaseException:
