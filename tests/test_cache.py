@@ -551,3 +551,44 @@ def test_a_bad_argument_on_one_rank_raises_its_class_there_and_rendezvous_error_
     assert "rank 1: ValueError('capacity_bytes must be >= 1, got 0')" in msg0, msg0
     assert waited0 < 10 and waited1 < 10  # at once, not after the 20 s timeout
 
+
+def _out_of_range_warning(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from vmmkv import ReplicatedKVCache
+
+    records = capture_logs("vmmkv")
+    out = {}
+    chunk, entry = 1 << 16, 1024
+
+    def warnings():
+        return [r for r in records if "out-of-range slots" in r]
+
+    for when in ("stats", "close"):
+        cache = ReplicatedKVCache(dist.group.WORLD, 1 << 20, "cpu", backend="host",
+                                  chunk_bytes=chunk, initial_bytes=chunk)  # fmt: skip
+        view = cache.allocate(4 * BS * entry, reserve=True).view(torch.uint8)
+        rows = cache.bind("rows", view.view(4, BS, entry), "rows")
+        data = torch.full((3, entry), 7, dtype=torch.uint8)
+        slots = torch.tensor([0, 2 * BS, 3 * BS + 1])  # blocks 2 and 3 are not committed
+        cache.publish_rows(rows, data, slots)
+        out[when] = [len(warnings())]  # the store path does not read the counter
+        if when == "stats":
+            out[when].append(cache.stats()["out_of_range_slots"])
+            cache.publish_rows(rows, data, slots)
+            out[when] += [len(warnings()), cache.stats()["out_of_range_slots"]]
+        cache.close()
+        out[when].append(len(warnings()))
+    out["message"] = warnings()[0]
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_out_of_range_slots_are_logged_once_per_cache_at_stats_or_close():
+    out = run_world(_out_of_range_warning, 1, timeout=50)[0]
+    assert out["stats"] == [0, 2, 1, 4, 1]  # once, at the first stats(); not again
+    assert out["close"] == [1, 2]  # a second cache warns once, at close()
+    msg = out["message"]
+    assert "rank 0 (cpu)" in msg and "skipped 2 out-of-range slots" in msg, msg
+    assert "grow" in msg and "once per cache" in msg, msg

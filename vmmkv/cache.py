@@ -185,6 +185,7 @@ class ReplicatedKVCache:
         self._bound = 0  # bind() calls so far: a block layout is set before the first
         self._tokens = 0
         self._barriers = 0
+        self._warned_out_of_range = False  # logged once per cache, at a host sync point
         try:
             sr = SymmetricRegion(
                 capacity_bytes, device, cpu_group, initial_bytes=initial_bytes or 0,
@@ -371,13 +372,17 @@ class ReplicatedKVCache:
         """Collective: grow every replica's committed prefix to ``committed_bytes`` (rounded up
         to chunks). Allowed after graph capture; refused during capture. Returns the size."""
         self._check_open()
-        return self._sr.resize(committed_bytes, direction="grow")
+        size = self._sr.resize(committed_bytes, direction="grow")
+        self._warn_out_of_range()
+        return size
 
     def shrink(self, committed_bytes: int) -> int:
         """Collective: shrink every replica's committed prefix (e.g. to sleep). Blocks beyond it
         are never written afterwards (kernels read the bound from device memory)."""
         self._check_open()
-        return self._sr.resize(committed_bytes, direction="shrink")
+        size = self._sr.resize(committed_bytes, direction="shrink")
+        self._warn_out_of_range()
+        return size
 
     def set_block_layout(self, segments: Any, max_blocks: int) -> None:
         """Collective: grow by blocks from now on (see the module docstring). ``segments``:
@@ -398,14 +403,18 @@ class ReplicatedKVCache:
         afterwards, in every replica (the chunks covering them). Allowed after graph capture;
         refused during capture. Returns the block count."""
         self._check_open()
-        return self._sr.resize_blocks(n, direction="grow")
+        blocks = self._sr.resize_blocks(n, direction="grow")
+        self._warn_out_of_range()
+        return blocks
 
     def shrink_blocks(self, n: int) -> int:
         """Collective: lower every segment to ``n`` blocks (bounds first: blocks beyond are
         never written afterwards), then decommit the chunks no segment needs (e.g. to sleep).
         Returns the block count."""
         self._check_open()
-        return self._sr.resize_blocks(n, direction="shrink")
+        blocks = self._sr.resize_blocks(n, direction="shrink")
+        self._warn_out_of_range()
+        return blocks
 
     # -- stores (see the module docstring) -------------------------------------------------
     def store_ds_mla(self, b, kv_c, k_pe, slot_mapping, *, num_local_only=0, mode=None,
@@ -487,15 +496,39 @@ class ReplicatedKVCache:
         kernels skipped (slot beyond the view or the committed size), once per cache a token
         targeted (``store_layer`` counts a bad slot twice: MLA and Indexer); a direct store
         counts this rank's own tokens, a gather store every rank's gathered tokens (each rank
-        inserts them all) plus its own replicated ones."""
+        inserts them all) plus its own replicated ones. The first time it is found non-zero
+        (here, or after ``grow``/``shrink``/``grow_blocks``/``shrink_blocks``, or in
+        ``close``) one WARNING is logged, once per cache, with the count."""
         self._check_open()
+        skipped = int(self.error_counter.item())
+        self._warn_out_of_range(skipped)
         return {
             "tokens_stored": self._tokens,
             "peer_bytes_issued": self._direct.peer_bytes if self._direct else 0,
             "barriers": self._barriers,
-            "out_of_range_slots": int(self.error_counter.item()),
+            "out_of_range_slots": skipped,
             "committed_bytes": self.committed_bytes,
         }
+
+    def _warn_out_of_range(self, skipped: int | None = None) -> None:
+        """Log once per cache that stores skipped out-of-range slots. Called at host
+        synchronization points only (never on the store path: reading the device counter
+        synchronizes), and never during a stream capture."""
+        if self._warned_out_of_range:
+            return
+        if skipped is None:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return
+            skipped = int(self.error_counter.item())
+        if skipped:
+            self._warned_out_of_range = True
+            log.warning(
+                "vmmkv rank %d (%s): the stores skipped %d out-of-range slots so far (a slot "
+                "beyond its view, or in a block beyond the committed size: grow or grow_blocks "
+                "before storing there); these rows were written nowhere. stats()"
+                "['out_of_range_slots'] has the count; this warning is logged once per cache",
+                self.rank, self.device, skipped,
+            )  # fmt: skip
 
     def close(self) -> None:
         """Local and idempotent: barrier resources, peer mappings, then the own region."""
@@ -505,12 +538,20 @@ class ReplicatedKVCache:
             self._closed = True
         # Synchronize before freeing the barrier's host-mapped diagnostic page: a barrier still
         # in flight (e.g. spinning on a dead peer until its timeout) writes into it.
-        steps = [] if finalizing() else [self._sync]
+        steps = [] if finalizing() else [self._sync, self._warn_at_close]
         steps += [self._gather.close] + ([self._direct.close] if self._direct else [])
         run_all([*steps, self._sr.close])
         # The whole-region view holds the address range reserved (alloc's view rule); bindings
         # the engine still holds keep it until they go too.
         self._fence = None
+
+    def _warn_at_close(self) -> None:
+        try:
+            self._warn_out_of_range()
+        except Exception as exc:  # a diagnostic: it never fails the teardown
+            log.debug(
+                "vmmkv rank %d: reading the out-of-range counter at close: %s", self.rank, exc
+            )
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
