@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from . import banner, rank_reports
+from . import HOST_TIMINGS, banner, rank_reports, tool_parser
 
 DECODE = 2  # replicated decode tokens at the head of every step (num_local_only)
 
@@ -276,6 +276,8 @@ def _print_report(reports: list[dict]) -> bool:
                 f"  step time          direct {max(d):.1f} us, gather fallback {max(g):.1f} us "
                 f"(median, slowest rank; direct/gather = {max(d) / max(g):.2f})"
             )
+        if first["backend"] == "host":
+            print(f"  timings            {HOST_TIMINGS}")
     for r in reports:
         if "error" in r:  # the exception's last line here, the whole traceback on stderr
             print(f"  rank {r.get('rank', '?')} FAILED: {r['error'].strip().splitlines()[-1]}")
@@ -286,14 +288,26 @@ def _print_report(reports: list[dict]) -> bool:
     return ok
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m vmmkv demo", description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    ap = tool_parser("demo", __doc__)
     ap.add_argument("--world", type=int, default=None, help="ranks (default: GPUs, at least 2)")
-    ap.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--blocks", type=int, default=32, help="KV blocks per layer at full size")
-    ap.add_argument("--json", default=None, help="also write the per-rank reports here")
-    a = ap.parse_args(argv)
+    ap.add_argument(
+        "--backend",
+        choices=("auto", "cuda", "host"),
+        default="auto",
+        help="memory backend: cuda (VMM on GPUs), host (memfd + mmap, no GPU) or auto (cuda "
+        "where a GPU is usable; default)",
+    )
+    ap.add_argument("--layers", type=int, default=4, help="model layers (default 4)")
+    ap.add_argument(
+        "--blocks", type=int, default=32, help="KV blocks per layer at full size (default 32)"
+    )
+    ap.add_argument("--json", default=None, help="also write the per-rank reports to this file")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     try:
         reports = run(a.world, a.backend, layers=a.layers, blocks=a.blocks)
     except Exception as exc:
