@@ -19,7 +19,18 @@ Contract:
   ``grow_blocks``/``shrink_blocks`` (refused during capture), ``set_block_layout``, the gather stores without a device group (they stage through host memory over gloo,
   and are refused during capture), ``stats`` (it reads a device counter).
 - Every host-side wait (the host-backend barrier, gloo gathers) is bounded by ``timeout``.
-- Views returned by ``allocate`` and ``bind`` are invalid after ``close``.
+- Views returned by ``allocate`` and ``bind`` are invalid after ``close``. ``allocate`` hands
+  out committed memory only (ValueError otherwise, naming what is committed and the call that
+  commits), unless ``reserve=True``: a view over address space of which only committed blocks
+  may be touched (the stores are bounded per segment or prefix). ``region.view(rank)`` is the
+  committed prefix (``reserve=True``: the whole capacity).
+- A caller's bad constructor argument (capacity, chunk size, initial size, backend, device) is
+  checked before any driver call; the rank that passed it raises a ``ValueError``/``TypeError``
+  (``RendezvousValueError``/``RendezvousTypeError``, which are also ``RendezvousError``), the
+  others ``RendezvousError`` naming it, at once. Every rank ends with one outcome.
+- Out-of-range slots (beyond a view, or beyond the committed size) are skipped and counted
+  (``stats()["out_of_range_slots"]``); one WARNING per cache gives the count the first time
+  ``stats``, a grow/shrink or ``close`` finds it non-zero (the stores never read it).
 
 Growth: by a byte prefix (default) or by blocks (a block layout, for layer-major layouts where
 "the first B blocks of every layer" is one byte range per layer region, not a prefix)::

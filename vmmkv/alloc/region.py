@@ -26,10 +26,13 @@ Contract:
   :class:`UnmapError` naming what is still mapped, and a later call retries. Chunks a failed
   rollback could not unmap stay committed, with unspecified contents (the commit's own error is
   raised, the rest logged).
-- ``tensor(dtype)`` is a view over the whole capacity; only committed chunks may be touched.
-  A CUDA graph may be captured over uncommitted addresses with kernels (they touch memory only
-  when they run); a memcpy/memset node is validated against the range at capture time and fails
-  there.
+- ``tensor(dtype)`` is a view over the whole capacity, committed or not (address space, by
+  contract: kernels and CUDA graphs are built over the range before it grows); only committed
+  chunks may be touched, and touching an uncommitted byte kills the process (host backend:
+  SIGSEGV; CUDA: an illegal address). The layers above hand engines checked views
+  (``ReplicatedKVCache.allocate``, ``SymmetricRegion.view``). A CUDA graph may be captured over
+  uncommitted addresses with kernels (they touch memory only when they run); a memcpy/memset
+  node is validated against the range at capture time and fails there.
 - Views keep the address range reserved: ``close()`` unmaps and releases every chunk at once
   (device memory returns immediately), but the range itself is given back only when the last
   view created by ``tensor()`` is gone, so no later reservation can land under a stale view.
@@ -338,8 +341,9 @@ class _MappedRange:
 
     # -- views -----------------------------------------------------------------------------
     def tensor(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        """1-D view over the full capacity (only mapped chunks may be touched). The view
-        keeps the address range reserved after ``close()`` (see the module doc)."""
+        """1-D view over the full capacity, mapped or not: address space (only mapped chunks
+        may be touched; an unmapped byte kills the process). The view keeps the address range
+        reserved after ``close()`` (see the module doc)."""
         with self._lock:  # close() cannot release the reservation in between
             self._check_open()
             return tensor_at(

@@ -21,6 +21,15 @@ Contract:
   :class:`DirectUnsupported` (``"require"``), naming the domains and their ranks.
 - ``must_match``: per-rank settings of the caller that must be equal on every rank; gathered
   with the first request, a mismatch raises the same error on every rank.
+- The constructor's arguments (capacity, chunk size, initial size, backend, device) are
+  checked before any driver call or collective step; a bad one still travels in the first
+  request, so every rank raises at once: the rank that passed it
+  :class:`RendezvousValueError`/:class:`RendezvousTypeError` (also a ValueError/TypeError, as
+  ``resize`` raises them), the others :class:`RendezvousError` naming it.
+- ``view(rank)`` is the committed prefix of ``rank``'s region (ValueError when nothing is
+  committed or with a block layout); ``view(rank, reserve=True)`` the whole capacity, of which
+  only committed chunks may be touched. ``region.tensor()`` (the ``VirtualRegion``) is always
+  the whole capacity (address space, see ``vmmkv.alloc.region``).
 - Two ways to size the region, one protocol (docs/design.md, "Resize protocol"):
   - prefix (the default): ``resize(committed_bytes)`` grows or shrinks every rank's committed
     prefix; ``committed_table`` (device int64 ``[1]``) holds the committed size (chunk-rounded).
