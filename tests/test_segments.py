@@ -438,12 +438,12 @@ class _Replica:
 
     def read(self, rank):
         """Rank ``rank``'s replica, committed chunks only, through this process's mapping."""
-        view = self.cache.region.view(rank)
+        view = self.cache.region.view(rank, reserve=True)  # a block layout: not a prefix
         # a device copy first (CUDA: the copy engine reads the peer mapping), then to the host
         return [view[c.offset : c.offset + c.size].clone().cpu() for c in self.own_chunks()]
 
     def poison(self, seed):
-        own = self.cache.region.view(self.rank)
+        own = self.cache.region.view(self.rank, reserve=True)
         for c in self.own_chunks():
             data = random_bytes(c.size, seed + c.offset)
             own[c.offset : c.offset + c.size].copy_(data.to(own.device))
