@@ -11,8 +11,8 @@ A child's stderr (fd 2) goes through a pipe that the parent drains while it wait
 child never blocks on it) and forwards to its own fd 2 as it comes; the parent keeps the last
 lines. A child that dies without a result is reported with its exit code or the name of the
 signal that killed it (``SIGSEGV``...) and the last ``STDERR_TAIL_LINES`` lines of its stderr;
-a timed-out child with those lines too. ``faulthandler`` is on in every child, so a crash also
-leaves the Python stack of the crashing thread in those lines.
+a timed-out child with those lines too. With ``PYTHONFAULTHANDLER=1`` in the environment (the
+children inherit it) a crash also leaves the Python stack of the crashing thread in those lines.
 
 Environment of the children: this is the one place that turns NVLink multicast off for the
 libraries a rank may load (``MULTICAST_OFF``: NCCL, torch symmetric memory, NVSHMEM); vmmkv itself
@@ -25,7 +25,6 @@ set (``fn`` and ``args`` travel pickled and are unpickled in the child after tha
 from __future__ import annotations
 
 import ctypes
-import faulthandler
 import os
 import pickle
 import signal
@@ -111,7 +110,6 @@ def _child_main(
 ) -> None:
     os.dup2(stderr_conn.fileno(), 2)  # the parent forwards it and keeps the last lines
     stderr_conn.close()
-    faulthandler.enable(all_threads=False)  # a crash leaves the crashing thread's stack
     try:
         os.setsid()  # own process group, so the parent can kill whatever this child starts
     except OSError:
