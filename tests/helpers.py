@@ -285,7 +285,8 @@ class KVStep:
         self.stride = block_stride(layers)
         self.num_blocks = cache.capacity_bytes // self.stride
         self.block_size = BLOCK_SIZE
-        self.buf = cache.allocate(self.num_blocks * self.stride).view(torch.uint8)
+        # the whole capacity (an engine that grows later): only committed blocks are touched
+        self.buf = cache.allocate(self.num_blocks * self.stride, reserve=True).view(torch.uint8)
         if self.buf.data_ptr() != cache.region.base_ptr:
             raise ValueError("KVStep needs the cache's first allocation (at the region's base)")
         self.bound = [

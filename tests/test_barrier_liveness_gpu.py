@@ -90,7 +90,7 @@ def _late_peer(rank, world, out_dir, late_s):
         kv = KVStep(cache, LAYERS, TOKENS)
         torch.cuda._sleep(1)  # load torch's kernels before a barrier spins
         _publish_step(kv)  # warm-up: padding only, every rank
-        before = kv.poison(0, cache.committed_bytes, seed=40 + rank)
+        before = kv.poison(0, min(cache.committed_bytes, kv.buf.numel()), seed=40 + rank)
         dist.barrier()
         slots = KVStep.spread(kv.slot_range(0, kv.blocks()), world, TOKENS, seed=41)
         batches = [KVStep.batch(500 + r, slots[r]) for r in range(world)]

@@ -301,7 +301,8 @@ def run_stress(tmp: Path, mutant: str | None, rounds: int, replays: int, *,
         result = {
             "eager": {k: sum(p["eager"][k] for p in per_rank) for k in ("bad", "checked")},
             "graphs": None if not replays else
-            {k: sum(p["graphs"][k] for p in per_rank) for k in ("bad", "checked", "steps")},
+            {**{k: sum(p["graphs"][k] for p in per_rank) for k in ("bad", "checked")},
+             "steps": per_rank[0]["graphs"]["steps"]},  # each rank replays the same steps
             "ranks": [p["ranks"][0] for p in per_rank],
             "seconds": [(p["eager"]["seconds"], (p["graphs"] or {}).get("seconds"))
                         for p in per_rank],

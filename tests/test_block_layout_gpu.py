@@ -106,13 +106,9 @@ def chunk_indices(segments, n: int, chunk: int) -> set[int]:
 
 
 def _allocate(cache, nbytes: int) -> torch.Tensor:
-    # A concurrent change may make allocate() over memory that is not committed yet (a block
-    # layout commits later, by grow_blocks) require reserve=True; a cache without that keyword
-    # raises TypeError, and then the plain call is the one that allocates over uncommitted bytes.
-    try:
-        return cache.allocate(nbytes, reserve=True)
-    except TypeError:
-        return cache.allocate(nbytes)
+    # the whole backing over memory that is not committed yet: the block layout commits it by
+    # grow_blocks, as the vLLM plugin does
+    return cache.allocate(nbytes, reserve=True)
 
 
 def _device(backend: str, rank: int, world: int) -> torch.device:

@@ -150,7 +150,7 @@ def _run(rank, world, backend, modes, committed_blocks=NB - 1):
     with ReplicatedKVCache(
         dist.group.WORLD, cap, device, chunk_bytes=chunk, backend=backend
     ) as cache:
-        buf = cache.allocate(total).view(torch.uint8)
+        buf = cache.allocate(total, reserve=True).view(torch.uint8)  # committed by the grow below
         views = _views(buf)
         # The kernels' bound ends after `committed_blocks` blocks of the interleaved layers
         # (everything is mapped, so a wrong write would land in poison and be seen).
@@ -255,7 +255,9 @@ def _bind_errors(rank, world):
     from vmmkv import ReplicatedKVCache
 
     msgs = []
-    with ReplicatedKVCache(dist.group.WORLD, 1 << 20, "cpu", backend="host") as cache:
+    with ReplicatedKVCache(
+        dist.group.WORLD, 1 << 20, "cpu", backend="host", initial_bytes=1 << 20
+    ) as cache:
         buf = cache.allocate(BS * MLA * 2).view(torch.uint8)
         for call in (
             lambda: cache.bind("x", torch.zeros(2, BS, MLA, dtype=torch.uint8), "fp8_ds_mla"),
@@ -429,3 +431,164 @@ def test_a_bad_setting_on_one_rank_fails_every_rank_at_once_naming_it():
     assert "invalid: VMMKV_DIRECT must be" in msg0, msg0
     assert waited0 < 10 and waited1 < 10  # not the 20 s timeout
     assert path0 == path1 == "direct"
+
+
+def _allocate_uncommitted(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from vmmkv import ReplicatedKVCache
+
+    out = {}
+    with ReplicatedKVCache(
+        dist.group.WORLD, 1 << 20, "cpu", backend="host", chunk_bytes=1 << 16
+    ) as cache:
+        try:
+            cache.allocate(4096).zero_()  # nothing committed: this was a SIGSEGV
+            out["nothing committed"] = "no error"
+        except ValueError as exc:
+            out["nothing committed"] = str(exc)
+        try:
+            cache.region.view(rank).zero_()
+            out["region view"] = "no error"
+        except ValueError as exc:
+            out["region view"] = str(exc)
+        cache.grow(1 << 16)
+        out["inside"] = cache.allocate(4096).zero_().numel()  # the failed call took no bytes
+        try:
+            cache.allocate(1 << 16)  # [4096, 69632) runs past the committed 65536
+            out["past the prefix"] = "no error"
+        except ValueError as exc:
+            out["past the prefix"] = str(exc)
+        out["region view bytes"] = cache.region.view(rank).numel()
+        reserved = cache.allocate(1 << 17, reserve=True).view(torch.uint8)
+        out["reserved"] = (reserved.data_ptr() - cache.region.base_ptr, reserved.numel())
+        out["whole"] = cache.region.view(rank, reserve=True).numel()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_allocate_over_uncommitted_memory_raises_naming_the_committed_size_unless_reserve():
+    for rank, out in enumerate(run_world(_allocate_uncommitted, 2, timeout=50)):
+        msg = out["nothing committed"]
+        assert f"rank {rank} (cpu): allocate(4096)" in msg, msg
+        assert "committed prefix is 0 of 1048576 bytes" in msg and "grow(" in msg, msg
+        assert "initial_bytes=" in msg and "reserve=True" in msg, msg
+        assert "nothing is committed" in out["region view"], out["region view"]
+        assert out["inside"] == 4096
+        msg = out["past the prefix"]
+        assert "[4096, 69632)" in msg and "committed prefix is 65536 of" in msg, msg
+        assert out["region view bytes"] == 1 << 16  # the committed prefix only
+        assert out["reserved"] == (4096, 1 << 17)  # refused calls took no bytes
+        assert out["whole"] == 1 << 20
+
+
+def _constructor_mistakes(rank, world):
+    import torch.distributed as dist
+
+    from vmmkv import ReplicatedKVCache
+
+    out = []
+    for kw in (
+        dict(capacity_bytes=0),
+        dict(capacity_bytes=-1),
+        dict(capacity_bytes="1M"),
+        dict(backend="cdua"),
+        dict(chunk_bytes=0),
+        dict(chunk_bytes=3),  # found by the region: not a multiple of the granularity
+        dict(initial_bytes=1 << 30),
+    ):
+        args = dict(capacity_bytes=1 << 20, backend="host", timeout=20) | kw
+        try:
+            ReplicatedKVCache(dist.group.WORLD, device="cpu", **args)
+            out.append("constructed")
+        except (ValueError, TypeError) as exc:
+            out.append(f"{'ValueError' if isinstance(exc, ValueError) else 'TypeError'}: {exc}")
+        except Exception as exc:
+            out.append(f"not caught: {type(exc).__name__}: {exc}")
+    with ReplicatedKVCache(dist.group.WORLD, 1 << 20, "cpu", backend="host", timeout=20) as c:
+        out.append(c.path)  # the group is usable afterwards
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_constructor_mistakes_raise_value_or_type_errors_that_callers_can_catch():
+    for rank, out in enumerate(run_world(_constructor_mistakes, 2, timeout=110)):
+        zero, negative, text, typo, chunk0, chunk3, initial, path = out
+        assert zero.startswith("ValueError: capacity_bytes must be >= 1, got 0"), zero
+        assert f"rank {rank}, device='cpu'" in zero, zero
+        assert negative.startswith("ValueError: capacity_bytes must be >= 1, got -1"), negative
+        assert text.startswith("TypeError: capacity_bytes must be an int"), text
+        assert typo.startswith("ValueError: backend must be") and "'cdua'" in typo, typo
+        assert chunk0.startswith("ValueError: chunk_bytes must be >= 1, got 0"), chunk0
+        assert chunk3.startswith("ValueError: chunk_bytes=3 is not a multiple"), chunk3
+        assert initial.startswith("ValueError: initial_bytes must be in [0, 1048576]"), initial
+        assert path == "direct"
+
+
+def _capacity_zero_on_rank_1(rank, world):
+    import time
+
+    import torch.distributed as dist
+
+    from vmmkv import ReplicatedKVCache
+
+    t0 = time.monotonic()
+    try:
+        ReplicatedKVCache(dist.group.WORLD, 0 if rank == 1 else 1 << 20, "cpu", backend="host",
+                          timeout=20)  # fmt: skip
+        msg = "constructed"
+    except Exception as exc:
+        msg = f"{type(exc).__name__} ValueError={isinstance(exc, ValueError)}: {exc}"
+    return msg, time.monotonic() - t0
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_argument_on_one_rank_raises_its_class_there_and_rendezvous_error_on_the_others():
+    (msg0, waited0), (msg1, waited1) = run_world(_capacity_zero_on_rank_1, 2, timeout=50)
+    assert msg1.startswith("RendezvousValueError ValueError=True: capacity_bytes must be"), msg1
+    assert msg0.startswith("RendezvousError ValueError=False"), msg0
+    assert "rank 1: ValueError('capacity_bytes must be >= 1, got 0')" in msg0, msg0
+    assert waited0 < 10 and waited1 < 10  # at once, not after the 20 s timeout
+
+
+def _out_of_range_warning(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from vmmkv import ReplicatedKVCache
+
+    records = capture_logs("vmmkv")
+    out = {}
+    chunk, entry = 1 << 16, 1024
+
+    def warnings():
+        return [r for r in records if "out-of-range slots" in r]
+
+    for when in ("stats", "close"):
+        cache = ReplicatedKVCache(dist.group.WORLD, 1 << 20, "cpu", backend="host",
+                                  chunk_bytes=chunk, initial_bytes=chunk)  # fmt: skip
+        view = cache.allocate(4 * BS * entry, reserve=True).view(torch.uint8)
+        rows = cache.bind("rows", view.view(4, BS, entry), "rows")
+        data = torch.full((3, entry), 7, dtype=torch.uint8)
+        slots = torch.tensor([0, 2 * BS, 3 * BS + 1])  # blocks 2 and 3 are not committed
+        cache.publish_rows(rows, data, slots)
+        out[when] = [len(warnings())]  # the store path does not read the counter
+        if when == "stats":
+            out[when].append(cache.stats()["out_of_range_slots"])
+            cache.publish_rows(rows, data, slots)
+            out[when] += [len(warnings()), cache.stats()["out_of_range_slots"]]
+        cache.close()
+        out[when].append(len(warnings()))
+    out["message"] = warnings()[0]
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_out_of_range_slots_are_logged_once_per_cache_at_stats_or_close():
+    out = run_world(_out_of_range_warning, 1, timeout=50)[0]
+    assert out["stats"] == [0, 2, 1, 4, 1]  # once, at the first stats(); not again
+    assert out["close"] == [1, 2]  # a second cache warns once, at close()
+    msg = out["message"]
+    assert "rank 0 (cpu)" in msg and "skipped 2 out-of-range slots" in msg, msg
+    assert "grow" in msg and "once per cache" in msg, msg

@@ -28,6 +28,7 @@ def test_demo_runs_to_success_on_the_host_backend_with_two_processes():
     assert p.returncode == 0, p.stdout + p.stderr
     assert "PASS: every replica byte-identical to the oracle" in p.stdout
     assert "backend            host" in p.stdout and "direct publication" in p.stdout
+    assert "host backend: timings are functional checks, not performance" in p.stdout
 
 
 @pytest.mark.timeout(120)
@@ -64,6 +65,9 @@ def test_bench_quick_on_the_host_backend_writes_json_and_a_png_with_matplotlib(t
     p = _run("-m", "vmmkv", "bench", "--quick", "--backend", "host", "--out", str(tmp_path))
     assert p.returncode == 0, p.stdout + p.stderr
     data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["timings"] == "functional"
+    assert p.stdout.count("host backend: timings are functional checks, not performance") == 2
+    assert f"wrote {tmp_path / 'bench.json'}" in p.stdout, p.stdout  # the path, absolute
     assert [r["tokens_per_rank"] for r in data["rows"]] == [1, 32, 512, 2048]
     for r in data["rows"]:
         assert 0 < r["direct_p50_us"] <= r["direct_p99_us"], r
@@ -75,6 +79,36 @@ def test_bench_quick_on_the_host_backend_writes_json_and_a_png_with_matplotlib(t
     else:  # no plot, and one log line that says so
         assert not (tmp_path / "bench.png").exists()
         assert p.stderr.count("matplotlib is not installed") == 1, p.stderr
+
+
+@pytest.mark.parametrize("cmd", ["demo", "bench", "doctor"])
+def test_help_of_every_subcommand_is_plain_text_and_exits_0_without_running_it(cmd):
+    p = _run("-m", "vmmkv", cmd, "--help", timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.startswith(f"usage: python -m vmmkv {cmd}"), p.stdout
+    assert "``" not in p.stdout and ":func:" not in p.stdout, p.stdout
+    banners = [line for line in p.stdout.splitlines() if line.startswith(f"vmmkv {cmd}:")]
+    assert not banners, banners  # the tool did not run
+
+
+def test_every_option_of_every_subcommand_has_a_help_string():
+    import argparse
+    import importlib
+
+    from vmmkv.cli import COMMANDS
+
+    for cmd, (module, _) in COMMANDS.items():
+        parser = importlib.import_module(module).parser()
+        assert isinstance(parser, argparse.ArgumentParser) and parser.prog.endswith(cmd)
+        for action in parser._actions:
+            assert action.help, (cmd, action.option_strings)
+
+
+def test_bench_help_names_where_bench_json_is_written():
+    from vmmkv.cli.bench import parser
+
+    text = parser().format_help()
+    assert "./vmmkv-bench/bench.json" in text, text
 
 
 def test_unknown_commands_fail_with_usage():

@@ -93,7 +93,7 @@ def _check_replicas(sr, world: int, ranges: list[tuple[int, int]], salt: int) ->
     replica seen here equals its owner's pattern byte for byte. Returns the mismatches."""
     bad = []
     for r in range(world):
-        view = sr.view(r)
+        view = sr.view(r, reserve=True)  # ranges of a prefix or of a block layout
         for lo, hi in ranges:
             if not bool((view[lo:hi] == _pattern(r, hi - lo, salt + lo)).all()):
                 bad.append(f"rank {r} [{lo}, {hi})")
@@ -102,7 +102,7 @@ def _check_replicas(sr, world: int, ranges: list[tuple[int, int]], salt: int) ->
 
 def _write_own(sr, rank: int, ranges: list[tuple[int, int]], salt: int) -> None:
     for lo, hi in ranges:
-        sr.view(rank)[lo:hi].copy_(_pattern(rank, hi - lo, salt + lo))
+        sr.view(rank, reserve=True)[lo:hi].copy_(_pattern(rank, hi - lo, salt + lo))
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,7 +191,7 @@ def _segments_cycle(rank, world):
     out["after_shrink"] = _check_replicas(sr, world, ranges(1), 5)
     sr.resize_blocks(2)  # regrow: new chunks by value again, blocks past 1 read zero
     out["regrown_zero"] = [
-        bool((sr.view(r)[lo + (hi - lo) // 2 : hi] == 0).all())
+        bool((sr.view(r, reserve=True)[lo + (hi - lo) // 2 : hi] == 0).all())
         for r in range(world)
         for lo, hi in ranges(2)
     ]

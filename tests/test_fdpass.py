@@ -13,6 +13,7 @@ import pickle
 import random
 import re
 import resource
+import signal
 import socket
 import sys
 import threading
@@ -24,7 +25,7 @@ import pytest
 
 from vmmkv.ipc import fdpass
 from vmmkv.ipc.fdpass import FdExchangeError, exchange_fds, socket_name
-from vmmkv.testing.spawn import run_world, run_world_raw
+from vmmkv.testing.spawn import STDERR_TAIL_LINES, run_world, run_world_raw
 
 OK_TIMEOUT = 15.0
 
@@ -674,6 +675,11 @@ def _harness_worker(rank, world, mode):
         os._exit(7)
     if mode == "hang" and rank == 1:
         time.sleep(120)
+    if mode == "segv" and rank == 1:
+        import signal
+
+        print("rank 1: about to crash", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGSEGV)
     if mode == "env":
         return os.environ.get("VMMKV_TEST_FLAG")
     return rank * 10
@@ -701,7 +707,21 @@ def test_harness_reports_a_rank_that_dies_with_its_exit_code():
     exited = run_world_raw(_harness_worker, 2, args=("exit",), init_group=False)
     assert exited[0].ok
     assert not exited[1].ok and exited[1].exitcode == 7
-    assert exited[1].error == "exited with code 7 without a result"
+    assert exited[1].error.startswith("exited with code 7 without a result"), exited[1].error
+
+
+@pytest.mark.timeout(30)
+def test_harness_names_the_signal_that_killed_a_rank_and_shows_its_last_stderr_lines():
+    crashed = run_world_raw(_harness_worker, 2, args=("segv",), init_group=False)
+    assert crashed[0].ok
+    victim = crashed[1]
+    assert not victim.ok and victim.exitcode == -signal.SIGSEGV
+    assert "killed by SIGSEGV" in victim.error and "without a result" in victim.error
+    assert "rank 1: about to crash" in victim.error, victim.error
+    assert "rank 1: about to crash" in victim.stderr_tail
+    assert len(victim.stderr_tail.splitlines()) <= STDERR_TAIL_LINES
+    with pytest.raises(AssertionError, match="SIGSEGV"):
+        run_world(_harness_worker, 2, args=("segv",), init_group=False)
 
 
 @pytest.mark.timeout(30)
@@ -710,5 +730,5 @@ def test_harness_kills_a_rank_that_outlives_the_timeout():
     hung = run_world_raw(_harness_worker, 2, args=("hang",), init_group=False, timeout=10)
     assert time.monotonic() - start < 10 + 5
     assert hung[0].ok
-    assert not hung[1].ok and hung[1].error == "timed out after 10s"
+    assert not hung[1].ok and hung[1].error.startswith("timed out after 10s"), hung[1].error
     assert hung[1].exitcode is not None  # reaped, not left behind

@@ -159,7 +159,7 @@ def _equal_paths(rank, world):
         dist.group.WORLD, cap, "cpu", backend="host", chunk_bytes=CHUNK, timeout=60
     ) as cache:
         assert cache.direct and cache.path == "direct"
-        buf = cache.allocate(cap).view(torch.uint8)
+        buf = cache.allocate(cap, reserve=True).view(torch.uint8)  # committed later
         layers, rows_view = _layout(buf)
         binds = [
             (cache.bind(f"mla{i}", m, "fp8_ds_mla"), cache.bind(f"idx{i}", x, "indexer_k"))

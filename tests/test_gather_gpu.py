@@ -56,7 +56,7 @@ def _captured(rank, world):
         dist.group.WORLD, cap, dev, device_group=nccl, chunk_bytes=CHUNK, initial_bytes=2 * CHUNK
     ) as cache:
         report["direct"], report["why"] = cache.direct, cache.why_not_direct
-        buf = cache.allocate(cap).view(torch.uint8)
+        buf = cache.allocate(cap, reserve=True).view(torch.uint8)  # grown after capture
         (m0, i0), (m1, i1) = interleaved_views(buf, LAYERS, NB, block_pad=pad)
         bm0, bi0 = cache.bind("m0", m0, "fp8_ds_mla"), cache.bind("i0", i0, "indexer_k")
         bi1 = cache.bind("i1", i1, "indexer_k")

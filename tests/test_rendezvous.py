@@ -471,7 +471,7 @@ def _graph_through_ptr_table(rank, world):
         kind="rows", ptr_table=sr.ptr_table, my_rank=rank, offset_bytes=0,
         num_blocks=4 * chunk // row, block_size=1, block_stride=row, entry_stride=row,
         entry_bytes=row, committed_bytes=sr.committed_table, error_counter=err,
-        cache=sr.view(rank),
+        cache=sr.view(rank, reserve=True),  # the whole region: slots beyond the commit
     )  # fmt: skip
     bar = ops.DeviceBarrier(sr.peers.signal_table, None, rank, world, 1, "cuda:0")
     first = chunk // row  # the first slot of the second, not yet committed, chunk

@@ -369,9 +369,10 @@ class _Replica:
         self.world = cache.world_size
         sr = cache.region
         nb = setup.max_blocks
-        cache.allocate(1)  # the next allocation starts at byte 256, not chunk-aligned
-        mla = cache.allocate(LAYERS * nb * MLA_PAGE).view(torch.uint8)
-        idx = cache.allocate(LAYERS * nb * IDX_PAGE).view(torch.uint8)
+        # the engine's order: allocate over address space, then the block layout and grow_blocks
+        cache.allocate(1, reserve=True)  # the next allocation starts at byte 256, not aligned
+        mla = cache.allocate(LAYERS * nb * MLA_PAGE, reserve=True).view(torch.uint8)
+        idx = cache.allocate(LAYERS * nb * IDX_PAGE, reserve=True).view(torch.uint8)
         assert mla.data_ptr() - sr.base_ptr == setup.pad
         self.segments = _lbnhc(LAYERS, nb, setup.pad)
         assert all(off % setup.chunk for off, _ in self.segments)
@@ -437,12 +438,12 @@ class _Replica:
 
     def read(self, rank):
         """Rank ``rank``'s replica, committed chunks only, through this process's mapping."""
-        view = self.cache.region.view(rank)
+        view = self.cache.region.view(rank, reserve=True)  # a block layout: not a prefix
         # a device copy first (CUDA: the copy engine reads the peer mapping), then to the host
         return [view[c.offset : c.offset + c.size].clone().cpu() for c in self.own_chunks()]
 
     def poison(self, seed):
-        own = self.cache.region.view(self.rank)
+        own = self.cache.region.view(self.rank, reserve=True)
         for c in self.own_chunks():
             data = random_bytes(c.size, seed + c.offset)
             own[c.offset : c.offset + c.size].copy_(data.to(own.device))
@@ -766,7 +767,8 @@ def _api_errors(rank, world):
         out["grow_beyond"] = _outcome(lambda: c.grow_blocks(nb + 1))
         out["grow_down"] = _outcome(lambda: (c.grow_blocks(2), c.grow_blocks(1)))
         out["shrink_up"] = _outcome(lambda: c.shrink_blocks(3))
-        buf = c.allocate(256 + nb * (MLA_PAGE + IDX_PAGE) + MLA_PAGE).view(torch.uint8)
+        size = 256 + nb * (MLA_PAGE + IDX_PAGE) + MLA_PAGE
+        buf = c.allocate(size, reserve=True).view(torch.uint8)
         mla = buf[256 : 256 + nb * MLA_PAGE].view(nb, BS, MLA_ENTRY_BYTES)
         across = buf[256 + MLA_PAGE : 256 + (nb + 1) * MLA_PAGE].view(nb, BS, MLA_ENTRY_BYTES)
         out["bind_in"] = _outcome(lambda: c.bind("mla", mla, "fp8_ds_mla").local.offset_bytes)
@@ -788,7 +790,7 @@ def _api_errors(rank, world):
     with cache_(initial_bytes=chunk) as c:
         out["committed"] = _outcome(lambda: c.set_block_layout([(0, MLA_PAGE)], 2))
     with cache_() as c:
-        view = c.allocate(MLA_PAGE).view(torch.uint8).view(1, BS, MLA_ENTRY_BYTES)
+        view = c.allocate(MLA_PAGE, reserve=True).view(torch.uint8).view(1, BS, MLA_ENTRY_BYTES)
         if rank == 0:
             c.bind("early", view, "fp8_ds_mla")
         out["after_bind"] = _outcome(lambda: c.set_block_layout([(0, MLA_PAGE)], 2))

@@ -23,7 +23,18 @@ Contract:
   ``barrier_timeout`` (``VMMKV_BARRIER_TIMEOUT``, default 600 s), or on a peer found dead, is
   aborted by a watchdog; every later call then raises ``vmmkv.ops.BarrierAborted`` naming the
   peer, and ``close`` still works. ``VMMKV_BARRIER_TRAP=1`` restores the device trap.
-- Views returned by ``allocate`` and ``bind`` are invalid after ``close``.
+- Views returned by ``allocate`` and ``bind`` are invalid after ``close``. ``allocate`` hands
+  out committed memory only (ValueError otherwise, naming what is committed and the call that
+  commits), unless ``reserve=True``: a view over address space of which only committed blocks
+  may be touched (the stores are bounded per segment or prefix). ``region.view(rank)`` is the
+  committed prefix (``reserve=True``: the whole capacity).
+- A caller's bad constructor argument (capacity, chunk size, initial size, backend, device) is
+  checked before any driver call; the rank that passed it raises a ``ValueError``/``TypeError``
+  (``RendezvousValueError``/``RendezvousTypeError``, which are also ``RendezvousError``), the
+  others ``RendezvousError`` naming it, at once. Every rank ends with one outcome.
+- Out-of-range slots (beyond a view, or beyond the committed size) are skipped and counted
+  (``stats()["out_of_range_slots"]``); one WARNING per cache gives the count the first time
+  ``stats``, a grow/shrink or ``close`` finds it non-zero (the stores never read it).
 
 Growth: by a byte prefix (default) or by blocks (a block layout, for layer-major layouts where
 "the first B blocks of every layer" is one byte range per layer region, not a prefix)::
@@ -192,6 +203,7 @@ class ReplicatedKVCache:
         self._bound = 0  # bind() calls so far: a block layout is set before the first
         self._tokens = 0
         self._barriers = 0
+        self._warned_out_of_range = False  # logged once per cache, at a host sync point
         try:
             sr = SymmetricRegion(
                 capacity_bytes, device, cpu_group, initial_bytes=initial_bytes or 0,
@@ -213,7 +225,8 @@ class ReplicatedKVCache:
         error = None
         try:  # local setup, then one agreement: every rank keeps a cache, or none does
             self.error_counter = torch.zeros(1, dtype=torch.int32, device=sr.device)
-            self._fence = sr.view(sr.rank)  # the whole own region: KVTarget.cache, barrier fence
+            # the whole own region, committed or not: KVTarget.cache, the barrier's fence
+            self._fence = sr.view(sr.rank, reserve=True)
             if sr.device.type == "cuda":
                 # Load every kernel now: a module loaded lazily while a barrier spins would wait
                 # for that barrier, and loading is not capture-safe.
@@ -282,14 +295,26 @@ class ReplicatedKVCache:
             self._direct._barrier.check(f"ReplicatedKVCache.{frame.f_code.co_name}")
 
     # -- memory ----------------------------------------------------------------------------
-    def allocate(self, nbytes: int, device: Any = None) -> torch.Tensor:
+    def allocate(self, nbytes: int, device: Any = None, *, reserve: bool = False) -> torch.Tensor:
         """1-D int8 view of the next ``nbytes`` of the region (256-byte aligned): an engine's
         ``(nbytes, device)`` allocation hook (vLLM 0.33.0 has none; ``vmmkv.integrations.vllm``
-        replaces its ``allocate_kv_cache`` and calls this). Only committed bytes may be
-        touched (the committed prefix, or the committed blocks of a block layout)."""
+        replaces its ``allocate_kv_cache`` and calls this). Local.
+
+        The view lies in committed memory: ValueError (naming the rank, the device, the bytes
+        asked for and what is committed) unless every byte of it is committed (the committed
+        prefix, ``initial_bytes=`` or ``grow(...)``; with a block layout, the chunks of the
+        committed blocks, ``grow_blocks(n)``); nothing is handed out then. ``reserve=True``
+        (keyword only) is for an engine that allocates its whole buffer first and commits it
+        afterwards (``set_block_layout`` + ``grow_blocks``, or ``grow`` later): the view then
+        spans address space, committed or not. Only committed bytes may be touched through it
+        (an uncommitted one kills the process: SIGSEGV on the host backend, an illegal address
+        on CUDA); the stores are safe, since they are bounded per view by the committed size of
+        its segment (or prefix) and skip and count what lies beyond."""
         self._check_open()
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"allocate: nbytes must be an int > 0, got {nbytes!r}")
+        if not isinstance(reserve, bool):
+            raise TypeError(f"allocate: reserve must be True or False, got {reserve!r}")
         if device is not None and torch.device(device) != self.device:
             dev = torch.device(device)
             if not (dev.type == self.device.type and dev.index is None):
@@ -300,6 +325,14 @@ class ReplicatedKVCache:
                 raise ValueError(
                     f"allocate: {nbytes} bytes at offset {start} exceed the capacity "
                     f"{self.capacity_bytes} ({self.capacity_bytes - start} left)"
+                )
+            if not reserve and not self._sr.is_committed(start, start + nbytes):
+                raise ValueError(
+                    f"rank {self.rank} ({self.device}): allocate({nbytes}): region bytes "
+                    f"[{start}, {start + nbytes}) are not all committed; "
+                    f"{self._sr.describe_committed()}. Commit them first "
+                    f"({self._sr.how_to_commit()}), or call allocate({nbytes}, reserve=True) for "
+                    "a view over address space whose committed parts alone may be touched"
                 )
             self._next_offset = start + nbytes
         return self._fence[start : start + nbytes].view(torch.int8)
@@ -366,13 +399,17 @@ class ReplicatedKVCache:
         """Collective: grow every replica's committed prefix to ``committed_bytes`` (rounded up
         to chunks). Allowed after graph capture; refused during capture. Returns the size."""
         self._check_open()
-        return self._sr.resize(committed_bytes, direction="grow")
+        size = self._sr.resize(committed_bytes, direction="grow")
+        self._warn_out_of_range()
+        return size
 
     def shrink(self, committed_bytes: int) -> int:
         """Collective: shrink every replica's committed prefix (e.g. to sleep). Blocks beyond it
         are never written afterwards (kernels read the bound from device memory)."""
         self._check_open()
-        return self._sr.resize(committed_bytes, direction="shrink")
+        size = self._sr.resize(committed_bytes, direction="shrink")
+        self._warn_out_of_range()
+        return size
 
     def set_block_layout(self, segments: Any, max_blocks: int) -> None:
         """Collective: grow by blocks from now on (see the module docstring). ``segments``:
@@ -393,14 +430,18 @@ class ReplicatedKVCache:
         afterwards, in every replica (the chunks covering them). Allowed after graph capture;
         refused during capture. Returns the block count."""
         self._check_open()
-        return self._sr.resize_blocks(n, direction="grow")
+        blocks = self._sr.resize_blocks(n, direction="grow")
+        self._warn_out_of_range()
+        return blocks
 
     def shrink_blocks(self, n: int) -> int:
         """Collective: lower every segment to ``n`` blocks (bounds first: blocks beyond are
         never written afterwards), then decommit the chunks no segment needs (e.g. to sleep).
         Returns the block count."""
         self._check_open()
-        return self._sr.resize_blocks(n, direction="shrink")
+        blocks = self._sr.resize_blocks(n, direction="shrink")
+        self._warn_out_of_range()
+        return blocks
 
     # -- stores (see the module docstring) -------------------------------------------------
     def store_ds_mla(self, b, kv_c, k_pe, slot_mapping, *, num_local_only=0, mode=None,
@@ -482,15 +523,39 @@ class ReplicatedKVCache:
         kernels skipped (slot beyond the view or the committed size), once per cache a token
         targeted (``store_layer`` counts a bad slot twice: MLA and Indexer); a direct store
         counts this rank's own tokens, a gather store every rank's gathered tokens (each rank
-        inserts them all) plus its own replicated ones."""
+        inserts them all) plus its own replicated ones. The first time it is found non-zero
+        (here, or after ``grow``/``shrink``/``grow_blocks``/``shrink_blocks``, or in
+        ``close``) one WARNING is logged, once per cache, with the count."""
         self._check_open()
+        skipped = int(self.error_counter.item())
+        self._warn_out_of_range(skipped)
         return {
             "tokens_stored": self._tokens,
             "peer_bytes_issued": self._direct.peer_bytes if self._direct else 0,
             "barriers": self._barriers,
-            "out_of_range_slots": int(self.error_counter.item()),
+            "out_of_range_slots": skipped,
             "committed_bytes": self.committed_bytes,
         }
+
+    def _warn_out_of_range(self, skipped: int | None = None) -> None:
+        """Log once per cache that stores skipped out-of-range slots. Called at host
+        synchronization points only (never on the store path: reading the device counter
+        synchronizes), and never during a stream capture."""
+        if self._warned_out_of_range:
+            return
+        if skipped is None:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return
+            skipped = int(self.error_counter.item())
+        if skipped:
+            self._warned_out_of_range = True
+            log.warning(
+                "vmmkv rank %d (%s): the stores skipped %d out-of-range slots so far (a slot "
+                "beyond its view, or in a block beyond the committed size: grow or grow_blocks "
+                "before storing there); these rows were written nowhere. stats()"
+                "['out_of_range_slots'] has the count; this warning is logged once per cache",
+                self.rank, self.device, skipped,
+            )  # fmt: skip
 
     def close(self) -> None:
         """Local and idempotent: barrier resources, peer mappings, then the own region."""
@@ -501,7 +566,7 @@ class ReplicatedKVCache:
         # Synchronize before freeing the barrier's host-mapped control page: a barrier still in
         # flight writes into it. Its waits are aborted first (a wait longer than about 1 ms
         # returns; peers still got this rank's signals), so that close never waits for a peer.
-        steps = [] if finalizing() else [self._abort_waits, self._sync]
+        steps = [] if finalizing() else [self._abort_waits, self._sync, self._warn_at_close]
         steps += [self._gather.close] + ([self._direct.close] if self._direct else [])
         run_all([*steps, self._sr.close])
         # The whole-region view holds the address range reserved (alloc's view rule); bindings
@@ -511,6 +576,14 @@ class ReplicatedKVCache:
     def _abort_waits(self) -> None:
         if self._direct is not None:
             self._direct.abort_waits(f"rank {self.rank} closed its cache")
+
+    def _warn_at_close(self) -> None:
+        try:
+            self._warn_out_of_range()
+        except Exception as exc:  # a diagnostic: it never fails the teardown
+            log.debug(
+                "vmmkv rank %d: reading the out-of-range counter at close: %s", self.rank, exc
+            )
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -26,10 +26,13 @@ Contract:
   :class:`UnmapError` naming what is still mapped, and a later call retries. Chunks a failed
   rollback could not unmap stay committed, with unspecified contents (the commit's own error is
   raised, the rest logged).
-- ``tensor(dtype)`` is a view over the whole capacity; only committed chunks may be touched.
-  A CUDA graph may be captured over uncommitted addresses with kernels (they touch memory only
-  when they run); a memcpy/memset node is validated against the range at capture time and fails
-  there.
+- ``tensor(dtype)`` is a view over the whole capacity, committed or not (address space, by
+  contract: kernels and CUDA graphs are built over the range before it grows); only committed
+  chunks may be touched, and touching an uncommitted byte kills the process (host backend:
+  SIGSEGV; CUDA: an illegal address). The layers above hand engines checked views
+  (``ReplicatedKVCache.allocate``, ``SymmetricRegion.view``). A CUDA graph may be captured over
+  uncommitted addresses with kernels (they touch memory only when they run); a memcpy/memset
+  node is validated against the range at capture time and fails there.
 - Views keep the address range reserved: ``close()`` unmaps and releases every chunk at once
   (device memory returns immediately), but the range itself is given back only when the last
   view created by ``tensor()`` is gone, so no later reservation can land under a stale view.
@@ -116,20 +119,41 @@ class UnmapError(RuntimeError):
         self.still_mapped = still_mapped
 
 
-def _resolve_device(device: Any, backend: str) -> tuple[str, int | None]:
-    """Returns (backend name, cuda ordinal or None)."""
-    if backend not in ("auto", "cuda", "host"):
+def check_device(device: Any, backend: str) -> torch.device | None:
+    """The checks of ``device`` and ``backend`` that need no driver call: the device as a
+    ``torch.device`` (None for None), or TypeError/ValueError naming the value got and what
+    was expected."""
+    if not isinstance(backend, str) or backend not in ("auto", "cuda", "host"):
         raise ValueError(f"backend must be 'auto', 'cuda' or 'host', got {backend!r}")
     if device is None:
         dev = None
+    elif isinstance(device, bool):
+        raise TypeError(f"device must be None, int, str or torch.device, got {device!r}")
     elif isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"device must be a cuda ordinal >= 0, got {device}")
         dev = torch.device("cuda", device)
     elif isinstance(device, (str, torch.device)):
-        dev = torch.device(device)
+        try:
+            dev = torch.device(device)
+        except RuntimeError as exc:  # torch's parse error, e.g. "cdua:0"
+            raise ValueError(
+                f"device must be a cuda or cpu device, got {device!r}: {exc}"
+            ) from None
     else:
         raise TypeError(f"device must be None, int, str or torch.device, got {type(device)}")
     if dev is not None and dev.type not in ("cuda", "cpu"):
         raise ValueError(f"device must be a cuda or cpu device, got {dev}")
+    if backend == "host" and dev is not None and dev.type != "cpu":
+        raise ValueError(f"the host backend lives on the cpu device, got device={dev}")
+    if backend == "cuda" and dev is not None and dev.type != "cuda":
+        raise ValueError(f"the cuda backend needs a cuda device, got device={dev}")
+    return dev
+
+
+def _resolve_device(device: Any, backend: str) -> tuple[str, int | None]:
+    """Returns (backend name, cuda ordinal or None)."""
+    dev = check_device(device, backend)
     if backend == "auto":
         if dev is not None and dev.type == "cpu":
             backend = "host"
@@ -344,8 +368,9 @@ class _MappedRange:
 
     # -- views -----------------------------------------------------------------------------
     def tensor(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        """1-D view over the full capacity (only mapped chunks may be touched). The view
-        keeps the address range reserved after ``close()`` (see the module doc)."""
+        """1-D view over the full capacity, mapped or not: address space (only mapped chunks
+        may be touched; an unmapped byte kills the process). The view keeps the address range
+        reserved after ``close()`` (see the module doc)."""
         with self._lock:  # close() cannot release the reservation in between
             self._check_open()
             return tensor_at(

@@ -1,22 +1,27 @@
 """The command-line tools, apart from the library: ``python -m vmmkv demo|bench|doctor`` and the
 ``vmmkv`` console script both dispatch through :func:`main`.
 
-Each tool is a module of this package with ``main(argv) -> int`` (the exit status). Tools write
-for a person: they print, and every tool opens with one banner line from :func:`banner`
-(``vmmkv <tool>: ...``). Tools that start processes (demo, bench) do so through
+Each tool is a module of this package with ``parser()`` (its ``argparse`` parser, built with
+:func:`tool_parser`: ``--help`` prints the module docstring as plain text and every option's
+help, then exits 0) and ``main(argv) -> int`` (the exit status). Tools write for a person: they
+print, and every tool opens with one banner line from :func:`banner` (``vmmkv <tool>: ...``).
+Timings taken on the host backend check that the steps run, nothing more: the tools that print
+them say so (:data:`HOST_TIMINGS`). Tools that start processes (demo, bench) do so through
 ``vmmkv.testing.spawn``, the only place that sets the NVLink-multicast-off variables.
 Importing this package imports neither torch nor CUDA.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import logging
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["COMMANDS", "banner", "main", "rank_reports"]
+__all__ = ["COMMANDS", "HOST_TIMINGS", "banner", "main", "plain", "rank_reports", "tool_parser"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +46,30 @@ USAGE = (
     "usage: python -m vmmkv COMMAND [options]   (or: vmmkv COMMAND [options])\n\ncommands:\n"
     + ("".join(f"  {name:<8} {summary}\n" for name, (_, summary) in COMMANDS.items()))
 )
+
+
+# The one line every tool prints next to timings taken on the host backend.
+HOST_TIMINGS = (
+    "host backend: timings are functional checks, not performance (memfd + mmap on the CPU, "
+    "stores through the pure-torch reference; run on GPUs to measure)"
+)
+
+
+def plain(text: str) -> str:
+    """Docstring text for a terminal: RST literals (two backticks around) and roles lose
+    their markup."""
+    text = re.sub(r"``([^`]*)``", r"\1", text)
+    return re.sub(r":(?:func|class|data|meth|mod):`~?([^`]*)`", r"\1", text)
+
+
+def tool_parser(tool: str, doc: str) -> argparse.ArgumentParser:
+    """The parser of ``python -m vmmkv <tool>``: ``doc`` (the tool's module docstring) as
+    plain text, its line breaks kept."""
+    return argparse.ArgumentParser(
+        prog=f"python -m vmmkv {tool}",
+        description=plain(doc),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def banner(tool: str, text: str) -> None:

@@ -7,10 +7,13 @@ GPU) measured side by side in one run: ``--warmup`` untimed steps (20), ``--iter
 (100), every step started together on all ranks, p50 and p99 of the slowest rank. With direct
 mode and several ranks it also measures a peer copy (each rank copies into the next rank's
 region through the mapping) and reports publish bandwidth at the largest T against it. Prints a
-table, writes ``bench.json`` always and ``bench.png`` (latency against tokens, one line per path)
-where matplotlib is installed; without it one log line says the plot was skipped. ``--quick``
-finishes within a minute. The detailed
-kernel, region and rendezvous benchmarks live in the repository's ``benchmarks/``.
+table, writes ``<--out>/bench.json`` always (default ``./vmmkv-bench/bench.json``) and
+``<--out>/bench.png`` (latency against tokens, one line per path) where matplotlib is
+installed; without it one log line says the plot was skipped; the last line names the files
+written. ``--quick`` finishes within a minute. On the host backend the timings are functional
+checks, not performance: the output says so and ``bench.json`` has ``"timings": "functional"``
+(``"performance"`` on CUDA). The detailed kernel, region and rendezvous benchmarks live in the
+repository's ``benchmarks/``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import os
 import sys
 from typing import Any
 
-from . import banner, rank_reports
+from . import HOST_TIMINGS, banner, rank_reports, tool_parser
 
 log = logging.getLogger(__name__)
 
@@ -139,18 +142,33 @@ def _plot(path: str, series: dict[str, list[tuple[float, float]]]) -> bool:
     return True
 
 
+def parser() -> argparse.ArgumentParser:
+    ap = tool_parser("bench", __doc__)
+    ap.add_argument("--quick", action="store_true", help="a short sweep (under a minute)")
+    ap.add_argument("--world", type=int, default=None, help="ranks (default: GPUs, at least 2)")
+    ap.add_argument(
+        "--backend",
+        choices=("auto", "cuda", "host"),
+        default="auto",
+        help="memory backend: cuda (VMM on GPUs), host (memfd + mmap, no GPU: timings are "
+        "functional checks only) or auto (cuda where a GPU is usable; default)",
+    )
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 20; 3 quick)")
+    ap.add_argument("--iters", type=int, default=None, help="timed steps (default 100; 10 quick)")
+    ap.add_argument(
+        "--out",
+        default="vmmkv-bench",
+        help="directory to write bench.json and bench.png into, created if missing "
+        "(default: ./vmmkv-bench, i.e. ./vmmkv-bench/bench.json)",
+    )
+    return ap
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..alloc import driver
     from ..ops.formats import INDEXER_ENTRY_BYTES, MLA_ENTRY_BYTES
 
-    ap = argparse.ArgumentParser(prog="python -m vmmkv bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a short sweep (under a minute)")
-    ap.add_argument("--world", type=int, default=None)
-    ap.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 20; 3 quick)")
-    ap.add_argument("--iters", type=int, default=None, help="timed steps (default 100; 10 quick)")
-    ap.add_argument("--out", default="vmmkv-bench", help="directory for bench.json and bench.png")
-    a = ap.parse_args(argv)
+    a = parser().parse_args(argv)
     backend = a.backend
     if backend == "auto":
         backend = "cuda" if driver.cuda_usable() else "host"
@@ -165,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         "iters": a.iters if a.iters is not None else (10 if a.quick else 100),
     }
     banner("bench", f"{world} ranks, {backend} backend, tokens/rank {list(tokens)}")
+    if backend == "host":
+        banner("bench", HOST_TIMINGS)
     reports = rank_reports(_rank, world, opts, timeout=900)
     bad = [r for r in reports if "error" in r]
     if bad:
@@ -193,18 +213,22 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(" | ".join(f"{row[c]:>16.3g}" if isinstance(row[c], float) else f"{row[c]:>16}"
                          for c in cols))  # fmt: skip
-    os.makedirs(a.out, exist_ok=True)
+    out_dir = os.path.abspath(a.out)
+    os.makedirs(out_dir, exist_ok=True)
     for k, v in summary.items():
         print(f"{k}: {v:.3g}")
-    with open(os.path.join(a.out, "bench.json"), "w") as f:
-        json.dump({"world": world, "backend": backend, "opts": opts, "rows": rows, **summary},
-                  f, indent=1)  # fmt: skip
+    timings = "functional" if backend == "host" else "performance"
+    if backend == "host":
+        print(HOST_TIMINGS)
+    with open(os.path.join(out_dir, "bench.json"), "w") as f:
+        json.dump({"world": world, "backend": backend, "timings": timings, "opts": opts,
+                   "rows": rows, **summary}, f, indent=1)  # fmt: skip
     series = {
         k[: -len("_p50_us")]: [(r["tokens_per_rank"], r[k]) for r in rows]
         for k in cols
         if k.endswith("_p50_us")
     }
-    png = os.path.join(a.out, "bench.png")
-    wrote = [os.path.join(a.out, "bench.json")] + ([png] if _plot(png, series) else [])
+    png = os.path.join(out_dir, "bench.png")
+    wrote = [os.path.join(out_dir, "bench.json")] + ([png] if _plot(png, series) else [])
     print(f"wrote {' and '.join(wrote)}")
     return 0

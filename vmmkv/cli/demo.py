@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from . import banner, rank_reports
+from . import HOST_TIMINGS, banner, rank_reports, tool_parser
 
 DECODE = 2  # replicated decode tokens at the head of every step (num_local_only)
 
@@ -99,7 +99,9 @@ def _drive(cache, rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]
         "committed_before": cache.committed_bytes,
     }
     dev = cache.device
-    buf = cache.allocate(num_blocks * block_stride(layers)).view(torch.uint8)
+    # The whole capacity, half of it committed: the engine's pattern when it grows later
+    # (reserve=True; only committed blocks are touched, the stores skip the rest).
+    buf = cache.allocate(num_blocks * block_stride(layers), reserve=True).view(torch.uint8)
     bound = [
         (cache.bind(f"mla.{i}", m, "fp8_ds_mla"), cache.bind(f"idx.{i}", x, "indexer_k"))
         for i, (m, x) in enumerate(interleaved_views(buf, layers, num_blocks))
@@ -133,8 +135,7 @@ def _drive(cache, rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]
     def poison_and_oracle(step, blocks, salt):
         """Poison the committed part of the own replica; the oracle of every rank's step."""
         g = torch.Generator().manual_seed(rank * 31 + salt)
-        own = cache.region.view(cache.rank)  # the whole own region, from its base
-        n = cache.committed_bytes - (buf.data_ptr() - own.data_ptr())
+        n = cache.committed_bytes - (buf.data_ptr() - cache.region.base_ptr)
         n = min(n, buf.numel())
         poison = torch.randint(1, 256, (buf.numel(),), generator=g, dtype=torch.uint8)
         buf[:n].copy_(poison[:n].to(dev))
@@ -275,6 +276,8 @@ def _print_report(reports: list[dict]) -> bool:
                 f"  step time          direct {max(d):.1f} us, gather fallback {max(g):.1f} us "
                 f"(median, slowest rank; direct/gather = {max(d) / max(g):.2f})"
             )
+        if first["backend"] == "host":
+            print(f"  timings            {HOST_TIMINGS}")
     for r in reports:
         if "error" in r:  # the exception's last line here, the whole traceback on stderr
             print(f"  rank {r.get('rank', '?')} FAILED: {r['error'].strip().splitlines()[-1]}")
@@ -285,14 +288,26 @@ def _print_report(reports: list[dict]) -> bool:
     return ok
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m vmmkv demo", description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    ap = tool_parser("demo", __doc__)
     ap.add_argument("--world", type=int, default=None, help="ranks (default: GPUs, at least 2)")
-    ap.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--blocks", type=int, default=32, help="KV blocks per layer at full size")
-    ap.add_argument("--json", default=None, help="also write the per-rank reports here")
-    a = ap.parse_args(argv)
+    ap.add_argument(
+        "--backend",
+        choices=("auto", "cuda", "host"),
+        default="auto",
+        help="memory backend: cuda (VMM on GPUs), host (memfd + mmap, no GPU) or auto (cuda "
+        "where a GPU is usable; default)",
+    )
+    ap.add_argument("--layers", type=int, default=4, help="model layers (default 4)")
+    ap.add_argument(
+        "--blocks", type=int, default=32, help="KV blocks per layer at full size (default 32)"
+    )
+    ap.add_argument("--json", default=None, help="also write the per-rank reports to this file")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     try:
         reports = run(a.world, a.backend, layers=a.layers, blocks=a.blocks)
     except Exception as exc:

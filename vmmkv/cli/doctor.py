@@ -9,6 +9,7 @@ work (an unusable fabric is no such reason: one host shares memory through POSIX
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import socket
@@ -18,7 +19,7 @@ from typing import Any
 
 from ..alloc import driver as drv
 from ..alloc.fabric import FabricInfo, fabric_info
-from . import banner
+from . import banner, tool_parser
 
 
 def _versions() -> dict[str, str]:
@@ -226,7 +227,12 @@ def _print(rep: dict[str, Any]) -> None:
             print(f"  - {p}")
 
 
+def parser() -> argparse.ArgumentParser:
+    return tool_parser("doctor", __doc__)
+
+
 def main(argv: list[str] | None = None) -> int:
+    parser().parse_args(argv)  # no options; --help prints the description and exits 0
     rep = report()
     _print(rep)
     sys.stdout.flush()

@@ -22,6 +22,8 @@ _LAZY = {
     "RendezvousError": "peers",
     "RendezvousTimeout": "peers",
     "rendezvous": "peers",
+    "RendezvousTypeError": "symmetric",
+    "RendezvousValueError": "symmetric",
     "SymmetricRegion": "symmetric",
 }
 

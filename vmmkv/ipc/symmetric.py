@@ -21,6 +21,15 @@ Contract:
   :class:`DirectUnsupported` (``"require"``), naming the domains and their ranks.
 - ``must_match``: per-rank settings of the caller that must be equal on every rank; gathered
   with the first request, a mismatch raises the same error on every rank.
+- The constructor's arguments (capacity, chunk size, initial size, backend, device) are
+  checked before any driver call or collective step; a bad one still travels in the first
+  request, so every rank raises at once: the rank that passed it
+  :class:`RendezvousValueError`/:class:`RendezvousTypeError` (also a ValueError/TypeError, as
+  ``resize`` raises them), the others :class:`RendezvousError` naming it.
+- ``view(rank)`` is the committed prefix of ``rank``'s region (ValueError when nothing is
+  committed or with a block layout); ``view(rank, reserve=True)`` the whole capacity, of which
+  only committed chunks may be touched. ``region.tensor()`` (the ``VirtualRegion``) is always
+  the whole capacity (address space, see ``vmmkv.alloc.region``).
 - Two ways to size the region, one protocol (docs/design.md, "Resize protocol"):
   - prefix (the default): ``resize(committed_bytes)`` grows or shrinks every rank's committed
     prefix; ``committed_table`` (device int64 ``[1]``) holds the committed size (chunk-rounded).
@@ -59,13 +68,13 @@ import torch
 
 from .._util import require_int, run_all
 from ..alloc import Chunk, VirtualRegion
-from ..alloc.region import _resolve_device
+from ..alloc.region import _resolve_device, check_device
 from .comm import GroupError, PeerTimeoutError, StoreComm
 from .errors import ConfigMismatch, RendezvousError, as_rendezvous_error
 from .peers import PeerMap, exchange_then_agree, gather_requests, map_peers
 from .placement import choose_handle_type
 
-__all__ = ["PEER_MODES", "SymmetricRegion"]
+__all__ = ["PEER_MODES", "RendezvousTypeError", "RendezvousValueError", "SymmetricRegion"]
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +257,45 @@ def _layout_differences(layouts: list[Any]) -> str:
     return "; ".join(parts)
 
 
+class RendezvousValueError(RendezvousError, ValueError):
+    """A caller's bad argument (a value) found in a collective setup: raised on the rank that
+    passed it, while the others raise :class:`RendezvousError` naming it. A ValueError, so
+    ``except ValueError`` catches it as it catches the same mistake in ``resize``."""
+
+
+class RendezvousTypeError(RendezvousError, TypeError):
+    """As :class:`RendezvousValueError`, for an argument of the wrong type."""
+
+
+def _check_region_args(
+    capacity_bytes: Any, device: Any, chunk_bytes: Any, initial_bytes: Any, backend: Any
+) -> None:
+    """The constructor's arguments, without a driver call: TypeError/ValueError naming the
+    argument, the value got and what was expected (the granularity is checked later, by the
+    region, since it needs the device)."""
+    require_int("capacity_bytes", capacity_bytes, lo=1)
+    if chunk_bytes is not None:
+        require_int("chunk_bytes", chunk_bytes, lo=1)
+        if chunk_bytes > capacity_bytes:
+            raise ValueError(f"chunk_bytes={chunk_bytes} exceeds capacity_bytes={capacity_bytes}")
+    require_int("initial_bytes", initial_bytes, lo=0, hi=capacity_bytes)
+    check_device(device, backend)
+
+
+def _raise_setup_error(
+    exc: RendezvousError, error: BaseException | None, rank: int, device: Any, backend: Any
+) -> None:
+    """Raise the failed setup ``exc`` (every rank raises it): on the rank whose own argument
+    was bad (``error`` a TypeError/ValueError), as that class, its own message first."""
+    if isinstance(error, (TypeError, ValueError)) and not isinstance(exc, ConfigMismatch):
+        kind = RendezvousTypeError if isinstance(error, TypeError) else RendezvousValueError
+        raise kind(
+            f"{error} (rank {rank}, device={device!r}, backend={backend!r}: creating the region "
+            f"failed, and every rank of the group raises: {exc})"
+        ) from error
+    raise exc
+
+
 class SymmetricRegion:
     """See the module docstring."""
 
@@ -272,13 +320,21 @@ class SymmetricRegion:
                 "handle_type must be 'auto', 'posix_fd', 'fabric' or 'shm_name', got "
                 f"{handle_type!r}"
             )
+        # The caller's arguments, checked before any driver call or collective step. A bad one
+        # still travels in the first request (the peers fail at once, naming this rank), and
+        # this rank then raises it as the argument's own class (see _raise_setup_error).
+        arg_error: Exception | None = None
+        try:
+            _check_region_args(capacity_bytes, device, chunk_bytes, initial_bytes, backend)
+        except (TypeError, ValueError) as exc:
+            arg_error = exc
         self._comm = StoreComm(group, timeout)
         # Collective on every rank whatever it asked for, before the region exists (its chunks
         # are created for one handle type): ranks asking for different types get one
         # ConfigMismatch; "auto" is by value for several hosts of one NVLink domain, else fds
         # (see choose_handle_type).
         be, ordinal = "unknown", None
-        if handle_type == "auto":
+        if handle_type == "auto" and arg_error is None:
             try:
                 be, ordinal = _resolve_device(device, backend)
             except Exception:  # the region's creation below reports it, in the request
@@ -292,8 +348,10 @@ class SymmetricRegion:
         # The region is created after the StoreComm so that every rank runs the same steps
         # whatever fails locally: a local error travels in the first request.
         self.region: VirtualRegion | None = None
-        error: BaseException | None = None
+        error: BaseException | None = arg_error
         try:
+            if arg_error is not None:
+                raise arg_error
             self.region = VirtualRegion(
                 capacity_bytes, device, chunk_bytes=chunk_bytes, backend=backend,
                 handle_type=handle_type,
@@ -311,7 +369,10 @@ class SymmetricRegion:
             error = exc
         try:
             match = {"peers": peers, **(must_match or {})}
-            reqs = gather_requests(self._comm, self.region, match, error)  # type: ignore[arg-type]
+            try:
+                reqs = gather_requests(self._comm, self.region, match, error)  # type: ignore[arg-type]
+            except RendezvousError as exc:
+                _raise_setup_error(exc, error, self.rank, device, backend)
             if peers != "off":
                 self.peers = self._map(reqs, peers)
         except BaseException:
@@ -392,10 +453,74 @@ class SymmetricRegion:
             )
         return self.peers
 
-    def view(self, rank: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        if rank == self.rank:
-            return self.region.tensor(dtype)
-        return self._peer_map().view(rank, dtype)
+    def view(
+        self, rank: int, dtype: torch.dtype = torch.uint8, *, reserve: bool = False
+    ) -> torch.Tensor:
+        """Local: 1-D view of ``rank``'s region as mapped here (this rank's own region for
+        ``rank == self.rank``; a peer's needs ``mapped``), from its base.
+
+        By default the view holds the committed prefix only (``[0, committed_bytes)``, taken at
+        this call: a later grow does not lengthen it), so every byte of it may be touched;
+        ValueError when nothing is committed, and with a block layout (whose committed memory
+        is not a prefix). ``reserve=True``: the whole capacity, committed or not (address space
+        for kernels and CUDA graphs built before growth); only committed chunks may be touched
+        through it (an uncommitted byte kills the process: SIGSEGV on the host backend, an
+        illegal address on CUDA)."""
+        if not isinstance(reserve, bool):
+            raise TypeError(f"view: reserve must be True or False, got {reserve!r}")
+        if not reserve:
+            prefix = self._committed_prefix(f"view({rank})")
+        whole = (
+            self.region.tensor(dtype) if rank == self.rank else self._peer_map().view(rank, dtype)
+        )
+        if reserve:
+            return whole
+        return whole[: prefix // whole.element_size()]
+
+    def _committed_prefix(self, what: str) -> int:
+        """The committed prefix's size in bytes (> 0), or ValueError naming ``what``."""
+        self._check_open()
+        if isinstance(self._layout, _Segments):
+            raise ValueError(
+                f"rank {self.rank} ({self.device}): {what}: the region has a block layout, so "
+                f"its committed memory is not a prefix ({self.describe_committed()}); pass "
+                "reserve=True for the whole capacity and touch only committed blocks"
+            )
+        committed = self.region.committed_bytes
+        if committed == 0:
+            raise ValueError(
+                f"rank {self.rank} ({self.device}): {what}: nothing is committed; commit first "
+                f"({self.how_to_commit()}), or pass reserve=True for a view over address space "
+                "whose committed parts alone may be touched"
+            )
+        return committed
+
+    def is_committed(self, start: int, end: int) -> bool:
+        """Local: whether every byte of ``[start, end)`` (region offsets) lies in a committed
+        chunk of this rank's region (peers commit the same chunks)."""
+        self._check_open()
+        if end <= start:
+            return True
+        have = set(self.region.chunks())
+        return all(c in have for c in self.region.chunks_covering([(start, end)]))
+
+    def describe_committed(self) -> str:
+        """What is committed, in words (for error messages)."""
+        layout = self._layout
+        total = self.region.committed_bytes
+        if isinstance(layout, _Segments):
+            return (
+                f"with a block layout, {layout.blocks} of {layout.max_blocks} blocks of each of "
+                f"its {len(layout.segments)} segments are committed ({total} bytes in chunks of "
+                f"{self.chunk_bytes})"
+            )
+        return f"the committed prefix is {total} of {self.capacity_bytes} bytes"
+
+    def how_to_commit(self) -> str:
+        """The calls that commit memory here, in words (for error messages)."""
+        if isinstance(self._layout, _Segments):
+            return "grow_blocks(n) with the block layout"
+        return "grow(nbytes), or initial_bytes= at construction"
 
     # -- collective helpers for the layers above -------------------------------------------
     def agree(self, error: BaseException | None, what: str) -> None:

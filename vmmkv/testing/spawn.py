@@ -7,6 +7,13 @@ child still running is terminated, then killed with its process group. Local to 
 is not a collective); the caller owns nothing afterwards: every child is reaped, every pipe
 closed.
 
+A child's stderr (fd 2) goes through a pipe that the parent drains while it waits (so a chatty
+child never blocks on it) and forwards to its own fd 2 as it comes; the parent keeps the last
+lines. A child that dies without a result is reported with its exit code or the name of the
+signal that killed it (``SIGSEGV``...) and the last ``STDERR_TAIL_LINES`` lines of its stderr;
+a timed-out child with those lines too. With ``PYTHONFAULTHANDLER=1`` in the environment (the
+children inherit it) a crash also leaves the Python stack of the crashing thread in those lines.
+
 Environment of the children: this is the one place that turns NVLink multicast off for the
 libraries a rank may load (``MULTICAST_OFF``: NCCL, torch symmetric memory, NVSHMEM); vmmkv itself
 never creates multicast objects. A variable already set in the parent's environment keeps its
@@ -35,6 +42,7 @@ from .._util import require_int, require_timeout
 
 __all__ = [
     "MULTICAST_OFF",
+    "STDERR_TAIL_LINES",
     "RankResult",
     "capture_logs",
     "free_port",
@@ -51,19 +59,24 @@ MULTICAST_OFF = {
 }
 
 _TERMINATE_GRACE_S = 2.0
+STDERR_TAIL_LINES = 20
+_TAIL_BYTES = 1 << 16  # what the parent keeps of a child's stderr (the tail is cut from it)
+_DRAIN_S = 1.0  # how long the parent reads what a child left in its stderr pipe after exit
 _PR_SET_PDEATHSIG = 1
 
 
 @dataclass
 class RankResult:
     """What one rank gave back: ``value`` when ``ok``, else the traceback or reason in
-    ``error``; ``exitcode`` of its process (None if it never started)."""
+    ``error``; ``exitcode`` of its process (None if it never started; ``-N``: killed by signal
+    ``N``); ``stderr_tail``: the last ``STDERR_TAIL_LINES`` lines of its stderr."""
 
     rank: int
     ok: bool
     value: Any
     error: str
     exitcode: int | None
+    stderr_tail: str = ""  # the last lines the child wrote to its stderr
 
 
 def free_port() -> int:
@@ -93,7 +106,10 @@ def _child_main(
     timeout: float,
     env: dict[str, str],
     parent_pid: int,
+    stderr_conn: Any,
 ) -> None:
+    os.dup2(stderr_conn.fileno(), 2)  # the parent forwards it and keeps the last lines
+    stderr_conn.close()
     try:
         os.setsid()  # own process group, so the parent can kill whatever this child starts
     except OSError:
@@ -157,12 +173,16 @@ def run_world_raw(
     ctx = get_context("spawn")
     port = free_port() if init_group else 0
     readers: list[Any] = []
+    err_readers: list[Any] = []
+    tails = [_Tail() for _ in range(world_size)]
     procs: list[Any] = []
     values: dict[int, tuple[bool, Any, str]] = {}
     timed_out: set[int] = set()
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
+            err_reader, err_writer = ctx.Pipe(duplex=False)
+            err_readers.append(err_reader)
             proc = ctx.Process(
                 target=_child_main,
                 args=(
@@ -175,22 +195,28 @@ def run_world_raw(
                     timeout,
                     dict(env or {}),
                     os.getpid(),
+                    err_writer,
                 ),
                 name=f"rank{rank}",
             )
             proc.start()
             writer.close()
+            err_writer.close()
             readers.append(reader)
             procs.append(proc)
         deadline = time.monotonic() + timeout
         open_readers = {readers[r]: r for r in range(world_size)}
         running = {procs[r].sentinel: r for r in range(world_size)}
+        open_errs = {err_readers[r]: r for r in range(world_size)}
         while open_readers or running:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            for ready in wait([*open_readers, *running], timeout=remaining):
-                if ready in open_readers:
+            for ready in wait([*open_readers, *running, *open_errs], timeout=remaining):
+                if ready in open_errs:
+                    if not tails[open_errs[ready]].read(ready):
+                        del open_errs[ready]
+                elif ready in open_readers:
                     rank = open_readers.pop(ready)
                     try:
                         values[rank] = ready.recv()
@@ -207,25 +233,86 @@ def run_world_raw(
         timed_out = set(running.values())
     finally:
         exitcodes = _reap(procs)
-        for reader in readers:
+        drain_end = time.monotonic() + _DRAIN_S
+        for rank, err_reader in enumerate(err_readers):
+            tails[rank].drain(err_reader, drain_end)
+        for reader in [*readers, *err_readers]:
             reader.close()
     results = []
     for rank, exitcode in enumerate(exitcodes):
+        tail = tails[rank].lines()
         if rank in timed_out:
             note = " (it had sent a result but did not exit)" if rank in values else ""
-            results.append(
-                RankResult(rank, False, None, f"timed out after {timeout:g}s{note}", exitcode)
-            )
+            error = f"timed out after {timeout:g}s{note}" + _with_tail(tail)
+            results.append(RankResult(rank, False, None, error, exitcode, tail))
         elif rank in values:
             ok, value, error = values[rank]
-            results.append(RankResult(rank, ok, value, error, exitcode))
+            results.append(RankResult(rank, ok, value, error, exitcode, tail))
         else:
-            results.append(
-                RankResult(
-                    rank, False, None, f"exited with code {exitcode} without a result", exitcode
-                )
-            )
+            error = f"{_death(exitcode)} without a result" + _with_tail(tail)
+            results.append(RankResult(rank, False, None, error, exitcode, tail))
     return results
+
+
+def _death(exitcode: int | None) -> str:
+    """How a child ended, in words: its exit code, or the signal that killed it."""
+    if exitcode is None:
+        return "never started"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"killed by {name} (exit code {exitcode})"
+    return f"exited with code {exitcode}"
+
+
+def _with_tail(tail: str) -> str:
+    if not tail:
+        return "; it wrote nothing to stderr"
+    return f"; the last lines of its stderr:\n{tail}"
+
+
+class _Tail:
+    """The parent's side of one child's stderr pipe: forwards what comes to the parent's fd 2
+    and keeps the last ``_TAIL_BYTES`` bytes."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def read(self, conn: Any) -> bool:
+        """Read what is there (the pipe is readable); False at end of file."""
+        try:
+            data = os.read(conn.fileno(), 1 << 16)
+        except OSError:
+            return False
+        if not data:
+            return False
+        _forward(data)
+        self._buf += data
+        del self._buf[: max(0, len(self._buf) - _TAIL_BYTES)]
+        return True
+
+    def drain(self, conn: Any, deadline: float) -> None:
+        """Read what a finished child left in the pipe, until end of file or ``deadline`` (a
+        grandchild may still hold the pipe open)."""
+        while time.monotonic() < deadline and conn.poll(max(0.0, deadline - time.monotonic())):
+            if not self.read(conn):
+                return
+
+    def lines(self) -> str:
+        text = self._buf.decode("utf-8", errors="replace")
+        return "\n".join(text.rstrip("\n").splitlines()[-STDERR_TAIL_LINES:])
+
+
+def _forward(data: bytes) -> None:
+    """Write ``data`` to the parent's fd 2 (where the child's stderr went before the pipe)."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(2, view) :]
+        except OSError:
+            return  # the parent's stderr is gone: keep the tail anyway
 
 
 def _signal_group(proc: Any, sig: int) -> None:

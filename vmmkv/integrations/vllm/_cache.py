@@ -171,7 +171,8 @@ class VllmKVCache:
             chunk_bytes=chunk_bytes, lanes=1, direct=direct, timeout=timeout, backend=backend,
         )  # fmt: skip
         try:
-            self.buffer = self.cache.allocate(plan.size)
+            # the whole backing, committed block by block below (set_block_layout + grow)
+            self.buffer = self.cache.allocate(plan.size, reserve=True)
             base = self.buffer.data_ptr() - self.cache.region.base_ptr
             self.segments = tuple((base + off, bb) for off, bb in plan.segments)
             self.cache.set_block_layout(self.segments, plan.num_blocks)
