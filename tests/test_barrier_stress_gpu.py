@@ -125,7 +125,7 @@ class _Rank:
         self.bad = torch.zeros((), dtype=torch.int64, device=dev)
         self.checked = torch.zeros((), dtype=torch.int64, device=dev)
         self.lanes = [0, 0]
-        self.graph = None
+        self.graph = self.counter = None
 
     def gen(self, k, r, t):
         """Rank ``r``'s rows and slots of round ``k`` (an int, or a 0-dim device tensor)."""
@@ -158,6 +158,10 @@ class _Rank:
             self.region.fill_(0)
 
     def capture(self, counter):
+        # the graph reads and increments ``counter`` at every replay: keep it alive (a freed
+        # counter's memory would be handed to the next rank's counter, which both graphs would
+        # then advance: every step's expected rows wrong on both ranks)
+        self.counter = counter
         before = list(self.lanes)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(self.stream):

@@ -405,7 +405,12 @@ def _killed_in_barrier(rank, world, backend, marker, out_dir):
             error = f"{type(exc).__name__}: {exc}"
         elapsed = time.monotonic() - t0
     cache.close()
-    del cache, kv, replay  # their views of the region keep the (address) reservation until they go
+    # their views of the region keep the (address) reservation until they go; the graph's
+    # private memory pool is torch's, not vmmkv's: the survivor's context lives on (no trap), so
+    # the graph is dropped and torch's cache emptied before the device memory is compared
+    del cache, kv, replay, graph
+    if backend == "cuda":
+        torch.cuda.empty_cache()
     gone, after = _finish(backend, device, ordinals, pids, baseline)
     return error, elapsed, gone, baseline, after
 
