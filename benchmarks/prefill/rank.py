@@ -182,7 +182,7 @@ class _Rank:
                 "vmmkv direct", "ReplicatedKVCache: reserve 2x, commit, fd exchange, map peers",
                 cache(True), lambda c: c.close(),
             )  # fmt: skip
-            buf = self.cache.allocate(self.capacity).view(torch.uint8)
+            buf = self.cache.allocate(self.capacity, reserve=True).view(torch.uint8)
             views = interleaved_views(buf, self.layers, self.nb_capacity)
             binds = [(self.cache.bind(f"l{i}.mla", m, self.kinds[0]),
                       self.cache.bind(f"l{i}.idx", x, self.indexer_kind))
