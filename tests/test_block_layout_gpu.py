@@ -166,7 +166,7 @@ class _Rank:
         # the checked segments: (segment index, bound?) of the bound and the sentinel layers
         self.checked = [(s, layer in BOUND) for layer in BOUND + SENTINEL
                         for s in (layer, LAYERS + layer)]  # fmt: skip
-        self.replicas = [cache.region.view(q) for q in range(world)]
+        self.replicas = [cache.region.view(q, reserve=True) for q in range(world)]
         self.addresses = self.address_book()
 
     def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
