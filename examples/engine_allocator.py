@@ -47,19 +47,14 @@ def allocate_kv_cache(num_blocks: int, buffer_allocator, device):
     BLOCK_SIZE, 656], indexer_k [num_blocks, BLOCK_SIZE, 132])`` strided views into it (block b
     of every layer contiguous: layer l's MLA block, then its indexer block)."""
     buf = buffer_allocator(num_blocks * PER_BLOCK, device).view(torch.uint8)
-    views = []
-    for layer in range(LAYERS):
-        at = buf.storage_offset() + layer * (MLA_BLOCK + IDX_BLOCK)
-        mla = buf.as_strided(
-            (num_blocks, BLOCK_SIZE, MLA_ENTRY_BYTES), (PER_BLOCK, MLA_ENTRY_BYTES, 1), at
+    blocks = buf.view(num_blocks, LAYERS, MLA_BLOCK + IDX_BLOCK)
+    return [
+        (
+            blocks[:, layer, :MLA_BLOCK].unflatten(1, (BLOCK_SIZE, MLA_ENTRY_BYTES)),
+            blocks[:, layer, MLA_BLOCK:].unflatten(1, (BLOCK_SIZE, INDEXER_ENTRY_BYTES)),
         )
-        idx = buf.as_strided(
-            (num_blocks, BLOCK_SIZE, INDEXER_ENTRY_BYTES),
-            (PER_BLOCK, INDEXER_ENTRY_BYTES, 1),
-            at + MLA_BLOCK,
-        )
-        views.append((mla, idx))
-    return views
+        for layer in range(LAYERS)
+    ]
 
 
 def rank_inputs(rank: int, first_slot: int):

@@ -225,6 +225,37 @@ def shm_ledger_left() -> list[str]:
     return ShmLedger(path).left() if path else []
 
 
+def rank_device(backend: str, rank: int, world: int) -> torch.device:
+    """Host: the CPU. CUDA: one GPU per rank when there are enough, else every rank on GPU 0
+    (set as the process's current device)."""
+    if backend == "host":
+        return torch.device("cpu")
+    ordinals = list(range(world)) if torch.cuda.device_count() >= world else [0]
+    dev = torch.device("cuda", ordinals[rank % len(ordinals)])
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def shard_step_rows(seed: int, prank: int, world: int, blocks, rows: int, block_size: int):
+    """One layer's inputs in vLLM's 'shard' PCP case (DCP 1, every row published), for tests of
+    memory and ordering (the slot mappings vLLM's PCPManager makes are tested in
+    ``test_vllm_pcp``): every rank's ``rows`` rows (generator seed ``seed + rank``), row i in
+    block ``blocks[i % len(blocks)]`` at an offset of the rank's own, row 2 padding. Returns
+    (this rank's kv_c, k_pe, k, the expanded mapping, every rank's ((kv_c, k_pe, k), slots))."""
+
+    def rows_of(r):
+        g = torch.Generator().manual_seed(seed + r)
+        return [torch.randn(rows, w, generator=g).mul(3).to(torch.bfloat16) for w in (512, 64, 128)]
+
+    slots = []
+    for r in range(world):
+        s = torch.tensor([blocks[i % len(blocks)] * block_size + 8 * r + i for i in range(rows)])
+        s[2] = -1
+        slots.append(s)
+    kv_c, k_pe, k = rows_of(prank)
+    return kv_c, k_pe, k, torch.cat(slots), [(rows_of(r), slots[r]) for r in range(world)]
+
+
 def fds_not_sockets() -> int:
     """How many fds this process holds that are not sockets (memfds, exported handles, device
     files, pipes): a leak check that a socket of the process group, which the kernel or gloo

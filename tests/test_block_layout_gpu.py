@@ -53,10 +53,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests.helpers import rank_device
 from vmmkv.alloc.region import covering_chunks
 from vmmkv.ops.formats import INDEXER_ENTRY_BYTES, MLA_ENTRY_BYTES
 from vmmkv.testing.markers import requires_gpu
 from vmmkv.testing.spawn import run_world
+from vmmkv.testing.timing import capture_graph
 
 BS = 64  # tokens per block
 IDX_PAGE = BS * INDEXER_ENTRY_BYTES  # 8,448 bytes
@@ -111,14 +113,7 @@ def _allocate(cache, nbytes: int) -> torch.Tensor:
     return cache.allocate(nbytes, reserve=True)
 
 
-def _device(backend: str, rank: int, world: int) -> torch.device:
-    """Host: the CPU. CUDA: one GPU per rank when there are enough, else every rank on GPU 0."""
-    if backend == "host":
-        return torch.device("cpu")
-    ordinals = list(range(world)) if torch.cuda.device_count() >= world else [0]
-    dev = torch.device("cuda", ordinals[rank % len(ordinals)])
-    torch.cuda.set_device(dev)
-    return dev
+_device = rank_device
 
 
 # --------------------------------------------------------------------------------------------
@@ -366,14 +361,7 @@ def _scenario(rank: int, world: int, case: Case) -> dict:
     step()  # eager warm-up (padding only: writes nothing) loads every kernel
     r.sync()
     if case.backend == "cuda":
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            graph.capture_begin()
-            step()
-            graph.capture_end()
-        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = capture_graph(step, dev)
         r.sync()
         replay = graph.replay
     else:

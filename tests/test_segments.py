@@ -30,7 +30,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import fd_count, fds_not_sockets, map_all_chunks, random_bytes
+from tests.helpers import fd_count, fds_not_sockets, map_all_chunks, random_bytes, rank_device
 from tests.test_alloc_unmap import _fail_unmap_at, _mapped_offsets
 from vmmkv.alloc import Chunk, UnmapError, VirtualRegion
 from vmmkv.alloc.host import HostError
@@ -38,6 +38,7 @@ from vmmkv.alloc.region import covering_chunks
 from vmmkv.ops.formats import INDEXER_ENTRY_BYTES, MLA_ENTRY_BYTES
 from vmmkv.testing.markers import requires_gpu
 from vmmkv.testing.spawn import run_world
+from vmmkv.testing.timing import capture_graph
 
 BS = 64  # tokens per block
 MLA_PAGE = BS * MLA_ENTRY_BYTES  # 41,984 bytes
@@ -348,13 +349,7 @@ class _Setup:
         self.capacity = (-(-self.end // self.chunk) + 1) * self.chunk
 
 
-def _device(backend, rank, world):
-    if backend == "host":
-        return torch.device("cpu")
-    ordinals = list(range(world)) if torch.cuda.device_count() >= world else [0]
-    dev = torch.device("cuda", ordinals[rank % len(ordinals)])
-    torch.cuda.set_device(dev)
-    return dev
+_device = rank_device
 
 
 class _Replica:
@@ -625,14 +620,7 @@ def _grow_publish_shrink(rank, world, backend, fail_at, device, setup):
 
     step()  # eager warm-up on every rank (padding only): loads the kernels
     if backend == "cuda":  # captured before any further growth, only replayed afterwards
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            graph.capture_begin()
-            step()
-            graph.capture_end()
-        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = capture_graph(step, device)
         replay = graph.replay
     else:
         replay = step

@@ -21,19 +21,12 @@ to offload the ``kv_cache`` tag (vmmkv's bookkeeping) only while a vmmkv cache i
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
+from tests.helpers import vllm_marks
 from vmmkv.testing.spawn import free_port, run_world
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vllm is not installed (pip install -e '.[vllm,test]'; CI: the .venv-vllm job)",
-    ),
-]
+pytestmark = vllm_marks()
 
 BS, NUM_BLOCKS, LAYERS, ROWS = 64, 32, 4, 7
 COMMITTED = 20  # blocks committed before sleep: a wake restores these, not NUM_BLOCKS
@@ -98,22 +91,10 @@ def _memory(vc, world):
 
 
 def _inputs(seed, prank, world):
-    """'shard'-case rows of one layer: every rank's ROWS rows, row i in block
-    ``BLOCKS[i % 3]`` at an offset of its own, row 2 padding; (this rank's kv_c, k_pe, k, the
-    expanded mapping, every rank's ((kv_c, k_pe, k), slots))."""
-    import torch
+    """'shard'-case rows of one layer (``tests.helpers.shard_step_rows``)."""
+    from tests.helpers import shard_step_rows
 
-    def rows_of(r):
-        g = torch.Generator().manual_seed(1000 * seed + r)
-        return [torch.randn(ROWS, w, generator=g).mul(3).to(torch.bfloat16) for w in (512, 64, 128)]
-
-    slots = []
-    for r in range(world):
-        s = torch.tensor([BLOCKS[i % len(BLOCKS)] * BS + 8 * r + i for i in range(ROWS)])
-        s[2] = -1
-        slots.append(s)
-    kv_c, k_pe, k = rows_of(prank)
-    return kv_c, k_pe, k, torch.cat(slots), [(rows_of(r), slots[r]) for r in range(world)]
+    return shard_step_rows(1000 * seed, prank, world, BLOCKS, ROWS, BS)
 
 
 def _store(vc, seed, prank, world, layers=range(LAYERS)):
@@ -349,6 +330,17 @@ def _sleep_rank(rank, world, port):
             cfg.model_config.sleep_mode_backend = "vmmkv"  # --sleep-mode-backend vmmkv
             worker = _worker(cfg)
 
+            def awake(key, seed, calls):
+                """After a wake: the snapshot, blocks zeroed, then a store equal to the
+                reference, and the inner backend's calls since the last check."""
+                out[key] = _snapshot(vc, views, world, backend)
+                out[key]["zeroed"] = _zeroed(vc)
+                dist.barrier(group=pcp.cpu_group)  # checked before a peer publishes again
+                _store(vc, seed, prank, world)
+                _reference(plain, vc, seed, world)
+                out[key]["equal"] = _equal(vc, want, COMMITTED)
+                out[calls], rec.calls = rec.calls, []
+
             # 1. sleep(1), wake weights only, wake kv_cache
             _poison(vc)
             dist.barrier(group=pcp.cpu_group)
@@ -362,39 +354,21 @@ def _sleep_rank(rank, world, port):
             worker.wake_up(["weights"])
             out["weights awake"] = _snapshot(vc, views, world, backend)
             worker.wake_up(["kv_cache"])
-            out["kv awake"] = _snapshot(vc, views, world, backend)
-            out["kv awake"]["zeroed"] = _zeroed(vc)
-            dist.barrier(group=pcp.cpu_group)  # checked before a peer publishes again
-            _store(vc, 10, prank, world)
-            _reference(plain, vc, 10, world)
-            out["kv awake"]["equal"] = _equal(vc, want, COMMITTED)
-            out["calls 1"], rec.calls = rec.calls, []
+            awake("kv awake", 10, "calls 1")
 
             # 2. sleep(2), wake with no tags
             _poison(vc)
             worker.sleep(level=2)
             out["asleep 2"] = _snapshot(vc, views, world, backend)
             worker.wake_up()
-            out["awake 2"] = _snapshot(vc, views, world, backend)
-            out["awake 2"]["zeroed"] = _zeroed(vc)
-            dist.barrier(group=pcp.cpu_group)  # checked before a peer publishes again
-            _store(vc, 20, prank, world)
-            _reference(plain, vc, 20, world)
-            out["awake 2"]["equal"] = _equal(vc, want, COMMITTED)
-            out["calls 2"], rec.calls = rec.calls, []
+            awake("awake 2", 20, "calls 2")
 
             # 3. discard kv_cache, wake kv_cache
             _poison(vc)
             worker.discard(("kv_cache",))
             out["discarded"] = _snapshot(vc, views, world, backend)
             worker.wake_up(["kv_cache"])
-            out["awake 3"] = _snapshot(vc, views, world, backend)
-            out["awake 3"]["zeroed"] = _zeroed(vc)
-            dist.barrier(group=pcp.cpu_group)  # checked before a peer publishes again
-            _store(vc, 30, prank, world)
-            _reference(plain, vc, 30, world)
-            out["awake 3"]["equal"] = _equal(vc, want, COMMITTED)
-            out["calls 3"], rec.calls = rec.calls, []
+            awake("awake 3", 30, "calls 3")
             dist.barrier(group=pcp.cpu_group)
         dist.barrier(group=ps.get_world_group().cpu_group)  # rank 0 hosts the store: last out
     finally:

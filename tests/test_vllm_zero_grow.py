@@ -15,19 +15,12 @@ others are counted, never written), committed ranges equal the reference byte fo
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
+from tests.helpers import vllm_marks
 from vmmkv.testing.spawn import free_port, run_world
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vllm is not installed (pip install -e '.[vllm,test]'; CI: the .venv-vllm job)",
-    ),
-]
+pytestmark = vllm_marks()
 
 BS, NUM_BLOCKS, LAYERS, ROWS = 64, 32, 4, 7
 NEW_BLOCKS = [5, 6]  # the step's newly allocated blocks, zeroed by vLLM
@@ -72,23 +65,10 @@ def _zeroer(config, views):
 
 
 def _inputs(layer, prank, world, blocks):
-    """'shard'-case inputs of one layer: every rank's ROWS rows, row i in block
-    ``blocks[i % len(blocks)]`` at an offset of its own, row 2 padding; (this rank's inputs,
-    the expanded mapping, every rank's (rows, slots))."""
-    import torch
+    """'shard'-case inputs of one layer (``tests.helpers.shard_step_rows``)."""
+    from tests.helpers import shard_step_rows
 
-    def rows_of(r):
-        g = torch.Generator().manual_seed(100 * layer + r)
-        return [torch.randn(ROWS, w, generator=g).mul(3).to(torch.bfloat16) for w in (512, 64, 128)]
-
-    slots = []
-    for r in range(world):
-        s = torch.tensor([blocks[i % len(blocks)] * BS + 8 * r + i for i in range(ROWS)])
-        s[2] = -1
-        slots.append(s)
-    kv_c, k_pe, k = rows_of(prank)
-    every = [(rows_of(r), slots[r]) for r in range(world)]
-    return kv_c, k_pe, k, torch.cat(slots), every
+    return shard_step_rows(100 * layer, prank, world, blocks, ROWS, BS)
 
 
 def _lost_rows(views, plain, every, layer):

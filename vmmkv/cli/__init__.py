@@ -72,6 +72,18 @@ def tool_parser(tool: str, doc: str) -> argparse.ArgumentParser:
     )
 
 
+def add_group_args(ap: argparse.ArgumentParser) -> None:
+    """The ``--world`` and ``--backend`` options the spawning tools (demo, bench) share."""
+    ap.add_argument("--world", type=int, default=None, help="ranks (default: GPUs, at least 2)")
+    ap.add_argument(
+        "--backend",
+        choices=("auto", "cuda", "host"),
+        default="auto",
+        help="memory backend: cuda (VMM on GPUs), host (memfd + mmap, no GPU: timings are "
+        "functional checks only) or auto (cuda where a GPU is usable; default)",
+    )
+
+
 def banner(tool: str, text: str) -> None:
     """The one banner style of every tool: ``vmmkv <tool>: <text>`` on stdout, flushed."""
     print(f"vmmkv {tool}: {text}", flush=True)

@@ -25,7 +25,7 @@ import os
 import sys
 from typing import Any
 
-from . import HOST_TIMINGS, banner, rank_reports, tool_parser
+from . import HOST_TIMINGS, add_group_args, banner, rank_reports, tool_parser
 
 log = logging.getLogger(__name__)
 
@@ -145,14 +145,7 @@ def _plot(path: str, series: dict[str, list[tuple[float, float]]]) -> bool:
 def parser() -> argparse.ArgumentParser:
     ap = tool_parser("bench", __doc__)
     ap.add_argument("--quick", action="store_true", help="a short sweep (under a minute)")
-    ap.add_argument("--world", type=int, default=None, help="ranks (default: GPUs, at least 2)")
-    ap.add_argument(
-        "--backend",
-        choices=("auto", "cuda", "host"),
-        default="auto",
-        help="memory backend: cuda (VMM on GPUs), host (memfd + mmap, no GPU: timings are "
-        "functional checks only) or auto (cuda where a GPU is usable; default)",
-    )
+    add_group_args(ap)
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 20; 3 quick)")
     ap.add_argument("--iters", type=int, default=None, help="timed steps (default 100; 10 quick)")
     ap.add_argument(

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from . import HOST_TIMINGS, banner, rank_reports, tool_parser
+from . import HOST_TIMINGS, add_group_args, banner, rank_reports, tool_parser
 
 DECODE = 2  # replicated decode tokens at the head of every step (num_local_only)
 
@@ -86,6 +86,7 @@ def _drive(cache, rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]
     from .. import ops
     from ..ops.formats import get_format
     from ..testing.kv import block_stride, expected_replica, interleaved_views
+    from ..testing.timing import capture_graph
 
     t0, layers, num_blocks = opts["t0"], opts["layers"], opts["blocks"]
     half = num_blocks // 2
@@ -162,14 +163,7 @@ def _drive(cache, rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]
     # 2. capture stores + barrier, then grow the cache after capture
     graph = None
     if dev.type == "cuda" and cache.direct:  # the gather fallback syncs the host: not capturable
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            graph.capture_begin()
-            step_all()
-            graph.capture_end()
-        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = capture_graph(step_all, dev)
         _log(rank, t0, f"captured a CUDA graph of {len(bound)} layer stores + barrier")
     report["graph"] = graph is not None
     cache.grow(cache.capacity_bytes)
@@ -290,14 +284,7 @@ def _print_report(reports: list[dict]) -> bool:
 
 def parser() -> argparse.ArgumentParser:
     ap = tool_parser("demo", __doc__)
-    ap.add_argument("--world", type=int, default=None, help="ranks (default: GPUs, at least 2)")
-    ap.add_argument(
-        "--backend",
-        choices=("auto", "cuda", "host"),
-        default="auto",
-        help="memory backend: cuda (VMM on GPUs), host (memfd + mmap, no GPU) or auto (cuda "
-        "where a GPU is usable; default)",
-    )
+    add_group_args(ap)
     ap.add_argument("--layers", type=int, default=4, help="model layers (default 4)")
     ap.add_argument(
         "--blocks", type=int, default=32, help="KV blocks per layer at full size (default 32)"

@@ -1,10 +1,12 @@
-"""One timing loop and one percentile function for the tools and the benchmarks.
+"""One timing loop, one percentile function and one graph capture for the tools and the
+benchmarks.
 
 ``time_us`` times calls of a function: by default on the host clock with the device
 synchronized before and after each call (what a caller waits for), or with ``events=True`` on a
 CUDA device between two CUDA events recorded on the current stream around the call (the
 stream's time; the host does not synchronize first). Local; not capture-safe (it synchronizes).
-Internal (see ``vmmkv.testing``).
+``capture_graph`` captures calls of a function into a CUDA graph on a side stream ordered after
+the current one, as torch requires. Internal (see ``vmmkv.testing``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from .._util import require_int
 
-__all__ = ["median", "percentile", "time_us"]
+__all__ = ["capture_graph", "median", "percentile", "time_us"]
 
 
 def percentile(xs: Sequence[float], q: float) -> float:
@@ -85,3 +87,19 @@ def time_us(
             _synchronize(device)
             times.append((time.perf_counter() - t0) * 1e6)
     return times
+
+
+def capture_graph(fn: Callable[[], Any], device: Any) -> Any:
+    """A ``torch.cuda.CUDAGraph`` of one call of ``fn`` on ``device``, captured on a side stream
+    that waits for the current stream (and that the current stream waits for afterwards)."""
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        fn()
+        graph.capture_end()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return graph

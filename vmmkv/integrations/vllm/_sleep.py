@@ -147,6 +147,16 @@ def _check_signature(fn: Any, params: tuple[str, ...], what: str) -> None:
         )
 
 
+def _inner_capability(name: str) -> classmethod:
+    """A capability class method answered by the inner backend's class."""
+
+    def ask(cls) -> bool:
+        return bool(getattr(_inner_class(), name)())
+
+    ask.__name__ = name
+    return classmethod(ask)
+
+
 class VmmkvSleepModeBackend(SleepModeBackend):
     """vLLM's sleep-mode backend plus the release and restore of vmmkv's KV cache (see the
     module docstring). ``inner``: the wrapped vLLM backend."""
@@ -188,21 +198,10 @@ class VmmkvSleepModeBackend(SleepModeBackend):
         self._state = "SUSPENDED"
 
     # -- capabilities: the inner backend's ---------------------------------------------
-    @classmethod
-    def is_supported(cls) -> bool:
-        return bool(_inner_class().is_supported())
-
-    @classmethod
-    def preserves_communicators(cls) -> bool:
-        return bool(_inner_class().preserves_communicators())
-
-    @classmethod
-    def preserves_compiled_artifacts(cls) -> bool:
-        return bool(_inner_class().preserves_compiled_artifacts())
-
-    @classmethod
-    def preserves_graphs_with_communicators(cls) -> bool:
-        return bool(_inner_class().preserves_graphs_with_communicators())
+    is_supported = _inner_capability("is_supported")
+    preserves_communicators = _inner_capability("preserves_communicators")
+    preserves_compiled_artifacts = _inner_capability("preserves_compiled_artifacts")
+    preserves_graphs_with_communicators = _inner_capability("preserves_graphs_with_communicators")
 
     @classmethod
     def supports_durable_storage(cls) -> bool:
