@@ -263,8 +263,8 @@ def _sleep_rank(rank, world, port):
     from vllm.config import set_current_vllm_config
     from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
     from vllm.v1.kv_cache_layout import KVCacheLayout
-    from vllm.v1.worker import gpu_model_runner
     from vllm.v1.worker import utils as worker_utils
+    from vllm.v1.worker.gpu import attn_utils  # MRV2: the runner that runs PCP in 0.33
 
     from vmmkv.integrations import vllm as integration
     from vmmkv.integrations.vllm import testing
@@ -286,7 +286,7 @@ def _sleep_rank(rank, world, port):
             # sleep mode on with vLLM's own backend: refused at allocation, before any collective
             cfg.model_config.enable_sleep_mode, cfg.model_config.sleep_mode_backend = True, "cumem"
             try:
-                gpu_model_runner.allocate_kv_cache(
+                attn_utils.allocate_kv_cache(
                     config, torch.device("cpu"), KVCacheLayout[LAYOUT], [BS]
                 )
                 out["refused at allocation"] = ""
@@ -294,7 +294,7 @@ def _sleep_rank(rank, world, port):
                 out["refused at allocation"] = str(exc)
             cfg.model_config.enable_sleep_mode = False  # vLLM refuses sleep mode on the CPU
             out["active after refusal"] = integration.active_cache() is not None
-            views = gpu_model_runner.allocate_kv_cache(
+            views = attn_utils.allocate_kv_cache(
                 config, torch.device("cpu"), KVCacheLayout[LAYOUT], [BS]
             )
             vc = integration.active_cache()

@@ -98,8 +98,8 @@ def _zero_race(rank, world, ps, store, variant):
     from vllm.config import set_current_vllm_config
     from vllm.utils import torch_utils
     from vllm.v1.kv_cache_layout import KVCacheLayout
-    from vllm.v1.worker import gpu_model_runner
     from vllm.v1.worker import utils as worker_utils
+    from vllm.v1.worker.gpu import attn_utils  # MRV2: the runner that runs PCP in 0.33
 
     from tests.test_vllm_pcp import _call_sites, _flat
     from vmmkv.integrations import vllm as integration
@@ -116,7 +116,7 @@ def _zero_race(rank, world, ps, store, variant):
     torch_utils.PIN_MEMORY = False
     try:
         with set_current_vllm_config(cfg), integration.patched():
-            views = gpu_model_runner.allocate_kv_cache(
+            views = attn_utils.allocate_kv_cache(
                 config, torch.device("cpu"), KVCacheLayout.LBNHC, [BS]
             )
             vc = integration.active_cache()
