@@ -281,20 +281,20 @@ def test_the_three_pcp_cases_map_to_num_local_only_and_this_ranks_slots():
     # 1. replicated draft decodes: an unexpanded mapping, at most the local rows
     p = pcp_store_plan(rows, torch.arange(4), 3, True, 1, world)
     assert (p.tokens, p.num_local_only, p.gathered) == (3, 3, None)
-    assert p.own_slots.tolist() == [0, 1, 2] and p.slots is p.own_slots
+    assert p.slots.tolist() == [0, 1, 2]
     # 2. pcp_shard_decode_requests (DCP == 1): every row published at the own section
     p = pcp_store_plan(rows, expanded, 2, True, 1, world)
     assert (p.tokens, p.num_local_only) == (rows, 0)
-    assert p.gathered.tolist() == list(range(15)) and p.own_slots.tolist() == [5, 6, 7, 8, 9]
+    assert p.gathered.tolist() == list(range(15)) and p.slots.tolist() == [5, 6, 7, 8, 9]
     # 3. DCP > 1: decode rows local only, at rank 0's slots (vLLM's canonical writer), on every
     # rank; the other rows published at the own section
     for rank in range(world):
         p = pcp_store_plan(rows, expanded, 2, False, rank, world)
         assert (p.tokens, p.num_local_only) == (rows, 2)
-        assert p.own_slots.tolist() == [0, 1, *range(5 * rank + 2, 5 * rank + 5)], rank
+        assert p.slots.tolist() == [0, 1, *range(5 * rank + 2, 5 * rank + 5)], rank
         assert p.gathered.tolist() == list(range(15))
         p = pcp_store_plan(rows, expanded, rows, False, rank, world)  # all decodes
-        assert p.num_local_only == p.tokens == rows and p.own_slots.tolist() == list(range(5))
+        assert p.num_local_only == p.tokens == rows and p.slots.tolist() == list(range(5))
     with pytest.raises(ValueError, match="num_decode_tokens"):
         pcp_store_plan(rows, expanded, rows + 1, False, 0, world)
     with pytest.raises(ValueError, match="fewer than 3 ranks x 5 rows"):

@@ -74,10 +74,6 @@ class StorePlan:
     slots: torch.Tensor
     gathered: torch.Tensor | None
 
-    @property
-    def own_slots(self) -> torch.Tensor:
-        return self.slots
-
 
 def pcp_store_plan(
     rows: int,

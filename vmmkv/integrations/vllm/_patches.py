@@ -266,7 +266,7 @@ def _gather_mla(orig: Callable[..., Any]) -> Callable[..., Any]:
                      pcp_shard_decode_requests)  # fmt: skip
         kv_c, kpe = kv_c_normed[: plan.tokens], k_pe[: plan.tokens]
         _STATE.pending[MLA] = _Pending(plan, kv_c)
-        return kv_c, kpe, plan.own_slots
+        return kv_c, kpe, plan.slots
 
     return maybe_gather_mla_latent_cache_inputs
 
@@ -282,7 +282,7 @@ def _gather_indexer(orig: Callable[..., Any]) -> Callable[..., Any]:
                      pcp_shard_decode_requests)  # fmt: skip
         rows = k[: plan.tokens]
         _STATE.pending[INDEXER] = _Pending(plan, rows)
-        return rows, plan.own_slots
+        return rows, plan.slots
 
     return maybe_gather_indexer_k
 
@@ -300,7 +300,7 @@ def _take(family: str, rows: Any, slots: Any) -> _Pending | None:
     p = _STATE.pending.get(family)
     if p is None or not isinstance(rows, torch.Tensor) or not isinstance(slots, torch.Tensor):
         return None
-    own = p.plan.own_slots
+    own = p.plan.slots
     same = (
         rows.data_ptr() == p.rows.data_ptr()
         and rows.shape[0] == p.rows.shape[0]
