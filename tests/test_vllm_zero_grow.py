@@ -151,8 +151,7 @@ def _zero_race(rank, world, ps, store, variant):
                 _inputs(layer, pcp.rank_in_group, world, NEW_BLOCKS) for layer in range(LAYERS)
             ]
             for layer, (kv_c, k_pe, k, mapping, _) in enumerate(inputs):
-                _call_sites(vc, views, layer, (kv_c, k_pe, k, mapping, None, None, 0, 0, True),
-                            world)  # fmt: skip
+                _call_sites(views, layer, kv_c, k_pe, k, mapping, 0, 0, True, world)  # fmt: skip
             dist.barrier(group=pcp.cpu_group)
             for view in plain.values():  # the reference: zeroed, then every rank's rows
                 view[NEW_BLOCKS] = 0
