@@ -8,7 +8,8 @@ What it does, in order (the constructor):
    ``device_group`` for its gather fallback) of the backing size rounded up to the allocation
    granularity, nothing committed, chunks sized by ``block_layout_chunk_bytes`` (so that
    committed bytes follow committed blocks).
-3. ``allocate(size)`` (exactly vLLM's backing size) is vLLM's backing buffer; ``set_block_layout`` declares the plan's segments
+3. ``allocate(size, reserve=True)`` (exactly vLLM's backing size, committed block by block
+   afterwards) is vLLM's backing buffer; ``set_block_layout`` declares the plan's segments
    (block growth, both layout families); vLLM's own ``create_kv_cache_views`` builds the layer
    views over that buffer (no whole-buffer ``torch.zeros`` over uncommitted memory).
 4. Every layer view is bound (4-D ``[B, 1, N, C]`` as vLLM makes it) with its kind:
