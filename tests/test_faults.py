@@ -138,7 +138,7 @@ def _cache(backend, device, initial_chunks, group=None, **kw):
 
 def _warm_up_alone(backend, device, ordinals, solo):
     """Everything a survivor's process keeps once it ran a cache, done without the peer: a
-    one-rank cache cycle (grow, store, barrier, shrink), an import of own exported chunks and,
+    one-rank cache cycle (grow, store, barrier, a captured and replayed step, shrink), an import of own exported chunks and,
     with several GPUs, of chunks made on every other GPU used (the peer-device import path)."""
     from vmmkv import ops
     from vmmkv.alloc import VirtualRegion
@@ -148,6 +148,8 @@ def _warm_up_alone(backend, device, ordinals, solo):
         kv = KVStep(cache, LAYERS, 8)
         kv.load(KVStep.batch(1, KVStep.spread(kv.slot_range(0, 1), 1, 8, 1)[0]))
         kv.step()
+        if backend == "cuda":  # a context keeps device memory after its first graph: count it
+            kv.capture().replay()
         kv.sync()
         cache.shrink(_chunk(backend, device))
     chunk = _chunk(backend, device)
