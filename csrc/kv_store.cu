@@ -33,20 +33,26 @@ __device__ __forceinline__ float abs_max8(uint4 v) {
     return m;
 }
 
-// Eight bf16 (one uint4) divided by `s` -> eight e4m3 bytes (one uint2).
-__device__ __forceinline__ uint2 quantize8(uint4 v, float s) {
-    uint2 q;
-    q.x = e4m3x4(bf16_lo(v.x) / s, bf16_hi(v.x) / s, bf16_lo(v.y) / s, bf16_hi(v.y) / s);
-    q.y = e4m3x4(bf16_lo(v.z) / s, bf16_hi(v.z) / s, bf16_lo(v.w) / s, bf16_hi(v.w) / s);
-    return q;
+// Four bf16 (one uint2) divided by the scale of `d` -> four e4m3 bytes, element 0 lowest.
+template <bool kPow2>
+__device__ __forceinline__ u32 quantize4(uint2 v, const InvScale& d) {
+    return e4m3x4(div_scale<kPow2>(bf16_lo(v.x), d), div_scale<kPow2>(bf16_hi(v.x), d),
+                  div_scale<kPow2>(bf16_lo(v.y), d), div_scale<kPow2>(bf16_hi(v.y), d));
+}
+
+// Eight bf16 (one uint4) -> eight e4m3 bytes (one uint2).
+template <bool kPow2>
+__device__ __forceinline__ uint2 quantize8(uint4 v, const InvScale& d) {
+    return make_uint2(quantize4<kPow2>(make_uint2(v.x, v.y), d),
+                      quantize4<kPow2>(make_uint2(v.z, v.w), d));
 }
 
 // fp8_ds_mla: lane l owns kv_c elements [16 l, 16 l + 16) -> entry bytes [16 l, 16 l + 16);
 // lanes 8t..8t+7 form tile t. The entry's last 144 bytes (four fp32 scales, then k_pe) go out as
 // one 16-byte store from each of lanes 0..8: lane 0 the scales, lane 1 + j the k_pe chunk j.
 // kPow2 (fp8_ds_mla_ue8m0, a compile-time variant): the tile scale is rounded up to a power of
-// two with vLLM 0.33's floor, exp2f(ceilf(log2f(fmaxf(amax / 448, 1e-4f)))), instead of the raw
-// fmaxf(amax / 448, FLT_MIN); still stored as an fp32, the values still divided by it.
+// two (mla_tile_scale), still stored as an fp32; the values are divided by it through
+// div_scale (bit-identical to IEEE division, at the cost of a multiply or three FMA-class ops).
 // Every token function loads its inputs before it looks at the slot (rows i < num_tokens always
 // exist), so the input and slot loads are in flight together.
 template <bool kPow2>
@@ -66,10 +72,10 @@ __device__ __forceinline__ void mla_token(const KVDest& dst, i64 committed,
     if (block_off < 0) return;  // warp-uniform: every lane saw the same slot
 
     const float amax = warp_max(fmaxf(abs_max8(v0), abs_max8(v1)), 8);
-    const float s = kPow2 ? exp2f(ceilf(log2f(fmaxf(amax / kFp8Max, kMlaUe8m0Floor))))
-                          : fmaxf(amax / kFp8Max, kFltMin);
-    const uint2 q0 = quantize8(v0, s);
-    const uint2 q1 = quantize8(v1, s);
+    const float s = mla_tile_scale<kPow2>(amax);
+    const InvScale d = inv_scale(s);
+    const uint2 q0 = quantize8<kPow2>(v0, d);
+    const uint2 q1 = quantize8<kPow2>(v1, d);
     const uint4 q = make_uint4(q0.x, q0.y, q1.x, q1.y);
 
     const float s0 = __shfl_sync(kFullMask, s, 0);
@@ -110,9 +116,10 @@ __device__ __forceinline__ void indexer_token(const KVDest& dst, i64 committed, 
     const float x0 = bf16_lo(v.x), x1 = bf16_hi(v.x), x2 = bf16_lo(v.y), x3 = bf16_hi(v.y);
     float amax = fmaxf(fmaxf(fabsf(x0), fabsf(x1)), fmaxf(fabsf(x2), fabsf(x3)));
     amax = warp_max(amax, 32);
-    float s = fmaxf(amax, kIndexerAmaxFloor) / kFp8Max;
-    if (kMx || ue8m0) s = exp2f(ceilf(log2f(s)));
-    const u32 q = e4m3x4(x0 / s, x1 / s, x2 / s, x3 / s);
+    const bool pow2 = kMx || ue8m0;  // warp-uniform
+    const float s = indexer_scale(amax, pow2);
+    const InvScale d = inv_scale(s);
+    const u32 q = pow2 ? quantize4<true>(v, d) : quantize4<false>(v, d);
     const u32 scale_word = kMx ? ue8m0_x4(s) : f32_bits(s);
 
     int first, end;

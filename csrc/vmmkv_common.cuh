@@ -107,16 +107,18 @@ VMMKV_CVT u32 e4m3_satfinite_soft(float x) {
 // exponent byte, bits 30..23, in every byte of the word (1.0 -> 0x7f7f7f7f, inf -> 0xffffffff).
 VMMKV_CVT u32 ue8m0_x4(float s) { return ((f32_bits(s) >> 23) & 0xffu) * 0x01010101u; }
 
-// Two values -> two e4m3 bytes: `lo` in bits 0..7, `hi` in bits 8..15.
+// Two values -> two e4m3 bytes: `lo` in bits 0..7, `hi` in bits 8..15. On sm_89+ one packed
+// instruction converts the pair (cuda_fp8.hpp's per-value __nv_cvt_float_to_fp8 issues the same
+// instruction once per value, with a zero partner); elsewhere cuda_fp8.h, else the software path.
 VMMKV_CVT u32 e4m3x2(float lo, float hi) {
-#if defined(VMMKV_HAVE_CUDA_FP8_H) && !defined(VMMKV_HOST_TEST)
-    return (u32)__nv_cvt_float_to_fp8(lo, __NV_SATFINITE, __NV_E4M3) |
-           ((u32)__nv_cvt_float_to_fp8(hi, __NV_SATFINITE, __NV_E4M3) << 8);
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    // The instruction cuda_fp8.hpp itself uses on sm_89+: first source -> upper byte.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    // first source -> upper byte
     u16 pair;
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
     return (u32)pair;
+#elif defined(VMMKV_HAVE_CUDA_FP8_H) && !defined(VMMKV_HOST_TEST)
+    return (u32)__nv_cvt_float_to_fp8(lo, __NV_SATFINITE, __NV_E4M3) |
+           ((u32)__nv_cvt_float_to_fp8(hi, __NV_SATFINITE, __NV_E4M3) << 8);
 #else
     return e4m3_satfinite_soft(lo) | (e4m3_satfinite_soft(hi) << 8);
 #endif
@@ -125,6 +127,60 @@ VMMKV_CVT u32 e4m3x2(float lo, float hi) {
 // Four values (each already divided by its scale) -> four e4m3 bytes, element 0 lowest.
 VMMKV_CVT u32 e4m3x4(float a, float b, float c, float d) {
     return e4m3x2(a, b) | (e4m3x2(c, d) << 16);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scales and the division by them. The formulas are vLLM 0.33's (docs/design.md, "KV byte
+// formats"); every scale is a function of a tile's amax, itself a bf16 magnitude, so the proof
+// in tests/test_quant_exact_gpu.py runs every reachable (amax, value) pair through these very
+// functions and compares the bytes with IEEE division's.
+
+// fp8_ds_mla: fmaxf(amax / 448, FLT_MIN); fp8_ds_mla_ue8m0 (kPow2): that rounded up to a power
+// of two with vLLM's floor, exp2f(ceilf(log2f(fmaxf(amax / 448, 1e-4f)))).
+template <bool kPow2>
+VMMKV_FN float mla_tile_scale(float amax) {
+    return kPow2 ? exp2f(ceilf(log2f(fmaxf(amax / kFp8Max, kMlaUe8m0Floor))))
+                 : fmaxf(amax / kFp8Max, kFltMin);
+}
+
+// indexer_k: fmaxf(amax, 1e-4) / 448, rounded up to a power of two for ue8m0 / indexer_k_mxfp8.
+VMMKV_FN float indexer_scale(float amax, bool pow2) {
+    const float s = fmaxf(amax, kIndexerAmaxFloor) / kFp8Max;
+    return pow2 ? exp2f(ceilf(log2f(s))) : s;
+}
+
+// A tile's scale and its correctly rounded reciprocal, computed once per tile (per lane) so
+// that each value costs a multiply and two FMAs instead of an IEEE division.
+struct InvScale {
+    float s;     // the scale
+    float r;     // __frcp_rn(s)
+    bool fast;   // the corrected product equals x / s for every value of the tile (see div_scale)
+};
+
+// `fast` holds for 2^-90 <= s < 2^126. Below, a value small enough to make the correction's
+// residual x - s * q underflow (|x| < ~2^-103) can still have a quotient e4m3 resolves, and the
+// product would round it differently (measured: fp8_ds_mla tiles of amax < ~2^-81, whose scale
+// sits near its FLT_MIN floor); above, 1/s is subnormal; an infinite amax gives s = inf. Those
+// tiles take the IEEE `/`, element by element.
+VMMKV_FN InvScale inv_scale(float s) {
+    return InvScale{s, __frcp_rn(s), s >= 0x1p-90f && s < 0x1p126f};
+}
+
+// x / s at issue rate, for the e4m3 conversion that follows. kPow2 (s a power of two, checked
+// for every scale the pow2 formulas produce): r = 1/s is exact, so x * r is the exact quotient
+// rounded once, as x / s is: the same float. Otherwise: q = x * r, then one Markstein correction
+// q + r * (x - s * q) (the compiler's own fast path of `/`), copysign restoring the sign of a
+// zero quotient (x = -0 gives +0 from the FMAs). Over every (amax, x) pair a tile can hold
+// (|x| <= amax or x NaN; NaN never wins the amax) the e4m3 bytes equal those of x / s, and the
+// float equals x / s wherever either has a magnitude >= 2^-11 (below, where e4m3 gives +-0
+// either way, the residual may underflow and the last bit differ):
+// tests/test_quant_exact_gpu.py checks all of them on the GPU.
+template <bool kPow2>
+VMMKV_FN float div_scale(float x, const InvScale& d) {
+    if (kPow2) return x * d.r;
+    if (!d.fast) return x / d.s;
+    const float q = x * d.r;
+    return copysignf(fmaf(fmaf(-d.s, q, x), d.r, q), x);
 }
 
 VMMKV_FN i64 load_slot(const void* slots, int slots_is_64, i64 i) {
