@@ -5,15 +5,24 @@ For T tokens and D destinations (distinct VMM regions on the one GPU, as peers w
   (CUDA events around each call, Python launch cost included) and CUDA-graph replays (device
   time only); effective bandwidth = (bytes read once + bytes written per destination) / time;
 - the unfused naive path: reference quantize (torch ops), then one index_put per destination;
-- ceilings measured in the same run: a 1 GiB fill (write) and copy (read + write), and the launch
-  of an empty kernel through the same launch path;
+- ceilings measured in the same run: a 1 GiB fill (write) and copy (read + write), the launch
+  of an empty kernel through the same launch path, and copies of 8, 26 and 52 MB between two
+  local buffers three ways (benchmarks/ceiling.py: the copy engine, an SM kernel of full 128-B
+  lines in 16-B stores, with and without ``L1::no_allocate``, and TMA bulk stores from shared
+  memory; graph replays, bytes copied per second, each copy checked once); the 1-destination
+  rows from ``BW_MIN_T`` tokens on get ``store/best ceiling``: bytes written per second
+  (``T * (656 + 132)`` / graph time) over the best copy's at the closest size;
 - barrier: 1 rank (eager and graph), 2 processes sharing the GPU, and torch symmetric memory's
   ``barrier()`` in a 1-rank group.
 ``--pcp N`` instead runs N ranks (one process per GPU when there are N GPUs, else sharing one)
 over a ``SymmetricRegion`` and prints, side by side: the eager host time per layer step (store +
 barrier in two launches vs ``publish`` in one; functional API vs ``vmmkv.ops.prepare``), the
 graph-replayed device time of both, the barrier vs torch symmetric memory's (eager, graph) and
-the publish bandwidth vs a peer copy of the same bytes through the same mapping.
+the publish bandwidth vs a peer copy of the same bytes through the same mapping. Each rank
+also copies 8, 26 and 52 MB into its peer's replica (rank + 1, all ranks at once) the same
+three ways as above; every bandwidth row gets ``best ceiling GB/s`` (the best of them at the
+size closest to the row's ``T * (656 + 132)`` bytes) and ``publish/best ceiling`` (the per-peer
+publish GB/s over it), and the ceilings table is printed (slowest rank per method).
 ``--host-cost`` (one process) breaks the host time of one prepared publish into its stages
 (perf_counter_ns) and compares the empty-kernel launch with torch's own launches;
 ``--host-cost --cpu`` measures the same Python without a GPU (driver calls as no-ops).
@@ -28,6 +37,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import ceiling  # noqa: E402
 from common import arguments, median, table, write_json  # noqa: E402
 
 BS = 64
@@ -85,6 +95,8 @@ def _graph_ms(fn, iters, inner=10):
 
 
 def ceilings(iters):
+    """1 GiB fill and copy (eager, CUDA events), the empty-kernel launch, and ``copies``: the
+    local copy ceilings of benchmarks/ceiling.py (GB/s = bytes copied per second)."""
     import torch
 
     from vmmkv.ops import launch
@@ -99,11 +111,14 @@ def ceilings(iters):
     ordinal = torch.cuda.current_device()
     empty_eager = _events_ms(lambda: noop.launch(ordinal, 1, 32), iters * 5)
     empty_graph = _graph_ms(lambda: noop.launch(ordinal, 1, 32), iters)
+    # local copies at the ceiling sizes, three ways, in the same two buffers
+    copies = ceiling.measure(ordinal, dst, src, lambda fn: _graph_ms(fn, iters))
     return {
         "fill_GBps": n / fill_ms / 1e6,
         "copy_GBps": 2 * n / copy_ms / 1e6,
         "empty_launch_eager_us": empty_eager * 1e3,
         "empty_launch_graph_us": empty_graph * 1e3,
+        "copies": copies,
     }
 
 
@@ -376,7 +391,8 @@ def _pcp_rank(rank, world, tokens, iters, patterns=SLOT_PATTERNS):
     nb = world * nb_rank
     mla_bytes, idx_bytes = nb * BS * MLA, nb * BS * IDX
     gran = 2 << 20
-    cap = -(-(mla_bytes + idx_bytes) // gran) * gran
+    # room for the largest copy ceiling too (written from the start of the peer's replica)
+    cap = -(-max(mla_bytes + idx_bytes, max(ceiling.SIZES)) // gran) * gran
     sr = SymmetricRegion(cap, dev, initial_bytes=cap, backend="cuda")
     out: dict = {"rank": rank, "device": str(dev), "shared_gpu": ngpu < world, "rows": []}
     try:
@@ -438,6 +454,20 @@ def _pcp_rank(rank, world, tokens, iters, patterns=SLOT_PATTERNS):
                 )
             out["rows"].append(row)
             sync()
+        # copy ceilings into the peer's replica (every rank at once, after the publish rows so
+        # that those run on the memory as before), then each bandwidth row against the best
+        peer = (rank + 1) % world
+        csrc = torch.empty(max(ceiling.SIZES), dtype=torch.uint8, device=dev)
+        sync()
+        ceil = ceiling.measure(dev.index, sr.peers.view(peer), csrc,
+                               lambda fn: _graph_ms(fn, iters, PCP_INNER), before=sync)  # fmt: skip
+        del csrc
+        out["ceilings"] = ceil
+        for row in out["rows"]:
+            if "publish GB/s to peers" in row:
+                best = ceiling.best_at(ceil, row["T"] * (MLA + IDX))
+                row["best ceiling GB/s"] = best
+                row["publish/best ceiling"] = row["publish GB/s to peers"] / (world - 1) / best
         # the barrier alone: vmmkv vs torch symmetric memory (same ranks, same run)
         sync()
         out["barrier vmmkv eager us"] = _events_ms(lambda: bar.arrive_and_wait(0), iters) * 1e3
@@ -504,13 +534,21 @@ def pcp(world, tokens, iters, patterns=SLOT_PATTERNS):
             worst = min if "GB/s" in key or "/" in key else max
             row[key] = worst(vals)  # the slowest rank
         rows.append(row)
-    keys = {k for r in per_rank for k in r} - {"rows", "rank", "device"}
+    keys = {k for r in per_rank for k in r} - {"rows", "rank", "device", "ceilings"}
     summary = {}
     for k in sorted(keys):
         vals = [r[k] for r in per_rank if k in r]
         summary[k] = max(vals) if all(isinstance(v, float) for v in vals) else vals[0]
     summary["devices"] = [r["device"] for r in per_rank]
+    summary["ceilings"] = ceiling.slowest([r["ceilings"] for r in per_rank])
+    summary["ceilings per rank"] = [r["ceilings"] for r in per_rank]
     return rows, summary
+
+
+def ceiling_columns(rows):
+    """The columns of a copy-ceilings table: size, each method measured, the best."""
+    methods = [f"{m} GB/s" for m in ceiling.METHODS if any(f"{m} GB/s" in r for r in rows)]
+    return ["MB", *methods, ceiling.BEST, "best"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -755,23 +793,33 @@ def main() -> None:
         if bw:
             keys = [k for k in bw[0] if "GB/s" in k or "/" in k or "only" in k]
             print(table(bw, ["T", "slots"] + keys))
+        print("copy ceilings into the peer's replica (GB/s of bytes copied; slowest rank):")
+        print(table(summary["ceilings"], ceiling_columns(summary["ceilings"])))
         print("barrier:", {k: v for k, v in summary.items() if k.startswith("barrier")})
         write_json(a.out, f"bench_store_pcp{a.pcp}", rows, summary=summary)
         return
     tokens = [int(x) for x in a.tokens.split(",")]
     dests = [int(x) for x in a.dests.split(",")]
     ceil = ceilings(a.iters)
+    copies = ceil["copies"]
     rows = store_sweep(tokens, dests, a.iters, patterns)
     for r in rows:
         r["eff/fill"] = r["eff_GBps"] / ceil["fill_GBps"]
         r["eager/empty_launch"] = r["fused_eager_us"] / ceil["empty_launch_eager_us"]
+        if r["dests"] == 1 and r["T"] >= BW_MIN_T:  # bytes written per second vs a copy's
+            written = r["T"] * (MLA + IDX)
+            r["store written GB/s"] = written / (r["fused_graph_us"] * 1e3)
+            r["best ceiling GB/s"] = ceiling.best_at(copies, written)
+            r["store/best ceiling"] = r["store written GB/s"] / r["best ceiling GB/s"]
     bar = {
         "vmmkv 1 rank": barrier_one_rank(a.iters),
         "vmmkv 2 processes on one GPU": barrier_two_processes(a.iters),
         "torch symm_mem 1 rank": symm_mem_barrier(a.iters),
     }
-    print("ceilings (same run):", {k: round(v, 2) for k, v in ceil.items()})
-    print(table(rows, list(rows[0])))
+    print("ceilings (same run):", {k: round(v, 2) for k, v in ceil.items() if k != "copies"})
+    print("local copy ceilings (GB/s of bytes copied, graph replays):")
+    print(table(copies, ceiling_columns(copies)))
+    print(table(rows, list(dict.fromkeys(k for r in rows for k in r))))
     print("barrier latency (median):")
     for k, v in bar.items():
         print(f"  {k:<32} {v}")
