@@ -77,7 +77,7 @@ end=$(date +%s)
 
 echo "==================== gpu_liveness summary ($((end - start)) s, pytest rc=$rc) ===================="
 grep -h "LATENCY\|Error" "$OUT/latency.log" | head -8
-grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest.log" \
+grep -E "^((PASSED|FAILED|ERROR) tests/|SKIPPED \[)" "$OUT/pytest.log" \
     | sed -E 's/^PASSED (.*)/CHECK \1: PASS/; s/^FAILED ([^ ]*).*/CHECK \1: FAIL/; s/^ERROR ([^ ]*).*/CHECK \1: ERROR/; s/^SKIPPED (.*)/CHECK SKIP \1/'
 grep -hE "^(STRESS|OUTCOME)" "$OUT/pytest.log" | sort -u
 grep -E "^=+ .*(passed|failed|error).* =+$" "$OUT/pytest.log"
