@@ -35,16 +35,15 @@ __device__ __forceinline__ float abs_max8(uint4 v) {
 
 // Four bf16 (one uint2) divided by the scale of `d` -> four e4m3 bytes, element 0 lowest.
 template <bool kPow2>
-__device__ __forceinline__ u32 quantize4(uint2 v, const InvScale& d) {
-    return e4m3x4(div_scale<kPow2>(bf16_lo(v.x), d), div_scale<kPow2>(bf16_hi(v.x), d),
-                  div_scale<kPow2>(bf16_lo(v.y), d), div_scale<kPow2>(bf16_hi(v.y), d));
+__device__ __forceinline__ u32 quantize_bf16x4(uint2 v, const InvScale& d) {
+    return quantize4<kPow2>(bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y), d);
 }
 
 // Eight bf16 (one uint4) -> eight e4m3 bytes (one uint2).
 template <bool kPow2>
 __device__ __forceinline__ uint2 quantize8(uint4 v, const InvScale& d) {
-    return make_uint2(quantize4<kPow2>(make_uint2(v.x, v.y), d),
-                      quantize4<kPow2>(make_uint2(v.z, v.w), d));
+    return make_uint2(quantize_bf16x4<kPow2>(make_uint2(v.x, v.y), d),
+                      quantize_bf16x4<kPow2>(make_uint2(v.z, v.w), d));
 }
 
 // fp8_ds_mla: lane l owns kv_c elements [16 l, 16 l + 16) -> entry bytes [16 l, 16 l + 16);
@@ -52,7 +51,7 @@ __device__ __forceinline__ uint2 quantize8(uint4 v, const InvScale& d) {
 // one 16-byte store from each of lanes 0..8: lane 0 the scales, lane 1 + j the k_pe chunk j.
 // kPow2 (fp8_ds_mla_ue8m0, a compile-time variant): the tile scale is rounded up to a power of
 // two (mla_tile_scale), still stored as an fp32; the values are divided by it through
-// div_scale (bit-identical to IEEE division, at the cost of a multiply or three FMA-class ops).
+// quantize4 (the bytes of IEEE division, at the cost of a multiply or three FMA-class ops).
 // Every token function loads its inputs before it looks at the slot (rows i < num_tokens always
 // exist), so the input and slot loads are in flight together.
 template <bool kPow2>
@@ -119,7 +118,7 @@ __device__ __forceinline__ void indexer_token(const KVDest& dst, i64 committed, 
     const bool pow2 = kMx || ue8m0;  // warp-uniform
     const float s = indexer_scale(amax, pow2);
     const InvScale d = inv_scale(s);
-    const u32 q = pow2 ? quantize4<true>(v, d) : quantize4<false>(v, d);
+    const u32 q = pow2 ? quantize4<true>(x0, x1, x2, x3, d) : quantize4<false>(x0, x1, x2, x3, d);
     const u32 scale_word = kMx ? ue8m0_x4(s) : f32_bits(s);
 
     int first, end;

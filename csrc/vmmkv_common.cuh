@@ -166,21 +166,37 @@ VMMKV_FN InvScale inv_scale(float s) {
     return InvScale{s, __frcp_rn(s), s >= 0x1p-90f && s < 0x1p126f};
 }
 
-// x / s at issue rate, for the e4m3 conversion that follows. kPow2 (s a power of two, checked
-// for every scale the pow2 formulas produce): r = 1/s is exact, so x * r is the exact quotient
-// rounded once, as x / s is: the same float. Otherwise: q = x * r, then one Markstein correction
-// q + r * (x - s * q) (the compiler's own fast path of `/`), copysign restoring the sign of a
-// zero quotient (x = -0 gives +0 from the FMAs). Over every (amax, x) pair a tile can hold
-// (|x| <= amax or x NaN; NaN never wins the amax) the e4m3 bytes equal those of x / s, and the
-// float equals x / s wherever either has a magnitude >= 2^-11 (below, where e4m3 gives +-0
-// either way, the residual may underflow and the last bit differ):
-// tests/test_quant_exact_gpu.py checks all of them on the GPU.
+// x / s at issue rate, for the e4m3 conversion that follows, where `kPow2 || d.fast`. kPow2 (s
+// a power of two, checked for every scale the pow2 formulas produce): r = 1/s is exact, so
+// x * r is the exact quotient rounded once, as x / s is: the same float. Otherwise: q = x * r,
+// then one Markstein correction q + r * (x - s * q) (the compiler's own fast path of `/`),
+// copysign restoring the sign of a zero quotient (x = -0 gives +0 from the FMAs).
 template <bool kPow2>
-VMMKV_FN float div_scale(float x, const InvScale& d) {
+VMMKV_FN float div_scale_fast(float x, const InvScale& d) {
     if (kPow2) return x * d.r;
-    if (!d.fast) return x / d.s;
     const float q = x * d.r;
     return copysignf(fmaf(fmaf(-d.s, q, x), d.r, q), x);
+}
+
+// One value: div_scale_fast where it applies, else IEEE `/` (what quantize4 does per tile).
+// Over every (amax, x) pair a tile can hold (|x| <= amax or x NaN; NaN never wins the amax) the
+// e4m3 bytes equal those of x / s, and the float equals x / s wherever either has a magnitude
+// >= 2^-11 (below, where e4m3 gives +-0 either way, the residual may underflow and the last bit
+// differ): tests/test_quant_exact_gpu.py checks all of them on the GPU.
+template <bool kPow2>
+VMMKV_FN float div_scale(float x, const InvScale& d) {
+    return (kPow2 || d.fast) ? div_scale_fast<kPow2>(x, d) : x / d.s;
+}
+
+// Four values of one tile divided by its scale -> four e4m3 bytes, element 0 lowest. The choice
+// between the fast division and `/` is made once for the four (it is the tile's), so the fast
+// path is straight-line code: no per-value branch or reconvergence.
+template <bool kPow2>
+VMMKV_FN u32 quantize4(float a, float b, float c, float e, const InvScale& d) {
+    if (kPow2 || d.fast)
+        return e4m3x4(div_scale_fast<kPow2>(a, d), div_scale_fast<kPow2>(b, d),
+                      div_scale_fast<kPow2>(c, d), div_scale_fast<kPow2>(e, d));
+    return e4m3x4(a / d.s, b / d.s, c / d.s, e / d.s);
 }
 
 VMMKV_FN i64 load_slot(const void* slots, int slots_is_64, i64 i) {

@@ -1,18 +1,19 @@
 """The quantizers' division at issue rate gives IEEE division's bytes: an exhaustive proof.
 
-The stores divide each value by its tile's scale with ``div_scale`` (csrc/vmmkv_common.cuh): a
+The stores divide each tile's values by its scale with ``quantize4`` (csrc/vmmkv_common.cuh): a
 multiply by the exact reciprocal for power-of-two scales, else a multiply by the correctly
-rounded reciprocal plus one FMA correction and copysign, with IEEE ``/`` kept for scales outside
-the guarded range. Every scale is a function of a tile's amax, and amax is a bf16 magnitude (the
+rounded reciprocal plus one FMA correction and copysign, with IEEE ``/`` kept for tiles whose
+scale is outside the guarded range (``div_scale`` is the same choice for one value). Every scale is a function of a tile's amax, and amax is a bf16 magnitude (the
 largest |x| of the tile; NaN never wins ``fmaxf``), so the pairs a tile can hold are finite:
 every amax from +0 to +inf (32641 bf16 patterns) times every bf16 value ``x`` with
 ``|x| <= amax`` or ``x`` NaN. For each of the four scale rules (fp8_ds_mla, fp8_ds_mla_ue8m0,
 indexer_k, indexer_k ue8m0 / mxfp8; computed by the kernels' own ``mla_tile_scale`` and
 ``indexer_scale``) a kernel runs all of them (2^30 + 16384 pairs per rule) and compares
 
-- the e4m3 bytes of the packed conversion the stores use (``e4m3x2``, two values per
-  instruction) with the software conversion of the IEEE quotient (``e4m3_satfinite_soft``,
-  itself checked against cuda_fp8.h on every float in tests/test_nvrtc.py): no difference;
+- the e4m3 bytes of the stores' own ``quantize4`` (the division and the packed conversion, two
+  values per instruction), fed ``(x, -x, -x, x)``, with the software conversion of the IEEE
+  quotient (``e4m3_satfinite_soft``, itself checked against cuda_fp8.h on every float in
+  tests/test_nvrtc.py): no difference;
 - the fp32 quotient bits with ``x / s`` (NaN with NaN): for the power-of-two rules no difference
   at all; for the raw-scale rules none where either quotient is NaN or of magnitude >= 2^-11
   (a last-bit difference below that, where e4m3 gives +-0 either way, is counted and printed);
@@ -91,14 +92,25 @@ quant_proof(int rule, int mode, unsigned long long* counts, unsigned int* first)
         const float xp = f32_from_bits(m << 16), xn = f32_from_bits((m | 0x8000u) << 16);
         const float gp = quotient(mode, pow2, xp, d), gn = quotient(mode, pow2, xn, d);
         const float wp = xp / s, wn = xn / s;
-        const u32 got = e4m3x2(gp, gn);
+        // the bytes: the stores' own quantize4 (mode 0), else the control quotients converted
+        u32 got;
+        if (mode != 0) got = e4m3x2(gp, gn);
+        else if (pow2) got = quantize4<true>(xp, xn, xn, xp, d);
+        else got = quantize4<false>(xp, xn, xn, xp, d);
+        if (mode == 0 && (got >> 16) != (((got & 0xffu) << 8) | ((got >> 8) & 0xffu))) {
+            ++bytes;  // the upper pair (-x, x) must mirror the lower (x, -x)
+            atomicMin(first, (a << 16) | m);
+        }
         const u32 want = e4m3_satfinite_soft(wp) | (e4m3_satfinite_soft(wn) << 8);
         pairs += 2;
         quots += !same_bits(gp, wp);
         quots += !same_bits(gn, wn);
         seen += visible(gp, wp) + visible(gn, wn);
         if ((got & 0xffu) != (want & 0xffu)) { ++bytes; atomicMin(first, (a << 16) | m); }
-        if ((got >> 8) != (want >> 8)) { ++bytes; atomicMin(first, (a << 16) | m | 0x8000u); }
+        if (((got >> 8) & 0xffu) != (want >> 8)) {
+            ++bytes;
+            atomicMin(first, (a << 16) | m | 0x8000u);
+        }
     }
     atomicAdd(counts + 0, pairs);
     if (bytes) atomicAdd(counts + 1, bytes);
