@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One device-machine call. Logs and JSON go to $OUT (the folder whose files come back). Usage:
-#   bash benchmarks/gpu_session.sh tests|bench|all|ops-tests|ops-bench|ops
+#   bash benchmarks/gpu_session.sh tests|bench|all|ops-tests|ops-bench|ops|bw
 # - tests: the GPU suite + CLI on the GPU; bench: every benchmark; all: both.
+# - bw: issue 23's rows: the exhaustive division proof, then `bench_store.py --pcp 2` with a row
+#   at each copy-ceiling size (T = 8192, 32768, 65536: 6.5, 25.8, 51.6 MB) and, on one GPU, the
+#   1/4/8-destination table; logged to $OUT/bw.log.
 # - ops-tests / ops-bench / ops (both): the ops layer alone (issue 12), everything also logged
 #   to $OUT/ops.log. ops-tests: the ops GPU and CPU tests. ops-bench: the host-cost breakdown and
 #   the PCP2 tables (eager host time 2 launches vs 1, graph time, barrier vs torch symmetric
@@ -18,7 +21,7 @@ OUT=${OUT:-$PWD/bench-out}
 mkdir -p "$OUT"
 what=${1:-all}
 LOG=/dev/null
-case "$what" in ops*) LOG="$OUT/ops.log" ;; esac
+case "$what" in ops*) LOG="$OUT/ops.log" ;; bw) LOG="$OUT/bw.log" ;; esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
 if [ "$what" = tests ] || [ "$what" = all ]; then
     python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
@@ -56,5 +59,19 @@ if [ "$what" = ops-bench ] || [ "$what" = ops ]; then
         echo "== one GPU: 1/2/4/8 destinations" | tee -a "$LOG"
         timeout 900 python3 benchmarks/bench_store.py --out "$OUT/bench_store.json" 2>&1 \
             | grep -v " done$" | tee -a "$LOG"
+    fi
+fi
+if [ "$what" = bw ]; then
+    ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    echo "== GPUs: $ngpu" | tee -a "$LOG"
+    timeout 300 python3 -m pytest -q -rs -s -p no:cacheprovider tests/test_quant_exact_gpu.py 2>&1 \
+        | tee -a "$LOG" | tail -8
+    echo "== PCP2 publish and copy ceilings (2 ranks)" | tee -a "$LOG"
+    timeout 900 python3 benchmarks/bench_store.py --pcp 2 --tokens 1,2048,8192,32768,65536 \
+        --out "$OUT/pcp2_bw.json" 2>&1 | tee -a "$LOG"
+    if [ "$ngpu" -eq 1 ]; then
+        echo "== one GPU: 1/4/8 destinations" | tee -a "$LOG"
+        timeout 600 python3 benchmarks/bench_store.py --tokens 1,2048,16384,65536 --dests 1,4,8 \
+            --out "$OUT/bench_store.json" 2>&1 | grep -v " done$" | tee -a "$LOG"
     fi
 fi
