@@ -20,6 +20,12 @@ replays (``inner`` steps per graph, replayed back to back, CUDA events). Every n
 median over ``--reps`` loops, then the slowest rank. Before timing, each T checks that the
 fallback and direct publication leave identical bytes (``equal``).
 
+``--profile`` adds, per T, where the host time of one eager ``fallback_gathered`` step goes
+(vLLM's convention, issue 23 item 4): ``iters`` steps under ``cProfile`` on every rank (they are
+collective), rank 0's functions with the most cumulative time, per step (µs; calls per step);
+printed after the table and kept in the JSON (``profile``). cProfile adds its own cost to every
+Python call, so read it for shares and call counts, not as timings.
+
 ``--backend host`` runs the same sweep on the CPU (host backend, gloo, no graphs, no direct
 comparison of device time): it exercises this script's logic without a GPU. Prints a table,
 writes JSON (``--out``); each finished T is also appended to ``<out>.partial.jsonl`` so a run cut
@@ -96,6 +102,29 @@ def summarize(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _short_path(path: str) -> str:
+    """``path`` from site-packages, or from this tree's top folder."""
+    if "site-packages/" in path:
+        return path.split("site-packages/", 1)[1]
+    for top in ("vmmkv", "benchmarks", "tests"):
+        if f"/{top}/" in path:
+            return top + "/" + path.rsplit(f"/{top}/", 1)[1]
+    return path
+
+
+def top_functions(stats: Any, steps: int, top: int = 15) -> list[dict[str, Any]]:
+    """The ``top`` functions of a ``pstats.Stats`` by cumulative time, per step of ``steps``:
+    ``function`` (file:line(name), the file relative to site-packages or the tree), ``calls``,
+    ``own_us`` (time in the function itself), ``cum_us`` (with what it called)."""
+    rows = []
+    for (path, line, name), (_, ncalls, tottime, cumtime, _) in stats.stats.items():
+        where = f"{_short_path(path)}:{line}({name})" if line else name
+        rows.append({"function": where, "calls": ncalls / steps,
+                     "own_us": tottime * 1e6 / steps, "cum_us": cumtime * 1e6 / steps})  # fmt: skip
+    rows.sort(key=lambda r: r["cum_us"], reverse=True)
+    return rows[:top]
+
+
 def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Flat rows for the printed table (µs; ratios)."""
     out = []
@@ -157,6 +186,26 @@ class _Timer:
             self._sync()
             times.append((time.perf_counter() - t0) * 1e6 / self.iters)
         return median(times)
+
+    def profile(self, step, top: int = 15) -> list[dict[str, Any]]:
+        """``iters`` eager steps under cProfile (after a warm-up, between a sync and a barrier
+        like a timed loop, the closing synchronize included): :func:`top_functions`."""
+        import cProfile
+        import pstats
+
+        import torch.distributed as dist
+
+        for _ in range(2):
+            step()
+        self._sync()
+        dist.barrier(group=self.group)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(self.iters):
+            step()
+        self._sync()
+        prof.disable()
+        return top_functions(pstats.Stats(prof), self.iters, top)
 
     def graph(self, step, inner: int) -> float:
         import torch
@@ -293,6 +342,8 @@ def _rank(rank: int, world: int, opts: dict[str, Any]) -> list[dict[str, Any]]:
                 row["equal"] = _same_bytes(cache, buf, steps)
                 for case, step in steps.items():
                     row["eager"][case] = timer.eager(step)
+                if opts.get("profile"):
+                    row["profile"] = timer.profile(steps["fallback_gathered"])
                 if not host:
                     row["inner"] = inner = 10 if t <= 2048 else 2
                     for case, step in steps.items():
@@ -358,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="timed loops (median)")
     ap.add_argument("--backend", choices=("cuda", "host"), default="cuda")
     ap.add_argument("--timeout", type=float, default=540.0, help="whole run, seconds")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one eager fallback_gathered step per T (cProfile)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.world < 2 or any(t < 1 for t in args.tokens) or args.iters < 1 or args.reps < 1:
         ap.error("--world >= 2, tokens >= 1, --iters >= 1, --reps >= 1")
@@ -380,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         os.remove(partial)
     opts = dict(
         backend=args.backend, tokens=args.tokens, iters=args.iters, reps=args.reps,
-        timeout=max(60.0, args.timeout / 4), partial=partial,
+        timeout=max(60.0, args.timeout / 4), partial=partial, profile=args.profile,
     )  # fmt: skip
     results = run_world_raw(_rank, args.world, args=(opts,), timeout=args.timeout)
     failed = [r for r in results if not r.ok]
@@ -401,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if r.get("error"):
             print(f"T={r['T']}: {r['error']}")
+        if r.get("profile"):
+            print(f"T={r['T']}: host time of one eager fallback_gathered step, rank 0 (cProfile):")
+            print(table(r["profile"], ["function", "calls", "own_us", "cum_us"]))
     print(f"bench_gather: JSON in {args.out}")
     return 0
 

@@ -61,7 +61,7 @@ def test_the_sweep_runs_on_the_host_backend_and_writes_its_json(tmp_path):
     out = tmp_path / "bench_gather.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_gather.py"), "--backend",
            "host", "--tokens", "1", "5", "--iters", "1", "--reps", "1", "--world", "3",
-           "--out", str(out)]  # fmt: skip
+           "--profile", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
@@ -70,9 +70,41 @@ def test_the_sweep_runs_on_the_host_backend_and_writes_its_json(tmp_path):
         assert row["equal"] is True and "error" not in row  # fallback bytes == direct bytes
         assert row["row_bytes_own"] == 1424 and row["row_bytes_gathered"] == 1408
         assert all(row["eager"][c] > 0 for c in bench_gather.CASES_EAGER)
+        # --profile: rank 0's host time of one fallback step, led by the store call itself
+        names = [p["function"] for p in row["profile"]]
+        assert any("cache.py" in n and "store_layer" in n for n in names), names
+        assert all(p["cum_us"] > 0 and p["calls"] > 0 for p in row["profile"])
     assert "fallback" in proc.stdout and "direct/fb" in proc.stdout
+    assert "host time of one eager fallback_gathered step" in proc.stdout
     partial = [json.loads(x) for x in open(str(out) + ".partial.jsonl")]
     assert [r["T"] for r in partial] == [1, 5]
+
+
+def _work(n):
+    return sum(_leaf(i) for i in range(n))
+
+
+def _leaf(i):
+    return i * i
+
+
+def test_top_functions_are_per_step_and_sorted_by_cumulative_time():
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(4):
+        _work(100)
+    prof.disable()
+    rows = bench_gather.top_functions(pstats.Stats(prof), steps=4, top=50)
+    cums = [r["cum_us"] for r in rows]
+    assert cums == sorted(cums, reverse=True)
+    by_name = {r["function"].rsplit("(", 1)[1][:-1]: r for r in rows if r["function"].endswith(")")}
+    assert by_name["_work"]["calls"] == 1 and by_name["_leaf"]["calls"] == 100  # per step
+    assert by_name["_work"]["function"].startswith("tests/test_gather_bench.py:")
+    assert by_name["_work"]["cum_us"] >= by_name["_leaf"]["cum_us"] > 0
+    assert len(bench_gather.top_functions(pstats.Stats(prof), steps=4, top=2)) == 2
 
 
 def test_the_cuda_sweep_says_what_it_needs_without_enough_gpus(capsys):
