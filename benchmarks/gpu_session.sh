@@ -3,8 +3,9 @@
 #   bash benchmarks/gpu_session.sh tests|bench|all|ops-tests|ops-bench|ops|bw
 # - tests: the GPU suite + CLI on the GPU; bench: every benchmark; all: both.
 # - bw: issue 23's rows: the exhaustive division proof, then `bench_store.py --pcp 2` with a row
-#   at each copy-ceiling size (T = 8192, 32768, 65536: 6.5, 25.8, 51.6 MB) and, on one GPU, the
-#   1/4/8-destination table; logged to $OUT/bw.log.
+#   at each copy-ceiling size (T = 8192, 32768, 65536: 6.5, 25.8, 51.6 MB); with 2 GPUs the
+#   gather fallback against its ideal with its host-time profile (`bench_gather.py --profile`),
+#   on one GPU the 1/4/8-destination table; logged to $OUT/bw.log.
 # - ops-tests / ops-bench / ops (both): the ops layer alone (issue 12), everything also logged
 #   to $OUT/ops.log. ops-tests: the ops GPU and CPU tests. ops-bench: the host-cost breakdown and
 #   the PCP2 tables (eager host time 2 launches vs 1, graph time, barrier vs torch symmetric
@@ -69,6 +70,11 @@ if [ "$what" = bw ]; then
     echo "== PCP2 publish and copy ceilings (2 ranks)" | tee -a "$LOG"
     timeout 900 python3 benchmarks/bench_store.py --pcp 2 --tokens 1,2048,8192,32768,65536 \
         --out "$OUT/pcp2_bw.json" 2>&1 | tee -a "$LOG"
+    if [ "$ngpu" -ge 2 ]; then
+        echo "== gather fallback vs its ideal, with the host-time profile (2 ranks, NCCL)" | tee -a "$LOG"
+        timeout 900 python3 benchmarks/bench_gather.py --tokens 1 8 128 2048 8192 --profile \
+            --out "$OUT/bench_gather.json" 2>&1 | tee -a "$LOG"
+    fi
     if [ "$ngpu" -eq 1 ]; then
         echo "== one GPU: 1/4/8 destinations" | tee -a "$LOG"
         timeout 600 python3 benchmarks/bench_store.py --tokens 1,2048,16384,65536 --dests 1,4,8 \
