@@ -539,14 +539,19 @@ class _Rank:
                 problems.append(f"rank {self.rank}: {what}: slots counted out of range")
             self.barrier()
 
-        vm = self.paths.get("direct") or self.paths.get("vmmkv_gather")
-        reference = None
-        if vm is not None:
-            fwd = runner(vm)
+        def first_forward(path):
+            """The path's forward (captured on CUDA), run once on every rank; the byte range
+            of the workload's blocks."""
+            fwd = runner(path)
             wl.reset()
             self.timed(fwd)
             self.barrier()
-            lo, hi = wl.byte_range(self.stride)
+            return fwd, *wl.byte_range(self.stride)
+
+        vm = self.paths.get("direct") or self.paths.get("vmmkv_gather")
+        reference = None
+        if vm is not None:
+            fwd, lo, hi = first_forward(vm)
             reference = (vm.buf[lo:hi].clone(), wl.checksum.clone())
             self.barrier()
             _, seconds = self.timed(lambda: self.cache.grow(self.capacity))
@@ -557,11 +562,7 @@ class _Rank:
             fwd = None
         sy = self.paths.get("symm_mem")
         if sy is not None:
-            fwd = runner(sy)
-            wl.reset()
-            self.timed(fwd)
-            self.barrier()
-            lo, hi = wl.byte_range(self.stride)
+            fwd, lo, hi = first_forward(sy)
             if reference is None:
                 reference = (sy.buf[lo:hi].clone(), wl.checksum.clone())
             self.barrier()
