@@ -149,6 +149,20 @@ def kill_at(owner, name: str, *, after: bool = False, marker: str | None = None)
     return lambda: setattr(owner, name, real)
 
 
+def delay_at(owner, name: str, seconds: float):
+    """Make every call of ``owner.name`` start ``seconds`` late (a slow rank). Returns the undo."""
+    import time
+
+    real = getattr(owner, name)
+
+    def hook(*args, **kwargs):
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    setattr(owner, name, hook)
+    return lambda: setattr(owner, name, real)
+
+
 def process_gone(pid: int, timeout: float) -> bool:
     """True once process ``pid`` has exited (a zombie, not yet reaped by its parent, counts:
     the kernel released its files and memory at exit), polling up to ``timeout`` seconds."""

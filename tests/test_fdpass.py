@@ -529,6 +529,56 @@ def test_a_rank_that_never_shows_up_raises_fd_exchange_error_naming_it_within_th
     assert outcome["leaked"] == 0
 
 
+def _dead_peer_worker(rank, world, rundir, nonce, watch, timeout):
+    """Rank 1 dies (exits) once rank 0 watches its process, without ever exchanging; rank 0
+    exchanges with it, with ``pid_liveness`` when ``watch``."""
+    from vmmkv._util import pid_liveness
+
+    pids = _gather_pids(rundir, rank, world)
+    if rank == 1:
+        _wait_for(rundir, "watching")
+        os._exit(0)
+    liveness = pid_liveness(pids, rank) if watch else None
+    _signal(rundir, "watching")
+    baseline = _fd_count()
+    fd = _memfd(b"for rank 1")
+    start = time.monotonic()
+    with pytest.raises(FdExchangeError) as info:
+        exchange_fds(
+            rank=0, nonce=nonce, outgoing={1: (b"", [fd])}, expect_from=[1], pids=pids,
+            timeout=timeout, liveness=liveness,
+        )  # fmt: skip
+    elapsed = time.monotonic() - start
+    os.close(fd)
+    exc = info.value
+    return {
+        "elapsed": elapsed, "message": str(exc), "peers_lost": exc.peers_lost,
+        "missing_from": exc.missing_from, "leaked": _fd_count() - baseline,
+    }  # fmt: skip
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("watch", [True, False], ids=["liveness", "no-liveness"])
+def test_a_peer_whose_process_is_gone_ends_the_exchange_at_once_with_liveness(tmp_path, watch):
+    """With ``liveness`` the exchange ends within a poll or two of the peer's exit, naming it;
+    without, only its timeout ends it (the contrast shows what the check buys)."""
+    timeout = 8.0
+    res = run_world_raw(
+        _dead_peer_worker, 2, args=(str(tmp_path), _nonce(), watch, timeout), init_group=False
+    )
+    assert res[1].exitcode == 0, res[1].error
+    assert res[0].ok, res[0].error
+    out = res[0].value
+    assert out["peers_lost"] == [1] and out["missing_from"] == [1], out
+    assert out["leaked"] == 0, out
+    if watch:
+        assert out["elapsed"] < 2.0, out
+        assert "lost a peer (peer rank 1's process" in out["message"], out
+    else:
+        assert out["elapsed"] >= timeout - 0.05, out
+        assert "timed out" in out["message"], out
+
+
 @pytest.mark.timeout(30)
 def test_fds_received_before_a_timeout_are_closed_and_the_delivering_peer_succeeds(tmp_path):
     results = run_world(
@@ -630,6 +680,8 @@ def _valid_kwargs(**overrides):
         (dict(outgoing={1: (b"", 3)}), TypeError, "sequence of ints"),
         (dict(outgoing={1: (b"", ["3"])}), TypeError, "fds must be ints"),
         (dict(outgoing={1: (b"", [987654])}), ValueError, "fd 987654 is not an open"),
+        (dict(cancel=3), TypeError, "cancel must be callable"),
+        (dict(liveness="pids"), TypeError, "liveness must be callable"),
     ],
 )
 def test_bad_arguments_are_rejected_with_the_value_before_any_socket_exists(

@@ -9,8 +9,8 @@ import threading
 import time
 from types import SimpleNamespace
 
+from vmmkv._util import pid_liveness
 from vmmkv.direct import _GroupLiveness
-from vmmkv.ops.barrier import pid_liveness
 
 
 def test_a_peer_process_that_exits_is_named_zombie_or_reaped():
@@ -78,3 +78,40 @@ def test_a_peer_that_closed_or_broke_is_named_through_the_store():
     finally:
         for w in watchers:
             w.stop()
+
+
+def _watch_a_peer_that_exits(rank, world):
+    """A real rendezvous (host backend, fd handles); rank 1 then exits; rank 0's barrier
+    liveness, built from the region as the direct path builds it, names rank 1."""
+    import os
+
+    import torch.distributed as dist
+
+    from vmmkv.alloc import make_backend
+    from vmmkv.ipc import SymmetricRegion
+
+    g = make_backend("cpu", "host").granularity
+    with SymmetricRegion(4 * g, "cpu", backend="host", chunk_bytes=g, initial_bytes=g) as region:
+        assert region.peers is not None and region.peers.liveness is not None
+        watcher = _GroupLiveness(region)
+        try:
+            assert watcher() is None
+            dist.barrier()
+            if rank == 1:
+                os._exit(0)
+            deadline = time.monotonic() + 10
+            while watcher() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            return watcher()
+        finally:
+            watcher.stop()
+
+
+def test_the_rendezvous_gives_the_barrier_a_liveness_that_names_a_peer_that_exited():
+    from vmmkv.testing.spawn import run_world_raw
+
+    res = run_world_raw(_watch_a_peer_that_exits, 2, timeout=60)
+    assert res[1].exitcode == 0, res[1].error
+    assert res[0].ok, res[0].error
+    peer, why = res[0].value
+    assert peer == 1 and "peer rank 1's process" in why and "is gone" in why, res[0].value

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable
+import os
+from collections.abc import Callable, Iterable, Sequence
 
-__all__ = ["ceil_div", "require_int", "require_timeout", "round_up", "run_all"]
+__all__ = ["ceil_div", "pid_liveness", "require_int", "require_timeout", "round_up", "run_all"]
 
 log = logging.getLogger(__name__)
 
@@ -61,3 +62,34 @@ def run_all(steps: Iterable[Callable[[], None]]) -> None:
                 log.error("vmmkv teardown: further error suppressed: %s", exc)
     if first is not None:
         raise first
+
+
+def pid_liveness(pids: Sequence[int], rank: int) -> Callable[[], tuple[int, str] | None]:
+    """A ``liveness`` callable for peers that are processes of this host and PID namespace:
+    ``(peer, why)`` once a peer's process is gone (no such pid, a zombie, or a reused pid with
+    another start time). Peers whose /proc entry cannot be read at creation are not watched."""
+
+    def start_time(pid: int) -> tuple[str, int] | None:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            return None
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+        return fields[0], int(fields[19])  # state, starttime
+
+    watched = {}
+    for peer, pid in enumerate(pids):
+        if peer != rank and pid != os.getpid():
+            got = start_time(pid)
+            if got is not None:
+                watched[peer] = (pid, got[1])
+
+    def check() -> tuple[int, str] | None:
+        for peer, (pid, started) in watched.items():
+            got = start_time(pid)
+            if got is None or got[0] in ("Z", "X") or got[1] != started:
+                return peer, f"peer rank {peer}'s process (pid {pid}) is gone"
+        return None
+
+    return check

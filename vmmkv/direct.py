@@ -67,9 +67,9 @@ class _GroupLiveness:
         self.rank = region.rank
         self.world = region.world_size
         peers = region.peers
-        # fd handles: one host and one PID namespace, checked at the rendezvous
-        pids = None if peers.by_value else getattr(peers, "_pids", None)
-        self._pids = ops.barrier.pid_liveness(pids, self.rank) if pids else None
+        # fd handles: one host and one PID namespace, checked at the rendezvous, which also
+        # took the peers' process start times (PeerMap.liveness; None for by-value handles)
+        self._pids = getattr(peers, "liveness", None)
         comm = getattr(region, "_comm", None)
         self._store = getattr(comm, "_store", None)
         self._prefix = f"{getattr(comm, '_prefix', 'vmmkv')}/liveness"

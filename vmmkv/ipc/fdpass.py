@@ -18,6 +18,7 @@ Contract
 * ``timeout`` is one deadline for the whole exchange; nothing blocks past it. On expiry the
   ``FdExchangeError`` names the rank, the nonce, ``missing_from`` (ranks whose message never
   arrived) and ``unreachable`` (peers that did not acknowledge ours), with a reason for each.
+  ``liveness`` (optional) ends it sooner, naming a peer whose process is gone.
 * Security: the receiver reads ``SO_PEERCRED`` of every accepted connection and refuses it
   (closes it and logs one warning per pid and exchange) unless the uid is ours, the pid is in
   ``pids`` (the rendezvous rejects duplicates; tests may run ranks as threads), equals
@@ -125,6 +126,7 @@ def exchange_fds(
     pids: Sequence[int],
     timeout: float,
     cancel: Callable[[], str] | None = None,
+    liveness: Callable[[], tuple[int, str] | None] | None = None,
 ) -> dict[int, tuple[bytes, list[int]]]:
     """Send ``outgoing[p] = (payload, fds)`` to every peer ``p`` and receive one message from
     every rank in ``expect_from``; return ``{sender: (payload, fds)}`` for every expected rank.
@@ -132,8 +134,12 @@ def exchange_fds(
     ``pids[r]`` is the pid of rank ``r`` (``pids[rank]`` must be this process). ``timeout``
     (seconds, > 0) bounds the whole call. ``cancel``: polled every ~20 ms while waiting; a
     non-empty string it returns ends the exchange at once with ``FdExchangeError`` (e.g. a
-    peer already gave up the step this exchange belongs to). Raises ``FdExchangeError`` on timeout, refusal or a
-    local socket failure; ``ValueError``/``TypeError`` on bad input before any socket exists;
+    peer already gave up the step this exchange belongs to). ``liveness``: polled likewise;
+    ``(peer, why)`` once a peer's process is gone (``vmmkv._util.pid_liveness``) ends the
+    exchange at once with ``FdExchangeError`` whose ``peers_lost`` is ``[peer]``: whether or
+    not that peer still owes this rank a message, the step the exchange belongs to cannot
+    succeed. Raises ``FdExchangeError`` on timeout, refusal, a lost peer or a local socket
+    failure; ``ValueError``/``TypeError`` on bad input before any socket exists;
     ``RuntimeError`` off Linux. See the module docstring for ownership and the wire format.
     """
     if not sys.platform.startswith("linux"):
@@ -147,9 +153,10 @@ def exchange_fds(
     messages = _check_outgoing(outgoing, rank, len(pids))
     expect = _check_expect_from(expect_from, rank, len(pids))
     timeout = _check_timeout(timeout)
-    if cancel is not None and not callable(cancel):
-        raise TypeError(f"cancel must be callable or None, got {type(cancel).__name__}")
-    return _Exchange(rank, nonce, messages, expect, pids, timeout, cancel).run()
+    for name, fn in (("cancel", cancel), ("liveness", liveness)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
+    return _Exchange(rank, nonce, messages, expect, pids, timeout, cancel, liveness).run()
 
 
 # ----------------------------------------------------------------------------- validation
@@ -349,9 +356,11 @@ class _Exchange:
         pids: tuple[int, ...],
         timeout: float,
         cancel: Callable[[], str] | None = None,
+        liveness: Callable[[], tuple[int, str] | None] | None = None,
     ) -> None:
         self.rank = rank
         self.cancel = cancel
+        self.liveness = liveness
         self.next_cancel_check = 0.0
         self.nonce = nonce
         self.nonce_bytes = nonce.encode("ascii")
@@ -385,11 +394,9 @@ class _Exchange:
                 now = time.monotonic()
                 if now >= self.deadline:
                     raise self._error(f"timed out after {self.timeout:g}s", peers=True)
-                if self.cancel is not None and now >= self.next_cancel_check:
+                if self.polled and now >= self.next_cancel_check:
                     self.next_cancel_check = now + _CANCEL_POLL_S
-                    reason = self.cancel()
-                    if reason:
-                        raise self._error(f"cancelled ({reason})")
+                    self._poll_peers()
                 self._start_due(now)
                 wake = min(
                     [self.deadline]
@@ -399,7 +406,7 @@ class _Exchange:
                         if out.state == "connect" or out.paused
                     ]
                 )
-                if self.cancel is not None:
+                if self.polled:
                     wake = min(wake, self.next_cancel_check)
                 for key, _mask in self.sel.select(max(0.0, wake - time.monotonic())):
                     key.data()
@@ -412,12 +419,28 @@ class _Exchange:
         finally:
             self._close_all(keep_received=succeeded)
 
+    @property
+    def polled(self) -> bool:
+        return self.cancel is not None or self.liveness is not None
+
+    def _poll_peers(self) -> None:
+        """``cancel`` then ``liveness``; raises when either ends the exchange."""
+        reason = self.cancel() if self.cancel is not None else ""
+        if reason:
+            raise self._error(f"cancelled ({reason})")
+        gone = self.liveness() if self.liveness is not None else None
+        if gone is not None:
+            peer, why = gone
+            raise self._error(f"lost a peer ({why})", lost=[peer])
+
     def _settled(self) -> bool:
         return len(self.received) == len(self.expect) and all(
             out.state in ("done", "failed") for out in self.outgoing.values()
         )
 
-    def _error(self, what: str, *, peers: bool = False) -> FdExchangeError:
+    def _error(
+        self, what: str, *, peers: bool = False, lost: list[int] | None = None
+    ) -> FdExchangeError:
         missing = sorted(self.expect - self.received.keys())
         undelivered = sorted(p for p, out in self.outgoing.items() if out.state != "done")
         message = (
@@ -433,7 +456,8 @@ class _Exchange:
         # blame the ranks whose message never came and those our connection failed to; a peer
         # that merely had not acknowledged yet (it gave up at the same deadline) is not lost
         failed = {p for p, out in self.outgoing.items() if out.state == "failed"}
-        lost = sorted(set(missing) | failed) if peers else []
+        if lost is None:
+            lost = sorted(set(missing) | failed) if peers else []
         return FdExchangeError(
             message, missing_from=missing, unreachable=undelivered, peers_lost=lost
         )

@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from .._util import run_all
+from .._util import pid_liveness, run_all
 from ..alloc import Chunk, PeerRegion, VirtualRegion
 from ..alloc import driver as drv
 from . import fdpass
@@ -159,9 +159,14 @@ class PeerMap:
         pids: list[int],
         *,
         by_value: bool = False,
+        liveness: Callable[[], tuple[int, str] | None] | None = None,
     ) -> None:
         self._comm = comm
         self._by_value = by_value
+        # fd handles (one host, one PID namespace): ``(peer, why)`` once a peer's process is
+        # gone, from start times read at the rendezvous (``_util.pid_liveness``); used by the
+        # fd exchanges of later grows and by the device barrier's watchdog. None by value.
+        self.liveness = liveness
         self._region = region
         self._signal = signal
         self._peers = peers
@@ -233,34 +238,40 @@ class PeerMap:
         return self._peers[rank].chunks()
 
     # -- ipc-internal: used by vmmkv.ipc.symmetric ----------------------------------------
-    def exchange_new(self, chunks: list[Chunk], nonce: str, local_error: Exception | None) -> None:
+    def exchange_new(
+        self, chunks: list[Chunk], nonce: str, local_error: Exception | None, deadline: float
+    ) -> None:
         """Between two collective points: pass the own new ``chunks`` (any chunk set, e.g. the
         chunks a block grow added to every segment) to every peer and map theirs, or, with
         ``local_error``, tell every peer this rank cannot take part (see
-        ``_exchange_and_map``). ``nonce``: fresh per exchange, the same on every rank; the
+        ``_exchange_and_map``). ``nonce``: fresh per exchange, the same on every rank;
+        ``deadline``: the step's (``exchange_then_agree``), which the exchange ends before. The
         caller runs ``finish_exchange(nonce)`` after the agreement that follows, whatever
         happened. A closed PeerMap still takes part, as a rank that cannot (its error goes in
         ``local_error``), so the peers' steps stay in order."""
         if self._closed and local_error is None:
             local_error = RuntimeError(f"rank {self.rank}: PeerMap is closed")
         _exchange_and_map(
-            self._comm, chunks, self._peers, self._transport(nonce),
+            self._comm, chunks, self._peers, self._transport(nonce, deadline),
             signal=None, signal_peers=None, local_error=local_error,
         )  # fmt: skip
 
     def finish_exchange(self, nonce: str) -> None:
         """Local, after an exchange's agreement (success or failure): drop what it left behind
         (by value: every exported name; fds: nothing)."""
-        self._transport(nonce).finish()
+        self._transport(nonce, None).finish()
 
     @property
     def by_value(self) -> bool:
         """True when chunks travel as values through the store (``BY_VALUE_HANDLES``)."""
         return self._by_value
 
-    def _transport(self, nonce: str) -> _Transport:
+    def _transport(self, nonce: str, deadline: float | None) -> _Transport:
         kind = _ValueTransport if self._by_value else _FdTransport
-        return kind(self._comm, self._region, nonce, self._pids)
+        return kind(
+            self._comm, self._region, nonce, self._pids,
+            deadline=deadline, liveness=self.liveness,
+        )  # fmt: skip
 
     def unmap_peers_from(self, offset: int) -> None:
         """Unmap every peer's chunks at or above ``offset`` (prefix: rollback of a grow,
@@ -395,7 +406,10 @@ def exchange_then_agree(
     agreed error (every rank raises naming the cause); a transport failure (a peer vanished)
     settles the agreement at once as a timeout naming the lost ranks, so no rank waits a second
     timeout (and ``peers="auto"`` does not fall back over a dead peer). The agreement waits at
-    most until ``deadline`` (at least one second). Raises :class:`RendezvousError`
+    most until ``deadline`` (at least one second); the exchange ends a grace before it
+    (``_Transport.timeout``) or at once when a peer's process is gone (fd handles), so a rank
+    stuck exchanging with a lost peer settles the step naming that peer before the ranks that
+    finished exchanging time out and name it too. Raises :class:`RendezvousError`
     (:class:`RendezvousTimeout` for missing ranks)."""
     error: BaseException | None = local_error
     abort, lost = None, []
@@ -519,6 +533,8 @@ def map_peers(comm: StoreComm, region: VirtualRegion, reqs: list[dict[str, Any]]
         raise DirectUnsupported("peer mapping impossible: " + "; ".join(all_problems))
 
     pids = [r["pid"] for r in reqs]
+    # every peer posted its request just now: its process start time is read while it lives
+    liveness = None if by_value else pid_liveness(pids, rank)
     created: list[Any] = []  # rolled back (closed) on failure, in reverse order
     peers: dict[int, PeerRegion] = {}
     signal_peers: dict[int, PeerRegion] = {}
@@ -542,7 +558,7 @@ def map_peers(comm: StoreComm, region: VirtualRegion, reqs: list[dict[str, Any]]
     pm: list[PeerMap] = []
 
     kind = _ValueTransport if by_value else _FdTransport
-    transport = kind(comm, region, reqs[0]["nonce"], pids)
+    transport = kind(comm, region, reqs[0]["nonce"], pids, deadline=deadline, liveness=liveness)
 
     def exchange(error: Exception | None) -> None:
         _exchange_and_map(
@@ -551,7 +567,10 @@ def map_peers(comm: StoreComm, region: VirtualRegion, reqs: list[dict[str, Any]]
         )  # fmt: skip
         # Device tables are local setup: built before the last agreement, so that a failure
         # here fails every rank (nothing local happens after the agreement).
-        pm.append(PeerMap(comm, region, signal, peers, signal_peers, pids, by_value=by_value))
+        pm.append(PeerMap(
+            comm, region, signal, peers, signal_peers, pids,
+            by_value=by_value, liveness=liveness,
+        ))  # fmt: skip
 
     try:
         exchange_then_agree(

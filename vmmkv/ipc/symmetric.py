@@ -736,7 +736,7 @@ class SymmetricRegion:
                 exchange_then_agree(
                     self._comm,
                     f"{what} (peer mapping)",
-                    lambda err: peers.exchange_new(added, nonce, err),
+                    lambda err: peers.exchange_new(added, nonce, err, deadline),
                     error,
                     deadline,
                     finish=lambda: peers.finish_exchange(nonce),

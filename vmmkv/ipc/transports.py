@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ log = logging.getLogger("vmmkv.ipc.peers")
 
 # Handle types whose chunks travel as values through the group's store (no socket, no fd).
 BY_VALUE_HANDLES = ("fabric", "shm_name")
+_MIN_EXCHANGE_S = 0.05  # a rank that reaches its exchange at the deadline still tries once
 
 
 class _Transport:
@@ -50,8 +52,30 @@ class _Transport:
 
     what = ""
 
-    def __init__(self, comm: StoreComm, region: VirtualRegion, nonce: str, pids: list[int]) -> None:
+    def __init__(
+        self,
+        comm: StoreComm,
+        region: VirtualRegion,
+        nonce: str,
+        pids: list[int],
+        *,
+        deadline: float | None = None,
+        liveness: Callable[[], tuple[int, str] | None] | None = None,
+    ) -> None:
         self.comm, self.region, self.nonce, self.pids = comm, region, nonce, pids
+        self.deadline, self.liveness = deadline, liveness
+
+    def timeout(self) -> float:
+        """Seconds the exchange may still take. It ends ``min(1 s, timeout / 4)`` before the
+        step's ``deadline`` (the agreement's, ``peers.exchange_then_agree``): a rank still
+        exchanging (a peer that never sent) then settles the step naming the peers it lost
+        while the ranks that finished their exchange still wait in the agreement; with one
+        deadline for both, those ranks could settle first and name the late rank as missing
+        too. Without a deadline: the group's timeout."""
+        if self.deadline is None:
+            return self.comm.timeout
+        grace = min(1.0, self.comm.timeout / 4)
+        return max(_MIN_EXCHANGE_S, self.deadline - grace - time.monotonic())
 
     def export(self, owner: VirtualRegion, chunk: Chunk) -> Any:
         raise NotImplementedError
@@ -103,8 +127,9 @@ class _FdTransport(_Transport):
                 outgoing={p: (body, handles) for p in others},
                 expect_from=others,
                 pids=self.pids,
-                timeout=self.comm.timeout,
+                timeout=self.timeout(),
                 cancel=self.comm.pending_abort,  # a peer that gave up releases us at once
+                liveness=self.liveness,  # a peer whose process is gone, at once too
             )
         except BaseException:
             restore, self._restore = self._restore, None  # release() must not restore again
@@ -141,7 +166,7 @@ class _ValueTransport(_Transport):
     ) -> dict[int, tuple[bytes, list[Any]]]:
         mine = [body.decode(), [h.hex() for h in handles]]
         try:
-            got = self.comm.all_gather(mine, "by-value handle exchange")
+            got = self.comm.all_gather(mine, "by-value handle exchange", timeout=self.timeout())
         except PeerTimeoutError as exc:
             raise ExchangeLost(str(exc), exc.missing) from None
         except GroupError as exc:

@@ -62,7 +62,6 @@ import ctypes
 import itertools
 import logging
 import math
-import os
 import threading
 import time
 import weakref
@@ -544,37 +543,6 @@ class _Watchdog:
 
 
 _watchdog = _Watchdog()
-
-
-def pid_liveness(pids: Sequence[int], rank: int) -> Callable[[], tuple[int, str] | None]:
-    """A ``liveness`` callable for peers that are processes of this host and PID namespace:
-    ``(peer, why)`` once a peer's process is gone (no such pid, a zombie, or a reused pid with
-    another start time). Peers whose /proc entry cannot be read at creation are not watched."""
-
-    def start_time(pid: int) -> tuple[str, int] | None:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            return None
-        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
-        return fields[0], int(fields[19])  # state, starttime
-
-    watched = {}
-    for peer, pid in enumerate(pids):
-        if peer != rank and pid != os.getpid():
-            got = start_time(pid)
-            if got is not None:
-                watched[peer] = (pid, got[1])
-
-    def check() -> tuple[int, str] | None:
-        for peer, (pid, started) in watched.items():
-            got = start_time(pid)
-            if got is None or got[0] in ("Z", "X") or got[1] != started:
-                return peer, f"peer rank {peer}'s process (pid {pid}) is gone"
-        return None
-
-    return check
 
 
 _barriers: weakref.WeakValueDictionary[int, DeviceBarrier] = weakref.WeakValueDictionary()
