@@ -115,3 +115,54 @@ def test_the_rendezvous_gives_the_barrier_a_liveness_that_names_a_peer_that_exit
     assert res[0].ok, res[0].error
     peer, why = res[0].value
     assert peer == 1 and "peer rank 1's process" in why and "is gone" in why, res[0].value
+
+
+_EXIT_SCRIPT = """
+import sys
+from tests.test_liveness import _exit_with_a_watcher_open
+_exit_with_a_watcher_open(int(sys.argv[1]), int(sys.argv[2]))
+"""
+_HELD = []  # the victim's region and watcher at interpreter shutdown
+
+
+def _exit_with_a_watcher_open(rank, port):
+    """A real rendezvous; the watcher's thread polls the group's store without a pause, so that
+    it is nearly always inside a C++ store call. Rank 1 destroys its group and exits with the
+    region and the watcher held by a module global; rank 0 (the store's host) outlives it."""
+    import os
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from vmmkv.alloc import make_backend
+    from vmmkv.ipc import SymmetricRegion
+
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
+        timeout=timedelta(seconds=30),
+    )  # fmt: skip
+    _GroupLiveness._STORE_POLL_S = 0.0
+    g = make_backend("cpu", "host").granularity
+    region = SymmetricRegion(4 * g, "cpu", backend="host", chunk_bytes=g, initial_bytes=g)
+    _HELD.append((region, _GroupLiveness(region)))
+    dist.barrier()
+    if rank == 0:
+        time.sleep(3)  # the store outlives the victim's exit
+        os._exit(0)
+    dist.destroy_process_group()
+    time.sleep(0.2)  # the thread is in its store calls by now
+    sys.exit(0)
+
+
+def test_a_process_exiting_with_a_watcher_open_exits_cleanly():
+    """Before the atexit hook (``direct._stop_watchers_at_exit``) this aborted every time
+    (10 of 10 here: "terminate called without an active exception", the poll thread ended
+    inside a C++ store call by the interpreter's finalization)."""
+    from tests.helpers import run_rank_scripts, stderr_noise
+    from vmmkv.testing.spawn import free_port
+
+    for _ in range(3):
+        victim = run_rank_scripts(_EXIT_SCRIPT, 2, args=(free_port(),), timeout=60)[1]
+        assert victim.returncode == 0, victim
+        assert stderr_noise(victim.stderr) == [], victim.stderr

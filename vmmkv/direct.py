@@ -18,14 +18,22 @@ Contract:
   Waits longer than ``barrier_timeout`` are aborted too. After an abandoned wait ``broken``
   holds the error every later call of the cache raises; ``close`` still works (it posts
   "closed" for the peers first, so that a peer stuck waiting for this rank is released).
+- Its store-polling thread ends with ``close``, and at the latest at interpreter exit (an
+  ``atexit`` hook stops and joins every one, ``_stop_watchers_at_exit``): a cache still open at
+  exit (a module global) must not leave a daemon thread inside a C++ store call when the
+  interpreter finalizes; CPython then ends that thread with ``pthread_exit``, whose unwinding
+  through pybind11's GIL guard (a noexcept destructor) calls ``std::terminate``: the process
+  aborts with "terminate called without an active exception" after a clean run.
 - Slots: ``slot_mapping`` (this rank's ``T`` tokens) or, when the engine holds only the
   gathered slot mapping (``[world * T]``, rank-major), this rank's slice of it (a view).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -62,6 +70,7 @@ class _GroupLiveness:
 
     _STORE_POLL_S = 0.5
     _NOTIFY_WAIT_S = 2.0
+    _EXIT_JOIN_S = 2.0  # at exit, the longest wait for one poll thread (a store call) to end
 
     def __init__(self, region: Any) -> None:
         self.rank = region.rank
@@ -75,10 +84,13 @@ class _GroupLiveness:
         self._prefix = f"{getattr(comm, '_prefix', 'vmmkv')}/liveness"
         self._verdict: tuple[int, str] | None = None
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         if self._store is not None:
-            threading.Thread(
+            self._thread = threading.Thread(
                 target=self._poll, name=f"vmmkv-liveness-rank{self.rank}", daemon=True
-            ).start()
+            )
+            _watchers.add(self)
+            self._thread.start()
 
     def __call__(self) -> tuple[int | None, str] | None:
         if self._pids is not None:
@@ -125,8 +137,23 @@ class _GroupLiveness:
         t.start()
         t.join(self._NOTIFY_WAIT_S)
 
-    def stop(self) -> None:
+    def stop(self, join_s: float = 0.0) -> None:
+        """End the poll thread; with ``join_s``, wait at most that long for it to end."""
         self._stop.set()
+        thread = self._thread
+        if join_s > 0 and thread is not None and thread is not threading.current_thread():
+            thread.join(join_s)
+
+
+_watchers: weakref.WeakSet[_GroupLiveness] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_watchers_at_exit() -> None:
+    """atexit runs before the interpreter finalizes, while daemon threads still run normally:
+    stop every poll thread and wait for it to leave its store call (module docstring)."""
+    for watcher in list(_watchers):
+        watcher.stop(join_s=watcher._EXIT_JOIN_S)
 
 
 class DirectPath:
