@@ -47,13 +47,29 @@ __device__ __forceinline__ uint2 quantize8(uint4 v, const InvScale& d) {
 }
 
 // fp8_ds_mla: lane l owns kv_c elements [16 l, 16 l + 16) -> entry bytes [16 l, 16 l + 16);
-// lanes 8t..8t+7 form tile t. The entry's last 144 bytes (four fp32 scales, then k_pe) go out as
-// one 16-byte store from each of lanes 0..8: lane 0 the scales, lane 1 + j the k_pe chunk j.
+// lanes 8t..8t+7 form tile t. The entry's last 144 bytes (four fp32 scales, then k_pe) are its
+// chunks 32..40 of 16 bytes, held by lanes 0..8: lane 0 the scales, lane 1 + j the k_pe chunk j.
 // kPow2 (fp8_ds_mla_ue8m0, a compile-time variant): the tile scale is rounded up to a power of
 // two (mla_tile_scale), still stored as an fp32; the values are divided by it through
 // quantize4 (the bytes of IEEE division, at the cost of a multiply or three FMA-class ops).
 // Every token function loads its inputs before it looks at the slot (rows i < num_tokens always
 // exist), so the input and slot loads are in flight together.
+
+// One entry, split at the absolute 128-byte lines: `a` = chunks of the entry's first line that
+// precede it. The first store covers chunks [0, 32 - a) (lane l: value chunk l), whole lines
+// after the first; the second the rest, [32 - a, 41): at most 16 chunks, one full line and the
+// entry's last partial one. So the entry goes out as the 6 line pieces it spans (NVLink sends
+// one packet per line a warp store touches, docs/design.md; a 512 + 144 byte split sends 7
+// whenever a != 0). Lanes 0..8 are always in the first part (32 - a >= 25), so in the second
+// store lane l writes chunk `c2` = 32 + l (l <= 8: `w` is its tail chunk) or l (l >= 32 - a: `w`
+// is its value chunk): `w` and `c2` are the token's (mla_token), only the predicates depend on
+// the destination's address.
+__device__ __forceinline__ void mla_store_entry(uint4* entry, uint4 q, uint4 w, int c2, int lane) {
+    const int a = (int)((reinterpret_cast<u64>(entry) >> 4) & 7u);
+    if (lane < 32 - a) entry[lane] = q;
+    if (lane <= 8 || lane >= 32 - a) entry[c2] = w;
+}
+
 template <bool kPow2>
 __device__ __forceinline__ void mla_token(const KVDest& dst, i64 committed,
                                           const u16* __restrict__ kv_c, i64 kv_c_stride,
@@ -82,17 +98,18 @@ __device__ __forceinline__ void mla_token(const KVDest& dst, i64 committed,
     const float s2 = __shfl_sync(kFullMask, s, 16);
     const float s3 = __shfl_sync(kFullMask, s, 24);
     if (lane == 0) tail = make_uint4(f32_bits(s0), f32_bits(s1), f32_bits(s2), f32_bits(s3));
-    static_assert(kMlaRopeOffset == kMlaScaleOffset + 16 && kMlaEntryBytes == kMlaRopeOffset + 128,
-                  "the scales and k_pe must be the entry's last 9 chunks of 16 bytes");
+    static_assert(kMlaScaleOffset == 32 * 16 && kMlaRopeOffset == kMlaScaleOffset + 16 &&
+                      kMlaEntryBytes == kMlaRopeOffset + 128,
+                  "the scales and k_pe must be the entry's chunks 32..40 of 16 bytes");
 
+    const uint4 w = lane <= 8 ? tail : q;
+    const int c2 = lane <= 8 ? kMlaScaleOffset / 16 + lane : lane;
     int first, end;
     dest_range(dst, i, num_local_only, &first, &end);
-    for (int r = first; r < end; ++r) {
-        uint4* entry = reinterpret_cast<uint4*>(region_base(dst, r) + block_off +
-                                                (i64)o * dst.entry_stride);
-        entry[lane] = q;
-        if (lane <= 8) entry[kMlaScaleOffset / 16 + lane] = tail;
-    }
+    for (int r = first; r < end; ++r)
+        mla_store_entry(reinterpret_cast<uint4*>(region_base(dst, r) + block_off +
+                                                 (i64)o * dst.entry_stride),
+                        q, w, c2, lane);
 }
 
 // indexer_k: lane l owns k elements [4 l, 4 l + 4); one scale for the whole 128-wide row.

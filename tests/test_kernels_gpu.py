@@ -688,6 +688,148 @@ def test_negative_and_out_of_range_slots_write_nothing_and_are_counted_exactly(d
         assert mla.error_counter.item() == idx.error_counter.item() == 4
 
 
+# ---------------------------------------------------------------------------------------------
+# Runs: groups of 8 tokens (one per warp of a CTA) whose slots are consecutive inside one block
+# take the staged whole-line path of csrc/kv_store.cu; every other group the per-token path.
+
+
+def shifted(num_blocks: int, shift: int) -> Layout:
+    """``packed`` moved ``shift`` bytes into the region: block bases off the 128-byte lines."""
+    mla = num_blocks * BS * MLA
+    return Layout(
+        num_blocks, shift, BS * MLA, shift + mla, BS * IDX, shift + mla + num_blocks * BS * IDX
+    )
+
+
+RUN_LAYOUTS = {"packed": packed(120), "interleaved": interleaved(120), "shifted": shifted(120, 80)}
+
+
+def run_slots(num_blocks: int, seed: int) -> tuple[torch.Tensor, int]:
+    """A prefill-shaped slot mapping of 6003 tokens (int64, CPU) and its ``num_local_only``.
+
+    Requests of consecutive slots, as vLLM's block tables give them: one from slot 0 (every
+    group a run, aligned to 8 slots), one starting 3 slots into a block (runs off the 8-slot
+    grid, groups that cross a block end), one whose tokens start mid-group; isolated random
+    slots between and after them; a padding slot, an out-of-range slot and a repeated-block
+    break inside would-be runs; ``num_local_only`` = 13 splits the second group. Every slot is
+    used at most once. More tokens than one wave of resident CTAs covers (the loop strides)."""
+    g = torch.Generator().manual_seed(seed)
+    parts = [
+        torch.arange(0, 1000),  # tokens [0, 1000): slots [0, 1000)
+        torch.arange(20 * BS + 3, 20 * BS + 3 + 700),  # [1000, 1700)
+        torch.tensor([-7] * 5),  # [1700, 1705): random, filled below
+        torch.arange(40 * BS, 40 * BS + 2000),  # [1705, 3705)
+        torch.tensor([-7] * 300),  # [3705, 4005): random
+        torch.arange(80 * BS, 80 * BS + 1998),  # [4005, 6003)
+    ]
+    slots = torch.cat(parts).to(torch.int64)
+    used = set(slots[slots >= 0].tolist())
+    pool = torch.tensor(
+        [s for s in torch.randperm(num_blocks * BS, generator=g).tolist() if s not in used]
+    )
+    holes = (slots == -7).nonzero().flatten()
+    slots[holes] = pool[: holes.numel()]
+    slots[2003] = -1  # padding inside a run group
+    slots[2501] = num_blocks * BS + 5  # out of range inside a run group
+    slots[3001] = int(pool[holes.numel()])  # an unused slot breaking a group's run
+    assert slots.numel() == 6003 and slots[slots >= 0].unique().numel() == int((slots >= 0).sum())
+    return slots, 13
+
+
+def _run_case(dev, layout, slot_dtype, seed, first_uncommitted_block=None):
+    lay = RUN_LAYOUTS[layout]
+    rep = Replicas(3, lay.region_bytes, dev)
+    slots, nlo = run_slots(lay.num_blocks, seed)
+    kv_c, k_pe, k = make_inputs(slots.numel(), seed=seed + 1, device=dev)
+    if first_uncommitted_block is not None:  # interleaved: one stride for both views
+        # block b of the MLA view ends at idx_offset + b * stride, of the indexer view 8448
+        # bytes later: one byte short of block `first`'s MLA end leaves both views' block
+        # `first` uncommitted and block `first - 1` committed
+        rep.committed.fill_(lay.idx_offset + first_uncommitted_block * lay.idx_stride - 1)
+    return lay, rep, slots.to(slot_dtype).to(dev), nlo, (kv_c, k_pe, k)
+
+
+def _bad_slots(slots: torch.Tensor, num_blocks: int, first_uncommitted_block=None) -> int:
+    s = slots.cpu().long()
+    limit = (num_blocks if first_uncommitted_block is None else first_uncommitted_block) * BS
+    return int((s >= limit).sum())
+
+
+@requires_gpu
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("layout", sorted(RUN_LAYOUTS))
+def test_store_ds_mla_runs_of_consecutive_slots_write_reference_bytes(dev, layout, slot_dtype):
+    lay, rep, slots, nlo, (kv_c, k_pe, _) = _run_case(dev, layout, slot_dtype, seed=60)
+    mla, _ = targets(rep, lay, my_rank=2)
+    exp = rep.poison(62)
+    store_ds_mla(mla, kv_c, k_pe, slots, num_local_only=nlo)
+    expect_mla(exp, lay, 2, kv_c, k_pe, slots, nlo=nlo)
+    rep.assert_equal(exp)
+    assert mla.error_counter.item() == _bad_slots(slots, lay.num_blocks) == 1
+
+
+@requires_gpu
+@pytest.mark.parametrize(
+    "mla_kind,idx_kind,ue8m0",
+    [("fp8_ds_mla", "indexer_k", False), ("fp8_ds_mla", "indexer_k", True),
+     ("fp8_ds_mla_ue8m0", MX, True)],
+)  # fmt: skip
+@pytest.mark.parametrize("layout", sorted(RUN_LAYOUTS))
+def test_store_layer_runs_of_consecutive_slots_write_reference_bytes(
+    dev, layout, mla_kind, idx_kind, ue8m0
+):
+    lay, rep, slots, nlo, (kv_c, k_pe, k) = _run_case(dev, layout, torch.int64, seed=63)
+    mla, idx = targets(rep, lay, my_rank=0, idx_kind=idx_kind, mla_kind=mla_kind)
+    exp = rep.poison(65)
+    store_layer(mla, idx, kv_c, k_pe, k, slots, num_local_only=nlo, ue8m0=ue8m0)
+    expect_mla(exp, lay, 0, kv_c, k_pe, slots, nlo=nlo, kind=mla_kind)
+    expect_idx(exp, lay, 0, k, slots, nlo=nlo, ue8m0=ue8m0, kind=idx_kind)
+    rep.assert_equal(exp)
+    assert mla.error_counter.item() == idx.error_counter.item() == 1
+
+
+@requires_gpu
+def test_runs_in_uncommitted_blocks_are_skipped_and_counted_per_token(dev):
+    """Interleaved views: blocks >= 100 of both views lie beyond the committed bytes, so the
+    runs there (slots 80*64.. reach block 111) fall back to the per-token path, which skips and
+    counts each token; the runs below the limit are written."""
+    lay, rep, slots, nlo, (kv_c, k_pe, k) = _run_case(dev, "interleaved", torch.int64, seed=66,
+                                                      first_uncommitted_block=100)  # fmt: skip
+    mla, idx = targets(rep, lay, my_rank=1)
+    exp = rep.poison(68)
+    store_layer(mla, idx, kv_c, k_pe, k, slots, num_local_only=nlo)
+    expect_layer(exp, lay, 1, kv_c, k_pe, k, slots, nlo=nlo, first_uncommitted_block=100)
+    rep.assert_equal(exp)
+    bad = _bad_slots(slots, lay.num_blocks, first_uncommitted_block=100)
+    assert bad > 300
+    assert mla.error_counter.item() == idx.error_counter.item() == bad
+
+
+@requires_gpu
+def test_publish_layer_runs_are_byte_equal_to_store_layer_then_barrier(dev):
+    from vmmkv.ops import publish_layer
+
+    reps, targets_, bars = [], [], []
+    for _ in range(2):
+        lay, rep, slots, nlo, (kv_c, k_pe, k) = _run_case(dev, "packed", torch.int64, seed=69)
+        reps.append(rep)
+        targets_.append(targets(rep, lay, my_rank=1, mla_kind="fp8_ds_mla_ue8m0", idx_kind=MX))
+        bars.append(_one_rank_barrier(dev, lanes=1))
+    exps = [rep.poison(71) for rep in reps]
+    store_layer(*targets_[0], kv_c, k_pe, k, slots, num_local_only=nlo)
+    bars[0].arrive_and_wait(0)
+    publish_layer(*targets_[1], kv_c, k_pe, k, slots, barrier=bars[1], lane=0, num_local_only=nlo)
+    torch.cuda.synchronize()
+    for a, b in zip(reps[0].bufs, reps[1].bufs, strict=True):
+        assert torch.equal(a, b)
+    expect_layer(exps[1], lay, 1, kv_c, k_pe, k, slots, kind=MX, mla_kind="fp8_ds_mla_ue8m0",
+                 nlo=nlo)  # fmt: skip
+    reps[1].assert_equal(exps[1])
+    assert bars[1].epochs.tolist() == [1]
+    for b in bars:
+        b.close()
+
+
 @requires_gpu
 def test_blocks_beyond_committed_bytes_are_skipped_counted_and_written_after_growth(dev):
     lay = packed(6)
