@@ -6,7 +6,12 @@ a real one and its stderr its own: rank 1 builds a ``ReplicatedKVCache`` with ra
 one step, then exits with the cache open:
 - ``return``: its function returns (the cache goes with the frame) and the interpreter exits
   normally;
-- ``global``: a module global still holds the cache at interpreter shutdown (``sys.exit(0)``);
+- ``global``: a module global still holds the cache at interpreter shutdown (``sys.exit(0)``),
+  and the process lives on for 0.3 s after every other atexit hook (the rank script registers
+  that sleep before anything else, and atexit runs hooks last-in first-out): as it does when an
+  engine has exit work of its own. Threads vmmkv left running (the barrier watchdog reads its
+  control page every 50 ms) must find their memory intact: weakref.finalize's exit hook, which
+  runs before the sleep, once freed that page under the watchdog (a SIGSEGV at exit, on CUDA);
 - ``os._exit``: no Python teardown at all.
 In the first two the victim destroys its process group first, as the spawner's child loop does:
 a gloo group left alive to interpreter shutdown makes torch's own teardown abort the process now
@@ -53,6 +58,9 @@ SEED = 30  # rank r poisons its replica with random_bytes(seed=SEED + r)
 _RANK = textwrap.dedent(
     """
     import sys
+    if sys.argv[3] == "global":
+        import atexit, time
+        atexit.register(time.sleep, 0.3)  # first: it runs last (module docstring)
     from tests.test_exit import _rank_main
     _rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
     """

@@ -53,7 +53,8 @@ Contract:
 - ``close()`` frees the host-mapped control page (idempotent, local, skipped while the
   interpreter finalizes); call it when no barrier launched by this object can still run (the
   cache synchronizes first; after an abort every wait returns, so that synchronize returns).
-  The memory is also freed when the object is garbage collected.
+  The memory is also freed when the object is garbage collected, but not at interpreter exit:
+  the watchdog thread may still read it then, and the process exit returns it.
 """
 
 from __future__ import annotations
@@ -282,6 +283,12 @@ class DeviceBarrier:
         self._waiting: dict[int, tuple[int, int, float]] = {}  # lane -> (epoch, seq, first seen)
         self._logged: set[tuple[int, int, int]] = set()
         self._free = weakref.finalize(self, _free_host_at_gc, host_ptr, ordinal)
+        # Not at exit. weakref.finalize runs its finalizers from an atexit hook, and there the
+        # object is still reachable: the watchdog thread (a daemon, it keeps running through
+        # the exit) still reads the page every _WATCH_INTERVAL_S, and freeing it under the
+        # watchdog made the read a SIGSEGV (a cache held by a module global at exit, on the
+        # GPU). The process exit returns the memory.
+        self._free.atexit = False
         self._flags = _FLAG_TRAP if trap else 0
         # the BarrierArgs of each lane, packed once (the stand-alone barrier takes them too)
         self._args = tuple(
