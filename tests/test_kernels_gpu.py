@@ -689,8 +689,10 @@ def test_negative_and_out_of_range_slots_write_nothing_and_are_counted_exactly(d
 
 
 # ---------------------------------------------------------------------------------------------
-# Runs: groups of 8 tokens (one per warp of a CTA) whose slots are consecutive inside one block
-# take the staged whole-line path of csrc/kv_store.cu; every other group the per-token path.
+# Prefill-shaped slot mappings: requests of consecutive slots (what an engine's prefill writes),
+# where every test above draws random slots. A store kernel that treats runs of consecutive
+# slots apart (branch exp/run-staging stages a CTA's 8 tokens and writes whole lines; main
+# writes every token alone) must give the same bytes and counts on them.
 
 
 def shifted(num_blocks: int, shift: int) -> Layout:
@@ -710,8 +712,8 @@ def run_slots(num_blocks: int, seed: int) -> tuple[torch.Tensor, int]:
     Requests of consecutive slots, as vLLM's block tables give them: one from slot 0 (every
     group a run, aligned to 8 slots), one starting 3 slots into a block (runs off the 8-slot
     grid, groups that cross a block end), one whose tokens start mid-group; isolated random
-    slots between and after them; a padding slot, an out-of-range slot and a repeated-block
-    break inside would-be runs; ``num_local_only`` = 13 splits the second group. Every slot is
+    slots between and after them; a padding slot, an out-of-range slot and a slot out of
+    sequence inside runs; ``num_local_only`` = 13 splits the second group of 8 tokens. Every slot is
     used at most once. More tokens than one wave of resident CTAs covers (the loop strides)."""
     g = torch.Generator().manual_seed(seed)
     parts = [
@@ -790,9 +792,9 @@ def test_store_layer_runs_of_consecutive_slots_write_reference_bytes(
 
 @requires_gpu
 def test_runs_in_uncommitted_blocks_are_skipped_and_counted_per_token(dev):
-    """Interleaved views: blocks >= 100 of both views lie beyond the committed bytes, so the
-    runs there (slots 80*64.. reach block 111) fall back to the per-token path, which skips and
-    counts each token; the runs below the limit are written."""
+    """Interleaved views: blocks >= 100 of both views lie beyond the committed bytes, and the
+    last request's run crosses that limit (its slots reach block 111): each token past it is
+    skipped and counted, once per view; the tokens below it are written."""
     lay, rep, slots, nlo, (kv_c, k_pe, k) = _run_case(dev, "interleaved", torch.int64, seed=66,
                                                       first_uncommitted_block=100)  # fmt: skip
     mla, idx = targets(rep, lay, my_rank=1)
