@@ -751,12 +751,6 @@ def _run_case(dev, layout, slot_dtype, seed, first_uncommitted_block=None):
     return lay, rep, slots.to(slot_dtype).to(dev), nlo, (kv_c, k_pe, k)
 
 
-def _bad_slots(slots: torch.Tensor, num_blocks: int, first_uncommitted_block=None) -> int:
-    s = slots.cpu().long()
-    limit = (num_blocks if first_uncommitted_block is None else first_uncommitted_block) * BS
-    return int((s >= limit).sum())
-
-
 @requires_gpu
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("layout", sorted(RUN_LAYOUTS))
@@ -767,7 +761,7 @@ def test_store_ds_mla_runs_of_consecutive_slots_write_reference_bytes(dev, layou
     store_ds_mla(mla, kv_c, k_pe, slots, num_local_only=nlo)
     expect_mla(exp, lay, 2, kv_c, k_pe, slots, nlo=nlo)
     rep.assert_equal(exp)
-    assert mla.error_counter.item() == _bad_slots(slots, lay.num_blocks) == 1
+    assert mla.error_counter.item() == n_out_of_range(slots, lay.num_blocks) == 1
 
 
 @requires_gpu
@@ -802,7 +796,7 @@ def test_runs_in_uncommitted_blocks_are_skipped_and_counted_per_token(dev):
     store_layer(mla, idx, kv_c, k_pe, k, slots, num_local_only=nlo)
     expect_layer(exp, lay, 1, kv_c, k_pe, k, slots, nlo=nlo, first_uncommitted_block=100)
     rep.assert_equal(exp)
-    bad = _bad_slots(slots, lay.num_blocks, first_uncommitted_block=100)
+    bad = n_out_of_range(slots, 100)  # slots in blocks >= 100, out of range or uncommitted
     assert bad > 300
     assert mla.error_counter.item() == idx.error_counter.item() == bad
 
@@ -811,12 +805,10 @@ def test_runs_in_uncommitted_blocks_are_skipped_and_counted_per_token(dev):
 def test_publish_layer_runs_are_byte_equal_to_store_layer_then_barrier(dev):
     from vmmkv.ops import publish_layer
 
-    reps, targets_, bars = [], [], []
-    for _ in range(2):
-        lay, rep, slots, nlo, (kv_c, k_pe, k) = _run_case(dev, "packed", torch.int64, seed=69)
-        reps.append(rep)
-        targets_.append(targets(rep, lay, my_rank=1, mla_kind="fp8_ds_mla_ue8m0", idx_kind=MX))
-        bars.append(_one_rank_barrier(dev, lanes=1))
+    lay, rep, slots, nlo, (kv_c, k_pe, k) = _run_case(dev, "packed", torch.int64, seed=69)
+    reps = [rep, Replicas(3, lay.region_bytes, dev)]
+    targets_ = [targets(r, lay, my_rank=1, mla_kind="fp8_ds_mla_ue8m0", idx_kind=MX) for r in reps]
+    bars = [_one_rank_barrier(dev, lanes=1) for _ in reps]
     exps = [rep.poison(71) for rep in reps]
     store_layer(*targets_[0], kv_c, k_pe, k, slots, num_local_only=nlo)
     bars[0].arrive_and_wait(0)
