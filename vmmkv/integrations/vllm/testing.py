@@ -15,9 +15,11 @@ Local; writes one config.json per process (in a fresh temporary directory).
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -70,6 +72,8 @@ def model_config(num_layers: int = 4) -> Any:
     ).to_dict()
     hf["architectures"] = ["DeepseekV32ForCausalLM"]
     folder = tempfile.mkdtemp(prefix="vmmkv-dsv32-")
+    # vLLM may read the folder again after this call, so it lives as long as the process.
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf, f)
     _MODEL[num_layers] = ModelConfig(
