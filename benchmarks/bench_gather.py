@@ -26,6 +26,12 @@ collective), rank 0's functions with the most cumulative time, per step (µs; ca
 printed after the table and kept in the JSON (``profile``). cProfile adds its own cost to every
 Python call, so read it for shares and call counts, not as timings.
 
+``--host-cost`` (one process, no group; ``--backend host`` for the CPU) breaks the host time of
+one eager fallback store of rank 0 of 2 into its stages, for both slot forms, with the
+all-gather a no-op (vmmkv's own code around it: checks, pack, views, slots, insert launch; on
+the CPU the insert is a no-op too: the host reference store is not what a GPU runs). The pack
+is a real ``torch.cat`` on the device. Medians of loops of 200 calls after warm-up.
+
 ``--backend host`` runs the same sweep on the CPU (host backend, gloo, no graphs, no direct
 comparison of device time): it exercises this script's logic without a GPU. Prints a table,
 writes JSON (``--out``); each finished T is also appended to ``<out>.partial.jsonl`` so a run cut
@@ -44,7 +50,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import median, table, write_json  # noqa: E402
+from common import median, per_call_ns, table, write_json  # noqa: E402
 
 TOKENS = (1, 8, 32, 128, 512, 2048, 8192, 32768)
 BS = 64
@@ -398,6 +404,95 @@ def _all_ok(group, ok: bool, timeout: float) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
+# --host-cost: where the host time of one eager fallback store goes
+
+
+def host_cost(backend: str, tokens: list[int], world: int = 2) -> list[dict[str, Any]]:
+    """Rows (stage, T, µs with own slots, µs with the gathered mapping) of rank 0 of ``world``
+    in one process: a ``GatherPath`` over one layer whose all-gather is a no-op (see the
+    module docstring)."""
+    import torch
+
+    from vmmkv.cache import Binding
+    from vmmkv.gather import GatherPath
+    from vmmkv.ops.formats import INDEXER_ENTRY_BYTES, MLA_ENTRY_BYTES
+    from vmmkv.ops.kv import KVTarget
+
+    cuda = backend == "cuda"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    sync = "cuda" if cuda else None
+    mla_b, idx_b = MLA_ENTRY_BYTES, INDEXER_ENTRY_BYTES
+    nb = -(-world * max(tokens) // BS)
+    region = torch.zeros(nb * BS * (mla_b + idx_b), dtype=torch.uint8, device=device)
+    table_t = torch.tensor([region.data_ptr()], dtype=torch.int64, device=device)
+    geo = dict(ptr_table=table_t, my_rank=0, num_blocks=nb, block_size=BS,
+               committed_bytes=torch.tensor([region.numel()], device=device),
+               error_counter=torch.zeros(1, dtype=torch.int32, device=device), cache=region)  # fmt: skip
+    mla_t = KVTarget(kind="fp8_ds_mla", offset_bytes=0, block_stride=BS * mla_b,
+                     entry_stride=mla_b, entry_bytes=mla_b, **geo)  # fmt: skip
+    idx_t = KVTarget(kind="indexer_k", offset_bytes=nb * BS * mla_b, block_stride=BS * idx_b,
+                     entry_stride=idx_b, entry_bytes=idx_b, **geo)  # fmt: skip
+    views = region.view(nb * BS, -1)  # a view per binding; the stages never read it
+    bindings = (Binding("mla", "fp8_ds_mla", views, mla_t, None),
+                Binding("idx", "indexer_k", views, idx_t, None))  # fmt: skip
+    path = GatherPath(0, world, device, table_t, None, object() if cuda else None, 60.0, False)
+    path._all_gather = lambda recv, send: None  # the collective is not what this measures
+    if not cuda:  # the host reference store is not the GPU's insert
+        path.prepare(bindings).store = lambda *args: None
+    rows: list[dict[str, Any]] = []
+    for t in tokens:
+        stages = _host_stages(path, bindings, t, world, device, sync)
+        rows += [{"stage": k, "T": t, **v} for k, v in stages.items()]
+    path.close()
+    return rows
+
+
+def _host_stages(path, bindings, t: int, world: int, device, sync) -> dict[str, dict[str, float]]:
+    """Stage -> {slot form: µs per call} at ``t`` tokens (see :func:`host_cost`)."""
+    import torch
+
+    from vmmkv._store import check_inputs, own_slots
+    from vmmkv.testing.kv import layer_inputs
+
+    kinds = tuple(b.kind for b in bindings)
+    entry = bindings[0].local.entry_bytes
+    store = path.prepare(bindings)
+    inputs = tuple(x.to(device) for x in layer_inputs(t, t))
+    gathered = torch.randperm(world * t).to(device)
+    forms = {"own": (gathered[:t].clone(), None), "gathered": (None, gathered)}
+    stages: dict[str, dict[str, float]] = {}
+
+    def measure(stage: str, form: str, fn) -> None:
+        fn()
+        stages.setdefault(stage, {})[form] = per_call_ns(fn, sync=sync) / 1e3
+
+    for form, (mapping, gath) in forms.items():
+        slots, g = own_slots(mapping, gath, 0, world)
+
+        def checks(mapping=mapping, gath=gath):
+            s, _ = own_slots(mapping, gath, 0, world)
+            check_inputs(kinds, entry, inputs, s, 0, device)
+
+        cols, all_slots = path._gather(inputs, slots, 0, t, g, False)
+        measure("checks (own_slots + check_inputs)", form, checks)
+        measure(
+            "pack + views + slots (_gather)", form,
+            lambda slots=slots, g=g: path._gather(inputs, slots, 0, t, g, False),
+        )  # fmt: skip
+        if device.type == "cuda":
+            measure("insert (PreparedStore.store)", form,
+                    lambda c=cols, a=all_slots: store.store(c, a, 0))  # fmt: skip
+        measure(
+            "total: GatherPath.store", form,
+            lambda m=mapping, g=gath: path.store(bindings, inputs, m, 0, g),
+        )  # fmt: skip
+    width = sum(x.shape[1] * x.element_size() for x in inputs)
+    send = torch.empty(t, width, dtype=torch.uint8, device=device)
+    own = [x.view(torch.uint8) for x in inputs]
+    for form in forms:
+        measure("reference: torch.cat of the 3 inputs' bytes", form,
+                lambda: torch.cat(own, dim=1, out=send))  # fmt: skip
+    return stages
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -411,7 +506,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=540.0, help="whole run, seconds")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one eager fallback_gathered step per T (cProfile)")  # fmt: skip
+    ap.add_argument("--host-cost", action="store_true",
+                    help="only the host-time stages of one fallback store (one process)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.host_cost:
+        tokens = args.tokens if args.tokens != list(TOKENS) else [1, 512, 2048]
+        rows = host_cost(args.backend, tokens, args.world)
+        write_json(args.out, "bench_gather_host_cost", rows, options=vars(args))
+        print(f"host us per eager fallback store, rank 0 of {args.world}, all-gather a no-op "
+              f"({args.backend}):")  # fmt: skip
+        print(table(rows, ["stage", "T", "own", "gathered"]))
+        return 0
     if args.world < 2 or any(t < 1 for t in args.tokens) or args.iters < 1 or args.reps < 1:
         ap.error("--world >= 2, tokens >= 1, --iters >= 1, --reps >= 1")
     if args.backend == "cuda":

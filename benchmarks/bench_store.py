@@ -38,7 +38,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 import ceiling  # noqa: E402
-from common import arguments, median, table, write_json  # noqa: E402
+from common import arguments, median, per_call_ns, table, write_json  # noqa: E402
 
 BS = 64
 MLA, IDX = 656, 132
@@ -555,24 +555,6 @@ def ceiling_columns(rows):
 # --host-cost: where the host time of one eager prepared publish goes
 
 
-def _per_call_ns(fn, n=200, reps=7, sync="cuda"):
-    """Median host ns per call of ``fn`` over ``reps`` loops of ``n`` calls (the device is
-    synchronized between loops, outside the measurement, so the launch queue never fills;
-    ``sync=None``: no device)."""
-    import torch
-
-    wait = torch.cuda.synchronize if sync == "cuda" else (lambda: None)
-    per = []
-    for _ in range(reps):
-        wait()
-        t0 = time.perf_counter_ns()
-        for _ in range(n):
-            fn()
-        per.append((time.perf_counter_ns() - t0) / n)
-    wait()
-    return median(per)
-
-
 def host_cost(tokens=16):
     import torch
 
@@ -613,56 +595,56 @@ def host_cost(tokens=16):
         print(f"  {key:<58} {ns / 1e3:8.2f} us", flush=True)
 
     print(f"host time per call, T={tokens} (median of loops of 200 calls):", flush=True)
-    show("stage: torch.compiler.is_compiling()", _per_call_ns(torch.compiler.is_compiling))
+    show("stage: torch.compiler.is_compiling()", per_call_ns(torch.compiler.is_compiling))
     show(
         "stage: validate + collect values + grid (_values)",
-        _per_call_ns(lambda: p._values(inputs, slots, 0)),
+        per_call_ns(lambda: p._values(inputs, slots, 0)),
     )
     show(
-        "  of which reading the tensors' attributes", _per_call_ns(_attribute_reads(inputs, slots))
+        "  of which reading the tensors' attributes", per_call_ns(_attribute_reads(inputs, slots))
     )
-    show("stage: barrier.barrier_args(lane)", _per_call_ns(lambda: bar.barrier_args(0)))
+    show("stage: barrier.barrier_args(lane)", per_call_ns(lambda: bar.barrier_args(0)))
     show(
         "stage: pack parameters in place",
-        _per_call_ns(lambda: lp._pack(lp._buf, lp._offset, *values, args)),
+        per_call_ns(lambda: lp._pack(lp._buf, lp._offset, *values, args)),
     )
-    show("stage: current stream lookup", _per_call_ns(lambda: launch._current_stream(0)))
+    show("stage: current stream lookup", per_call_ns(lambda: launch._current_stream(0)))
     fn, params = lp._fn, lp._params
     show(
         "stage: cuLaunchKernel (cuda.bindings)",
-        _per_call_ns(lambda: launch._cu_launch(fn, grid, 1, 1, 256, 1, 1, 0, stream, params, 0)),
+        per_call_ns(lambda: launch._cu_launch(fn, grid, 1, 1, 256, 1, 1, 0, stream, params, 0)),
     )
-    show("total: PreparedStore.publish", _per_call_ns(lambda: p.publish(inputs, slots, 0, bar, 0)))
-    show("total: PreparedStore.store", _per_call_ns(lambda: p.store(inputs, slots)))
+    show("total: PreparedStore.publish", per_call_ns(lambda: p.publish(inputs, slots, 0, bar, 0)))
+    show("total: PreparedStore.store", per_call_ns(lambda: p.store(inputs, slots)))
     show(
         "total: publish_layer (functional)",
-        _per_call_ns(lambda: ops.publish_layer(mla_t, idx_t, kv_c, k_pe, k, slots, barrier=bar)),
+        per_call_ns(lambda: ops.publish_layer(mla_t, idx_t, kv_c, k_pe, k, slots, barrier=bar)),
     )
     show(
         "total: store_layer (functional)",
-        _per_call_ns(lambda: ops.store_layer(mla_t, idx_t, kv_c, k_pe, k, slots)),
+        per_call_ns(lambda: ops.store_layer(mla_t, idx_t, kv_c, k_pe, k, slots)),
     )
-    show("total: DeviceBarrier.arrive_and_wait", _per_call_ns(lambda: bar.arrive_and_wait(0)))
+    show("total: DeviceBarrier.arrive_and_wait", per_call_ns(lambda: bar.arrive_and_wait(0)))
     noop_old = launch.Kernel("vmmkv_noop", "")
     show(
         "empty kernel: Kernel.launch (functional path)",
-        _per_call_ns(lambda: noop_old.launch(0, 1, 32)),
+        per_call_ns(lambda: noop_old.launch(0, 1, 32)),
     )
     noop = launch.PreparedLaunch(launch.NOOP, 0, 32)
-    show("empty kernel: PreparedLaunch (cuda.bindings)", _per_call_ns(lambda: noop.launch(1)))
+    show("empty kernel: PreparedLaunch (cuda.bindings)", per_call_ns(lambda: noop.launch(1)))
     x = torch.zeros(1, device=dev)
-    show("torch: torch.cuda._sleep(0)", _per_call_ns(lambda: torch.cuda._sleep(0)))
-    show("torch: x.add_(1) on 1 element", _per_call_ns(lambda: x.add_(1)))
-    show("torch: x.fill_(1) on 1 element", _per_call_ns(lambda: x.fill_(1)))
+    show("torch: torch.cuda._sleep(0)", per_call_ns(lambda: torch.cuda._sleep(0)))
+    show("torch: x.add_(1) on 1 element", per_call_ns(lambda: x.add_(1)))
+    show("torch: x.fill_(1) on 1 element", per_call_ns(lambda: x.fill_(1)))
     # libcuda through ctypes last: a wrong signature would crash here, after the rest printed
     noop_c = launch.PreparedLaunch(launch.NOOP, 0, 32, api="ctypes")
-    show("empty kernel: PreparedLaunch (ctypes)", _per_call_ns(lambda: noop_c.launch(1)))
+    show("empty kernel: PreparedLaunch (ctypes)", per_call_ns(lambda: noop_c.launch(1)))
     saved = p._publish
     p._publish = launch.PreparedLaunch(launch.STORE_LAYER_BARRIER, 0, 256,
                                        tuple(t._dest for t in p.targets), api="ctypes")  # fmt: skip
     show(
         "total: PreparedStore.publish (ctypes launch)",
-        _per_call_ns(lambda: p.publish(inputs, slots, 0, bar, 0)),
+        per_call_ns(lambda: p.publish(inputs, slots, 0, bar, 0)),
     )
     p._publish = saved
     torch.cuda.synchronize()
@@ -740,23 +722,23 @@ def host_cost_cpu(tokens=16):
         print(f"host time per call without the driver, T={tokens} (CPU tensors):", flush=True)
         show(
             "stage: validate + collect values + grid (_values)",
-            _per_call_ns(lambda: p._values(inputs, slots, 0), sync=None),
+            per_call_ns(lambda: p._values(inputs, slots, 0), sync=None),
         )
         show(
             "  of which reading the tensors' attributes",
-            _per_call_ns(_attribute_reads(inputs, slots), sync=None),
+            per_call_ns(_attribute_reads(inputs, slots), sync=None),
         )
         show(
             "total: PreparedStore.publish, no-op driver",
-            _per_call_ns(lambda: p.publish(inputs, slots, 0, bar, 0), sync=None),
+            per_call_ns(lambda: p.publish(inputs, slots, 0, bar, 0), sync=None),
         )
         show(
             "total: PreparedStore.store, no-op driver",
-            _per_call_ns(lambda: p.store(inputs, slots), sync=None),
+            per_call_ns(lambda: p.store(inputs, slots), sync=None),
         )
         show(
             "total: DeviceBarrier.arrive_and_wait, no-op driver",
-            _per_call_ns(lambda: bar.arrive_and_wait(0), sync=None),
+            per_call_ns(lambda: bar.arrive_and_wait(0), sync=None),
         )
     return res
 

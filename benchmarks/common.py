@@ -17,6 +17,7 @@ __all__ = [
     "arguments",
     "machine",
     "median",
+    "per_call_ns",
     "percentile",
     "table",
     "time_us",
@@ -49,6 +50,26 @@ def machine() -> dict[str, Any]:
     except Exception:
         pass
     return info
+
+
+def per_call_ns(fn: Callable[[], Any], n: int = 200, reps: int = 7, sync: Any = "cuda") -> float:
+    """Median host ns per call of ``fn`` over ``reps`` loops of ``n`` calls (the device is
+    synchronized between loops, outside the measurement, so the launch queue never fills;
+    ``sync=None``: no device)."""
+    import time
+
+    import torch
+
+    wait = torch.cuda.synchronize if sync == "cuda" else (lambda: None)
+    per = []
+    for _ in range(reps):
+        wait()
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        per.append((time.perf_counter_ns() - t0) / n)
+    wait()
+    return median(per)
 
 
 def timed(fn: Callable[[], Any]) -> float:
