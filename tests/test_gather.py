@@ -294,6 +294,9 @@ def _absent_peer(rank, world, what):
 
     from vmmkv import ReplicatedKVCache
 
+    # Both ranks start the constructor together: its join is bounded by the same 2 s, and a rank
+    # still importing on a loaded machine made rank 0's join time out (a CI run, 2026-12-02).
+    dist.barrier()
     with ReplicatedKVCache(
         dist.group.WORLD, 1 << 20, "cpu", backend="host", direct=what == "barrier",
         initial_bytes=1 << 20, timeout=2.0,
