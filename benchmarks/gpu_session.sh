@@ -2,7 +2,8 @@
 # One device-machine call. Logs and JSON go to $OUT (the folder whose files come back). Usage:
 #   bash benchmarks/gpu_session.sh tests|bench|all|ops-tests|ops-bench|ops|bw
 # - tests: the GPU suite + CLI on the GPU; bench: every benchmark; all: both.
-# - bw: issue 23's rows: the exhaustive division proof, then `bench_store.py --pcp 2` with a row
+# - bw: issue 23's rows: the exhaustive division proof, the gather fallback's host time by stage
+#   (`bench_gather.py --host-cost`, one process), then `bench_store.py --pcp 2` with a row
 #   at each copy-ceiling size (T = 8192, 32768, 65536: 6.5, 25.8, 51.6 MB); with 2 GPUs the
 #   gather fallback against its ideal with its host-time profile (`bench_gather.py --profile`),
 #   on one GPU the 1/4/8-destination table; logged to $OUT/bw.log.
@@ -67,6 +68,9 @@ if [ "$what" = bw ]; then
     echo "== GPUs: $ngpu" | tee -a "$LOG"
     timeout 300 python3 -m pytest -q -rs -s -p no:cacheprovider tests/test_quant_exact_gpu.py 2>&1 \
         | tee -a "$LOG" | tail -8
+    echo "== gather fallback: host time of one eager store by stage (one process)" | tee -a "$LOG"
+    timeout 300 python3 benchmarks/bench_gather.py --host-cost --out "$OUT/gather_host_cost.json" \
+        2>&1 | tee -a "$LOG"
     echo "== PCP2 publish and copy ceilings (2 ranks)" | tee -a "$LOG"
     timeout 900 python3 benchmarks/bench_store.py --pcp 2 --tokens 1,2048,8192,32768,65536 \
         --out "$OUT/pcp2_bw.json" 2>&1 | tee -a "$LOG"

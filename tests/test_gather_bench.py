@@ -114,3 +114,18 @@ def test_the_cuda_sweep_says_what_it_needs_without_enough_gpus(capsys):
         pytest.skip("this machine has the GPUs")
     assert bench_gather.main(["--world", "64", "--out", "/dev/null"]) == 2
     assert "needs 64 GPUs" in capsys.readouterr().err
+
+
+def test_the_host_cost_stages_run_on_the_cpu_and_write_their_json(tmp_path, capsys):
+    out = tmp_path / "host_cost.json"
+    argv = ["--host-cost", "--backend", "host", "--tokens", "1", "3", "--out", str(out)]
+    assert bench_gather.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    stages = {r["stage"] for r in rows}
+    assert stages == {
+        "checks (own_slots + check_inputs)", "pack + views + slots (_gather)",
+        "total: GatherPath.store", "reference: torch.cat of the 3 inputs' bytes",
+    }  # fmt: skip  (the insert stage is CUDA's only: on the CPU the insert is a no-op)
+    assert sorted({r["T"] for r in rows}) == [1, 3] and len(rows) == 2 * len(stages)
+    assert all(r["own"] > 0 and r["gathered"] > 0 for r in rows)
+    assert "all-gather a no-op (host)" in capsys.readouterr().out
