@@ -510,6 +510,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the host-time stages of one fallback store (one process)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.host_cost:
+        import torch
+
+        if args.backend == "cuda" and not torch.cuda.is_available():
+            print("bench_gather --host-cost: needs a GPU (CUDA); --backend host runs it on the "
+                  "CPU", file=sys.stderr)  # fmt: skip
+            return 2
         tokens = args.tokens if args.tokens != list(TOKENS) else [1, 512, 2048]
         rows = host_cost(args.backend, tokens, args.world)
         write_json(args.out, "bench_gather_host_cost", rows, options=vars(args))

@@ -129,3 +129,12 @@ def test_the_host_cost_stages_run_on_the_cpu_and_write_their_json(tmp_path, caps
     assert sorted({r["T"] for r in rows}) == [1, 3] and len(rows) == 2 * len(stages)
     assert all(r["own"] > 0 and r["gathered"] > 0 for r in rows)
     assert "all-gather a no-op (host)" in capsys.readouterr().out
+
+
+def test_the_cuda_host_cost_says_what_it_needs_without_a_gpu(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert bench_gather.main(["--host-cost", "--out", "/dev/null"]) == 2
+    assert "--host-cost: needs a GPU" in capsys.readouterr().err
