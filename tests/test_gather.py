@@ -402,3 +402,121 @@ def _publish_layer(rank, world):
 def test_publish_layer_writes_every_replica_in_both_modes_and_only_direct_needs_a_barrier():
     for o in run_world(_publish_layer, 3, timeout=100):
         assert o["direct"] == (True, 1) and o["gather"] == (True, 0), o
+
+
+# -- plans: the staging views made once per call shape ---------------------------------------
+# Eager token counts change from step to step; every count is a plan over the same grow-only
+# buffers. These rounds change the count, the slot form and the replicated rows call to call,
+# pass inputs with extra rows after the last slot, grow the buffers in between, and check every
+# replica byte for byte against the reference inserters, and that no plan views a buffer the
+# staging no longer holds.
+PLAN_COUNTS = [5, 5, 17, 3, 17, 40, 5, 3, 40, 64, 5, 17]
+EXTRA_ROWS = 2  # input rows after the last slot: the store must ignore them
+
+
+def _plan_round(cache, bm, bi, buf, world, rank, i, count):
+    import torch
+    import torch.distributed as dist
+
+    from vmmkv.ops import reference as ref
+    from vmmkv.testing.kv import layer_inputs
+
+    nlo = DECODE if i % 3 == 1 else 0
+    gathered_form = i % 2 == 0
+    g = torch.Generator().manual_seed(1000 + i)
+    perm = torch.randperm(NB * BS, generator=g)  # every slot of the view, unique
+    decode = layer_inputs(7000 + i, nlo), perm[:nlo]
+    per_rank = [
+        (layer_inputs(100 * i + r + 1, count + EXTRA_ROWS),
+         perm[nlo + r * count : nlo + (r + 1) * count].clone())
+        for r in range(world)
+    ]  # fmt: skip
+    for _, slots in per_rank:
+        slots[count // 2] = -1  # one padding row inside the real rows
+    (kv_c, k_pe, k), slots = per_rank[rank]
+    if nlo:
+        kv_c, k_pe, k = (torch.cat([d, t]) for d, t in zip(decode[0], (kv_c, k_pe, k), strict=True))
+        slots = torch.cat([decode[1], slots])
+    kw: dict = dict(num_local_only=nlo, mode="gather")
+    if gathered_form:
+        kw["gathered_slot_mapping"] = torch.cat(
+            [torch.cat([decode[1], s]) for _, s in per_rank]).to(torch.int32)  # fmt: skip
+        slots = None
+    poison = torch.randint(1, 256, buf.shape, generator=g, dtype=torch.uint8)
+    buf.copy_(poison)
+    want = poison.clone()
+    (wm, wi), _ = _layout(want)[0]
+    for (ikv, ipe, ik), s in [decode] + per_rank:
+        ref.insert_ds_mla(wm, ikv[: s.numel()], ipe[: s.numel()], s)
+        ref.insert_indexer_k(wi, ik[: s.numel()], s)
+    dist.barrier()
+    cache.store_layer(bm, bi, kv_c, k_pe, k, slots, **kw)
+    dist.barrier()
+    return torch.equal(buf, want)
+
+
+def _plan_views_current(path):
+    """True when every kept plan views the buffers its staging holds now, at most 64 plans."""
+    from vmmkv.gather import _MAX_PLANS
+
+    def same(a, b):
+        return b is not None and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+    for staging in path._staging.values():
+        assert len(staging.plans) <= _MAX_PLANS
+        for plan in staging.plans.values():
+            if not same(plan.recv, staging.rows):
+                return False
+            if plan.slot_buf is not None and not same(
+                plan.slot_buf, staging.slots.get(plan.slot_buf.dtype)
+            ):
+                return False
+            pads = [p for j, p in enumerate(plan.pieces) if j not in plan.holes]
+            if any(not same(p, staging.pad) for p in pads):
+                return False
+    return True
+
+
+def _plans(rank, world, counts):
+    import torch
+
+    from vmmkv import ReplicatedKVCache
+
+    cap = NB * BLOCK
+    out = []
+    with ReplicatedKVCache(
+        torch.distributed.group.WORLD, cap, "cpu", backend="host", chunk_bytes=CHUNK,
+        initial_bytes=cap,
+    ) as cache:  # fmt: skip
+        buf = cache.allocate(cap).view(torch.uint8)
+        (mla, idx), _ = _layout(buf)[0]
+        bm, bi = cache.bind("mla", mla, "fp8_ds_mla"), cache.bind("idx", idx, "indexer_k")
+        path = cache._gather
+        for i, count in enumerate(counts):
+            ok = _plan_round(cache, bm, bi, buf, world, rank, i, count)
+            out.append((ok, _plan_views_current(path)))
+        plans = sum(len(s.plans) for s in path._staging.values())
+    return out, plans
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_plans_follow_changing_shapes_and_buffer_growth_byte_exact(world):
+    for rounds, plans in run_world(_plans, world, args=(PLAN_COUNTS,), timeout=280):
+        assert rounds == [(True, True)] * len(PLAN_COUNTS), rounds
+        assert plans > 0  # the eager calls did keep plans
+
+
+@pytest.mark.timeout(300)
+def test_plans_are_capped_per_staging_and_stay_byte_exact():
+    from vmmkv.gather import _MAX_PLANS
+
+    # the largest count first, in every (slot form, replicated rows) combination, so that the
+    # buffers are grown before the 144 distinct counts that follow (growth drops the plans)
+    counts = [150] * 6 + [1 + i for i in range(144)]
+    (rounds, plans), _ = run_world(_plans, 2, args=(counts,), timeout=280)
+    assert rounds == [(True, True)] * len(counts), [
+        i for i, r in enumerate(rounds) if r != (True, True)
+    ]
+    # two layouts (the gathered form has no slot column, the own form has one): each capped
+    assert _MAX_PLANS < plans <= 2 * _MAX_PLANS, plans

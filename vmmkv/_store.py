@@ -15,6 +15,7 @@ Internal: the engine-facing API is :class:`vmmkv.ReplicatedKVCache`.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -133,6 +134,17 @@ def own_slots(
     return slot_mapping, gathered
 
 
+@functools.cache
+def _input_specs(kinds: tuple[str, ...], rows_entry: int) -> tuple[tuple[str, Any, int], ...]:
+    """(name, dtype, width) of each input of a store of ``kinds`` (the formats' facts, looked
+    up once per kinds and entry width: the check runs on every store call)."""
+    return tuple(
+        (name, dtype, rows_entry if width is None else width)
+        for kind in kinds
+        for name, dtype, width in get_format(kind).inputs
+    )
+
+
 def check_inputs(
     kinds: tuple[str, ...],
     rows_entry: int,
@@ -151,11 +163,7 @@ def check_inputs(
     if slots.device != device:
         raise ValueError(f"slot_mapping is on {slots.device}, expected {device}")
     require_int("num_local_only", nlo, lo=0, hi=tokens)
-    specs = [
-        (name, dtype, rows_entry if width is None else width)
-        for kind in kinds
-        for name, dtype, width in get_format(kind).inputs
-    ]
+    specs = _input_specs(kinds, rows_entry)
     if not isinstance(inputs, (tuple, list)) or len(inputs) != len(specs):
         raise TypeError(f"expected {len(specs)} input tensors {[s[0] for s in specs]}")
     for t, (name, dtype, width) in zip(inputs, specs, strict=True):

@@ -35,10 +35,14 @@ vmmkv's timeout; NCCL: until NCCL's own timeout). ``VMMKV_CHECK_PADDING=1``
 that compares ``T``, ``nlo``, kinds, slot dtype and form and input validity across ranks and
 raises the same diagnosis on every rank (a debug aid: it synchronizes the host).
 
-Staging: eager calls reuse grow-only buffers owned by this object (per stream and row width);
-calls under capture allocate theirs from the graph's private pool, which torch keeps for the
-graph's replays (so no buffer a graph captured is ever freed under it). ``close`` drops the
-buffers (local, idempotent).
+Staging: eager calls reuse grow-only buffers owned by this object (per stream and row width),
+and a plan per call shape (layout, dtypes, slot dtype, ``T - nlo``, ``nlo``): the views of those
+buffers that the call sends, receives, hands to the insert and fills with slots, so a repeated
+eager call builds no views but its inputs' (host time; see BENCHMARKS.md, "Host time by stage").
+A buffer's growth drops every plan over it; at most 64 plans are kept per buffer set (oldest
+out). Calls under capture allocate their buffers from the graph's private pool, which torch
+keeps for the graph's replays (so no buffer a graph captured is ever freed under it), and keep
+no plan. ``close`` drops the buffers and plans (local, idempotent).
 """
 
 from __future__ import annotations
@@ -121,35 +125,122 @@ class _Layout:
         self.slot_bytes = slot_bytes
         self.width = round_up(end, _ROW_ALIGN)
 
-    def pieces(self, cols: Sequence[torch.Tensor], pad: torch.Tensor) -> list[torch.Tensor]:
-        """``cols`` (uint8 ``[P, w]``, inputs then slot) interleaved with zero padding from
-        ``pad`` (uint8 ``[>= P, 16]``), covering exactly ``width`` bytes per row."""
-        rows = cols[0].shape[0]
+    def pieces(
+        self, cols: Sequence[torch.Tensor | None], pad: torch.Tensor | None, rows: int
+    ) -> list[torch.Tensor | None]:
+        """``cols`` (uint8 ``[rows, w]``, inputs then slot; ``None`` keeps a column's place)
+        interleaved with zero padding from ``pad`` (uint8 ``[>= rows, 16]``; None where the
+        columns leave no gap), covering exactly ``width`` bytes per row."""
         starts = self.offsets + ([self.slot_offset] if self.slot_bytes else [])
+        widths = self.input_bytes + ([self.slot_bytes] if self.slot_bytes else [])
         out, at = [], 0
-        for start, col in zip(starts, cols, strict=True):
+        for start, w, col in zip(starts, widths, cols, strict=True):
             if start > at:
                 out.append(pad[:rows, : start - at])
             out.append(col)
-            at = start + col.shape[1]
+            at = start + w
         if self.width > at:
             out.append(pad[:rows, : self.width - at])
         return out
 
 
 class _Staging:
-    """Grow-only eager buffers of one row width: packed rows, slots, zero padding."""
+    """Grow-only eager buffers of one row width: packed rows, slots, zero padding, and the
+    plans made over them. Every growth drops the plans, so no plan keeps a replaced buffer
+    alive or points into one."""
 
     def __init__(self) -> None:
         self.rows: torch.Tensor | None = None
         self.slots: dict[torch.dtype, torch.Tensor] = {}
         self.pad: torch.Tensor | None = None
+        self.plans: dict[tuple[Any, ...], _Plan] = {}
+
+    def grow(self, old: torch.Tensor | None, rows: int, make) -> torch.Tensor:
+        """``old`` if it holds ``rows`` rows, else ``make()`` (and the plans are dropped)."""
+        if old is not None and old.shape[0] >= rows:
+            return old
+        self.plans.clear()
+        return make()
 
 
-def _buffer(old: torch.Tensor | None, shape: tuple[int, ...], dtype, device) -> torch.Tensor:
-    if old is not None and old.shape[0] >= shape[0]:
-        return old
-    return torch.empty(shape, dtype=dtype, device=device)
+# Plans kept per staging, oldest dropped first. Engines vary their eager token counts from step
+# to step (every count is a plan), so the cache must be bounded. A plan is about a dozen tensor
+# views of the staging buffers: host memory only, no device memory of its own.
+_MAX_PLANS = 64
+
+
+class _Plan:
+    """What one shape of ``_gather`` builds on every call, built once per staging: the views of
+    the staging buffers that are sent, received, read by the insert and filled with slots.
+    ``pieces`` is the ``torch.cat`` list of the pack, its padding views in place and the
+    inputs' (and slot's) places ``None`` (at ``holes``), filled per call. ``no_pack``: one
+    input that fills the row alone (no slot, no padding) is sent as it is when contiguous."""
+
+    __slots__ = ("recv", "send", "no_pack", "pieces", "holes", "views", "slot_buf", "slot_dst",
+                 "slot_src")  # fmt: skip
+
+    def __init__(self, path: GatherPath, layout: _Layout, staging: _Staging | None,
+                 dtypes: tuple[torch.dtype, ...], slot_dtype: torch.dtype, per_rank: int,
+                 nlo: int, own_form: bool) -> None:  # fmt: skip
+        world, rank, device = path.world_size, path.rank, path.device
+        n = world * per_rank
+        rows = _grown(staging, "rows", n, lambda: torch.empty(
+            (n, layout.width), dtype=torch.uint8, device=device))  # fmt: skip
+        self.recv = rows[:n]
+        self.send = self.recv[rank * per_rank : (rank + 1) * per_rank]  # in place
+        self.no_pack = len(dtypes) == 1 and layout.width == layout.input_bytes[0]
+        self.pieces: list[torch.Tensor | None] = []
+        self.holes: list[int] = []
+        pad = None
+        if layout.width > sum(layout.input_bytes) + layout.slot_bytes:
+            pad = _grown(staging, "pad", per_rank, lambda: torch.zeros(
+                (per_rank, _ROW_ALIGN), dtype=torch.uint8, device=device))  # fmt: skip
+        cols = [None] * (len(dtypes) + (1 if layout.slot_bytes else 0))
+        for piece in layout.pieces(cols, pad, per_rank):
+            if piece is None:
+                self.holes.append(len(self.pieces))
+            self.pieces.append(piece)
+        self.views = [
+            self.recv[:, off : off + w].view(dt)
+            for dt, off, w in zip(dtypes, layout.offsets, layout.input_bytes, strict=True)
+        ]
+        # the insert's contiguous slots: the gathered mapping as it is (no replicated rows), or
+        # a buffer filled from the slot column (own form) or from the gathered mapping's rows
+        self.slot_buf = self.slot_dst = self.slot_src = None
+        if own_form or nlo:
+            buf = _grown(staging, ("slots", slot_dtype), n, lambda: torch.empty(
+                (n,), dtype=slot_dtype, device=device))[:n]  # fmt: skip
+            self.slot_buf = buf
+            if own_form:
+                so, sb = layout.slot_offset, layout.slot_bytes
+                self.slot_dst = buf
+                self.slot_src = self.recv[:, so : so + sb].view(slot_dtype).view(n)
+            else:
+                self.slot_dst = buf.view(world, per_rank)
+
+
+def _grown(staging: _Staging | None, which: Any, rows: int, make) -> torch.Tensor:
+    """The staging buffer ``which`` ("rows", "pad" or ("slots", dtype)) with at least ``rows``
+    rows, grown (plans dropped) when short; without a staging (capture) a new one."""
+    if staging is None:
+        return make()
+    if which == "rows":
+        buf = staging.rows = staging.grow(staging.rows, rows, make)
+    elif which == "pad":
+        buf = staging.pad = staging.grow(staging.pad, rows, make)
+    else:
+        buf = staging.slots[which[1]] = staging.grow(staging.slots.get(which[1]), rows, make)
+    return buf
+
+
+def _current_stream_handle(index: int) -> int:
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+# The current stream's handle, the key of the eager staging. torch.cuda.current_stream() builds
+# a Stream object (2.9 µs per call on the H200 host, session 8); torch's own launchers read the
+# raw handle (0.1 µs), which is the same number. Where a torch lacks it, the public call.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _current_stream_handle
 
 
 class GatherPath:
@@ -180,6 +271,11 @@ class GatherPath:
         self._stores: dict[tuple[Any, ...], Any] = {}  # bindings -> ops.PreparedStore
         self._staging: dict[tuple[int, int], _Staging] = {}
         self._layouts: dict[tuple[int, ...], _Layout] = {}
+        # the device whose current stream keys the staging (None on the host backend)
+        self._stream_device = None
+        if device.type == "cuda":
+            index = device.index
+            self._stream_device = index if index is not None else torch.cuda.current_device()
         self.transport = "nccl" if self._device_group is not None else "gloo"
         if device.type == "cuda" and self._device_group is None and world_size > 1:
             log.info(
@@ -244,71 +340,54 @@ class GatherPath:
 
     def _gather(self, inputs, slots, nlo, tokens, gathered, capturing):
         """The group's non-replicated rows (``[world * P]`` column views of one packed buffer)
-        and their slots, P = T - nlo."""
-        world, per_rank = self.world_size, tokens - nlo
-        n = world * per_rank
-        own = [t[nlo:tokens].view(torch.uint8) for t in inputs]
-        slot_bytes = 0 if gathered is not None else slots.element_size()
-        key = (*(c.shape[1] for c in own), slot_bytes)
-        layout = self._layouts.get(key)
+        and their slots, P = T - nlo. Eager calls reuse the plan of their shape (made on its
+        first call); under capture the plan is made over new buffers and not kept."""
+        per_rank = tokens - nlo
+        own_form = gathered is None
+        slot_dtype = slots.dtype if own_form else gathered.dtype
+        widths = tuple(t.shape[1] * t.element_size() for t in inputs)
+        dtypes = tuple(t.dtype for t in inputs)
+        lkey = (*widths, slot_dtype.itemsize if own_form else 0)
+        layout = self._layouts.get(lkey)
         if layout is None:
-            layout = self._layouts[key] = _Layout(key[:-1], slot_bytes)
+            layout = self._layouts[lkey] = _Layout(widths, lkey[-1])
         staging = None if capturing else self._staging_for(layout.width)
-        old = staging.rows if staging is not None else None
-        recv = _buffer(old, (n, layout.width), torch.uint8, self.device)
-        if staging is not None:
-            staging.rows = recv
-        recv = recv[:n]
-        if (
-            not slot_bytes
-            and len(own) == 1
-            and own[0].is_contiguous()
-            and (own[0].shape[1] == layout.width)
-        ):
-            send = own[0]  # one contiguous input, slots already gathered: nothing to pack
+        pkey = (lkey, dtypes, slot_dtype, per_rank, nlo)
+        plan = staging.plans.get(pkey) if staging is not None else None
+        if plan is None:
+            plan = _Plan(self, layout, staging, dtypes, slot_dtype, per_rank, nlo, own_form)
+            if staging is not None:
+                if len(staging.plans) >= _MAX_PLANS:
+                    del staging.plans[next(iter(staging.plans))]
+                staging.plans[pkey] = plan
+        own = inputs if nlo == 0 and all(t.shape[0] == tokens for t in inputs) else [
+            t[nlo:tokens] for t in inputs]  # fmt: skip
+        send = plan.send
+        if plan.no_pack and own[0].is_contiguous():
+            send = own[0].view(torch.uint8)  # one contiguous input filling the row: no pack
         else:
-            send = recv[self.rank * per_rank : (self.rank + 1) * per_rank]  # in place
-            cols = own + ([slots[nlo:tokens].view(torch.uint8).view(per_rank, slot_bytes)]
-                          if slot_bytes else [])  # fmt: skip
-            pad = self._pad(staging, per_rank)
-            torch.cat(layout.pieces(cols, pad), dim=1, out=send)
-        self._all_gather(recv, send)
-        views = [
-            recv[:, off : off + w].view(t.dtype)
-            for t, off, w in zip(inputs, layout.offsets, layout.input_bytes, strict=True)
-        ]
-        return views, self._gathered_slots(recv, slots, gathered, layout, staging, nlo, tokens)
-
-    def _gathered_slots(self, recv, slots, gathered, layout, staging, nlo, tokens):
-        """Contiguous slots of the gathered rows (the kernels take a contiguous mapping)."""
-        world, n = self.world_size, recv.shape[0]
-        if gathered is not None and nlo == 0 and gathered.is_contiguous():
-            return gathered  # rank-major already: exactly the gathered rows' slots
-        dtype = slots.dtype if gathered is None else gathered.dtype
-        old = staging.slots.get(dtype) if staging is not None else None
-        buf = _buffer(old, (n,), dtype, self.device)
-        if staging is not None:
-            staging.slots[dtype] = buf
-        buf = buf[:n]
-        if gathered is None:
-            col = recv[:, layout.slot_offset : layout.slot_offset + layout.slot_bytes]
-            buf.copy_(col.view(dtype).view(n))
+            pieces = list(plan.pieces)
+            cols = [t.view(torch.uint8) for t in own]
+            if own_form:
+                cols.append(slots[nlo:tokens].view(torch.uint8).view(per_rank, -1))
+            for hole, col in zip(plan.holes, cols, strict=True):
+                pieces[hole] = col
+            torch.cat(pieces, dim=1, out=send)
+        self._all_gather(plan.recv, send)
+        if plan.slot_buf is None:
+            return plan.views, gathered  # rank-major already: exactly the gathered rows' slots
+        if own_form:
+            plan.slot_dst.copy_(plan.slot_src)
         else:
-            buf.view(world, n // world).copy_(gathered.view(world, tokens)[:, nlo:])
-        return buf
+            plan.slot_dst.copy_(gathered.view(self.world_size, tokens)[:, nlo:])
+        return plan.views, plan.slot_buf
 
     def _staging_for(self, width: int) -> _Staging:
-        cuda = self.device.type == "cuda"
-        stream = torch.cuda.current_stream(self.device).cuda_stream if cuda else 0
-        return self._staging.setdefault((stream, width), _Staging())
-
-    def _pad(self, staging: _Staging | None, rows: int) -> torch.Tensor:
-        if staging is not None and staging.pad is not None and staging.pad.shape[0] >= rows:
-            return staging.pad
-        pad = torch.zeros((rows, _ROW_ALIGN), dtype=torch.uint8, device=self.device)
-        if staging is not None:
-            staging.pad = pad
-        return pad
+        stream = _raw_stream(self._stream_device) if self._stream_device is not None else 0
+        staging = self._staging.get((stream, width))
+        if staging is None:
+            staging = self._staging[(stream, width)] = _Staging()
+        return staging
 
     def _all_gather(self, recv: torch.Tensor, send: torch.Tensor) -> None:
         gather = _ALL_GATHER
