@@ -411,6 +411,19 @@ def host_cost(backend: str, tokens: list[int], world: int = 2) -> list[dict[str,
     """Rows (stage, T, µs with own slots, µs with the gathered mapping) of rank 0 of ``world``
     in one process: a ``GatherPath`` over one layer whose all-gather is a no-op (see the
     module docstring)."""
+    path, bindings, device, sync = host_path(backend, max(tokens), world)
+    rows: list[dict[str, Any]] = []
+    for t in tokens:
+        stages = _host_stages(path, bindings, t, world, device, sync)
+        rows += [{"stage": k, "T": t, **v} for k, v in stages.items()]
+    path.close()
+    return rows
+
+
+def host_path(backend: str, max_tokens: int, world: int = 2):
+    """(path, bindings, device, sync) of :func:`host_cost`: rank 0 of ``world``'s
+    ``GatherPath`` over one layer of room for ``world * max_tokens`` tokens, its all-gather a
+    no-op (on the host backend its insert too)."""
     import torch
 
     from vmmkv.cache import Binding
@@ -422,7 +435,7 @@ def host_cost(backend: str, tokens: list[int], world: int = 2) -> list[dict[str,
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     sync = "cuda" if cuda else None
     mla_b, idx_b = MLA_ENTRY_BYTES, INDEXER_ENTRY_BYTES
-    nb = -(-world * max(tokens) // BS)
+    nb = -(-world * max_tokens // BS)
     region = torch.zeros(nb * BS * (mla_b + idx_b), dtype=torch.uint8, device=device)
     table_t = torch.tensor([region.data_ptr()], dtype=torch.int64, device=device)
     geo = dict(ptr_table=table_t, my_rank=0, num_blocks=nb, block_size=BS,
@@ -439,12 +452,7 @@ def host_cost(backend: str, tokens: list[int], world: int = 2) -> list[dict[str,
     path._all_gather = lambda recv, send: None  # the collective is not what this measures
     if not cuda:  # the host reference store is not the GPU's insert
         path.prepare(bindings).store = lambda *args: None
-    rows: list[dict[str, Any]] = []
-    for t in tokens:
-        stages = _host_stages(path, bindings, t, world, device, sync)
-        rows += [{"stage": k, "T": t, **v} for k, v in stages.items()]
-    path.close()
-    return rows
+    return path, bindings, device, sync
 
 
 def _host_stages(path, bindings, t: int, world: int, device, sync) -> dict[str, dict[str, float]]:
