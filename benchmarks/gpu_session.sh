@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One device-machine call. Logs and JSON go to $OUT (the folder whose files come back). Usage:
-#   bash benchmarks/gpu_session.sh tests|bench|all|ops-tests|ops-bench|ops|bw
+#   bash benchmarks/gpu_session.sh tests|tests-a|tests-b|bench|all|ops-tests|ops-bench|ops|bw
 # - tests: the GPU suite + CLI on the GPU; bench: every benchmark; all: both.
+# - tests-a / tests-b: the suite in two device calls (since 2026-12-02 it no longer fits one
+#   10-minute call with a machine start): a = every GPU test but the kernel tests, the
+#   byte-identity proof and the soak, plus the CLI; b = those three files.
 # - bw: issue 23's rows: the exhaustive division proof, the gather fallback's host time by stage
 #   (`bench_gather.py --host-cost`, one process), then `bench_store.py --pcp 2` with a row
 #   at each copy-ceiling size (T = 8192, 32768, 65536: 6.5, 25.8, 51.6 MB); with 2 GPUs the
@@ -25,8 +28,19 @@ what=${1:-all}
 LOG=/dev/null
 case "$what" in ops*) LOG="$OUT/ops.log" ;; bw) LOG="$OUT/bw.log" ;; esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
+SPLIT="tests/test_kernels_gpu.py tests/test_quant_exact_gpu.py tests/test_soak.py"
+if [ "$what" = tests-b ]; then
+    python3 -m pytest -q -m gpu -rs -p no:cacheprovider $SPLIT ${PYTEST_ARGS:-} 2>&1 \
+        | tee "$OUT/gpu-tests-b.log" | tail -40
+fi
+if [ "$what" = tests-a ]; then
+    python3 -m pytest -q -m gpu -rs -p no:cacheprovider ${SPLIT//tests\//--deselect tests/} \
+        tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu-tests-a.log" | tail -40
+fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
     python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
+fi
+if [ "$what" = tests ] || [ "$what" = tests-a ] || [ "$what" = all ]; then
     {
         echo "== python -m vmmkv doctor"; python3 -m vmmkv doctor; echo "rc=$?"
         echo "== python -m vmmkv demo"; python3 -m vmmkv demo; echo "rc=$?"
