@@ -554,7 +554,7 @@ def recorded_launches(monkeypatch):
     monkeypatch.setenv("VMMKV_LAUNCH_API", "bindings")
     monkeypatch.setattr(build, "load_module", lambda ordinal: _Loaded())
     monkeypatch.setattr(launch, "_cu_launch", cu_launch)
-    monkeypatch.setattr(launch, "_stream_of", lambda ordinal: 0x5000 + ordinal)
+    monkeypatch.setattr(launch, "stream_handle", lambda ordinal: 0x5000 + ordinal)
     monkeypatch.setattr(prepared._kv, "_check_cuda", lambda device: -1)
     # a device's resident grid (132 SMs x 4 CTAs, an H200's for the layer kernels) where a
     # test prepares for a device ordinal; ordinal -1 keeps the functional API's cap

@@ -60,6 +60,7 @@ from . import ops
 from ._store import check_inputs, own_slots
 from ._util import require_int, round_up
 from .ops.kv import KVTarget
+from .ops.launch import device_ordinal, stream_handle
 
 __all__ = ["GatherPath", "GatherTimeout", "check_padding_enabled", "pad_tokens"]
 
@@ -233,16 +234,6 @@ def _grown(staging: _Staging | None, which: Any, rows: int, make) -> torch.Tenso
     return buf
 
 
-def _current_stream_handle(index: int) -> int:
-    return torch.cuda.current_stream(index).cuda_stream
-
-
-# The current stream's handle, the key of the eager staging. torch.cuda.current_stream() builds
-# a Stream object (2.9 µs per call on the H200 host, session 8); torch's own launchers read the
-# raw handle (0.1 µs), which is the same number. Where a torch lacks it, the public call.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _current_stream_handle
-
-
 class GatherPath:
     """Gather-then-insert into the own replica (see the module docstring)."""
 
@@ -272,10 +263,7 @@ class GatherPath:
         self._staging: dict[tuple[int, int], _Staging] = {}
         self._layouts: dict[tuple[int, ...], _Layout] = {}
         # the device whose current stream keys the staging (None on the host backend)
-        self._stream_device = None
-        if device.type == "cuda":
-            index = device.index
-            self._stream_device = index if index is not None else torch.cuda.current_device()
+        self._stream_device = device_ordinal(device) if device.type == "cuda" else None
         self.transport = "nccl" if self._device_group is not None else "gloo"
         if device.type == "cuda" and self._device_group is None and world_size > 1:
             log.info(
@@ -383,7 +371,7 @@ class GatherPath:
         return plan.views, plan.slot_buf
 
     def _staging_for(self, width: int) -> _Staging:
-        stream = _raw_stream(self._stream_device) if self._stream_device is not None else 0
+        stream = stream_handle(self._stream_device) if self._stream_device is not None else 0
         staging = self._staging.get((stream, width))
         if staging is None:
             staging = self._staging[(stream, width)] = _Staging()
