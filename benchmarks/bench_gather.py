@@ -50,7 +50,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import median, per_call_ns, table, write_json  # noqa: E402
+from common import median, own_layer_targets, per_call_ns, table, write_json  # noqa: E402
 
 TOKENS = (1, 8, 32, 128, 512, 2048, 8192, 32768)
 BS = 64
@@ -428,23 +428,13 @@ def host_path(backend: str, max_tokens: int, world: int = 2):
 
     from vmmkv.cache import Binding
     from vmmkv.gather import GatherPath
-    from vmmkv.ops.formats import INDEXER_ENTRY_BYTES, MLA_ENTRY_BYTES
-    from vmmkv.ops.kv import KVTarget
 
     cuda = backend == "cuda"
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     sync = "cuda" if cuda else None
-    mla_b, idx_b = MLA_ENTRY_BYTES, INDEXER_ENTRY_BYTES
     nb = -(-world * max_tokens // BS)
-    region = torch.zeros(nb * BS * (mla_b + idx_b), dtype=torch.uint8, device=device)
-    table_t = torch.tensor([region.data_ptr()], dtype=torch.int64, device=device)
-    geo = dict(ptr_table=table_t, my_rank=0, num_blocks=nb, block_size=BS,
-               committed_bytes=torch.tensor([region.numel()], device=device),
-               error_counter=torch.zeros(1, dtype=torch.int32, device=device), cache=region)  # fmt: skip
-    mla_t = KVTarget(kind="fp8_ds_mla", offset_bytes=0, block_stride=BS * mla_b,
-                     entry_stride=mla_b, entry_bytes=mla_b, **geo)  # fmt: skip
-    idx_t = KVTarget(kind="indexer_k", offset_bytes=nb * BS * mla_b, block_stride=BS * idx_b,
-                     entry_stride=idx_b, entry_bytes=idx_b, **geo)  # fmt: skip
+    mla_t, idx_t = own_layer_targets(nb, device, BS)
+    region, table_t = mla_t.cache, mla_t.ptr_table
     views = region.view(nb * BS, -1)  # a view per binding; the stages never read it
     bindings = (Binding("mla", "fp8_ds_mla", views, mla_t, None),
                 Binding("idx", "indexer_k", views, idx_t, None))  # fmt: skip

@@ -38,7 +38,14 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 import ceiling  # noqa: E402
-from common import arguments, median, per_call_ns, table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    arguments,
+    median,
+    own_layer_targets,
+    per_call_ns,
+    table,
+    write_json,
+)
 
 BS = 64
 MLA, IDX = 656, 132
@@ -560,20 +567,12 @@ def host_cost(tokens=16):
 
     from vmmkv import ops
     from vmmkv.ops import launch
-    from vmmkv.ops.kv import KVTarget, _grid
+    from vmmkv.ops.kv import _grid
 
     dev = torch.device("cuda", 0)
     ops.warm_up(dev)
-    nb = 4
-    region = torch.zeros(nb * BS * (MLA + IDX), dtype=torch.uint8, device=dev)
-    table_t = torch.tensor([region.data_ptr()], dtype=torch.int64, device=dev)
-    geo = dict(ptr_table=table_t, my_rank=0, num_blocks=nb, block_size=BS,
-               committed_bytes=torch.tensor([region.numel()], device=dev),
-               error_counter=torch.zeros(1, dtype=torch.int32, device=dev), cache=region)  # fmt: skip
-    mla_t = KVTarget(kind="fp8_ds_mla", offset_bytes=0, block_stride=BS * MLA, entry_stride=MLA,
-                     entry_bytes=MLA, **geo)  # fmt: skip
-    idx_t = KVTarget(kind="indexer_k", offset_bytes=nb * BS * MLA, block_stride=BS * IDX,
-                     entry_stride=IDX, entry_bytes=IDX, **geo)  # fmt: skip
+    mla_t, idx_t = own_layer_targets(4, dev, BS)
+    region = mla_t.cache
     sig = torch.zeros(2, dtype=torch.int32, device=dev)
     bar = ops.DeviceBarrier(torch.tensor([sig.data_ptr()], dtype=torch.int64, device=dev), None,
                             0, 1, 1, dev, fence=region)  # fmt: skip
@@ -677,22 +676,13 @@ def host_cost_cpu(tokens=16):
 
     from vmmkv.ops import barrier as barrier_mod
     from vmmkv.ops import build, launch, prepared
-    from vmmkv.ops.kv import KVTarget
 
     class Loaded:
         def function(self, name):
             return name
 
     ok = launch._CU_SUCCESS
-    nb = 4
-    region = torch.zeros(nb * BS * (MLA + IDX), dtype=torch.uint8)
-    geo = dict(ptr_table=torch.tensor([region.data_ptr()]), my_rank=0, num_blocks=nb,
-               block_size=BS, committed_bytes=torch.tensor([region.numel()]),
-               error_counter=torch.zeros(1, dtype=torch.int32), cache=region)  # fmt: skip
-    mla_t = KVTarget(kind="fp8_ds_mla", offset_bytes=0, block_stride=BS * MLA, entry_stride=MLA,
-                     entry_bytes=MLA, **geo)  # fmt: skip
-    idx_t = KVTarget(kind="indexer_k", offset_bytes=nb * BS * MLA, block_stride=BS * IDX,
-                     entry_stride=IDX, entry_bytes=IDX, **geo)  # fmt: skip
+    mla_t, idx_t = own_layer_targets(4, "cpu", BS)
     kv_c = torch.randn(tokens, 512).bfloat16()
     k_pe = torch.randn(tokens, 64).bfloat16()
     k = torch.randn(tokens, 128).bfloat16()
@@ -707,7 +697,7 @@ def host_cost_cpu(tokens=16):
     with (
         mock.patch.object(build, "load_module", lambda ordinal: Loaded()),
         mock.patch.object(launch, "_cu_launch", lambda *args: (ok,)),
-        mock.patch.object(launch, "_stream_of", lambda ordinal: 0),
+        mock.patch.object(launch, "stream_handle", lambda ordinal: 0),
         mock.patch.object(prepared._kv, "_check_cuda", lambda device: -1),
     ):
         p = prepared.PreparedStore((mla_t, idx_t), ("fp8_ds_mla", "indexer_k"), True)

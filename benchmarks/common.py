@@ -95,3 +95,27 @@ def write_json(path: str, name: str, rows: list[dict[str, Any]], **extra: Any) -
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"benchmark": name, "machine": machine(), "rows": rows, **extra}, f, indent=1)
+
+
+def own_layer_targets(num_blocks: int, device: Any, block_size: int = 64) -> tuple[Any, Any]:
+    """(fp8_ds_mla, indexer_k) ``KVTarget``s of one layer in a new zeroed region on ``device``:
+    ``num_blocks`` MLA blocks, then as many indexer blocks, behind a one-entry table (the own
+    replica only, rank 0). For the host-cost tools, which time the Python around the stores;
+    the region is real, so a GPU run may also launch the kernels into it."""
+    import torch
+
+    from vmmkv.ops.formats import INDEXER_ENTRY_BYTES as IDX
+    from vmmkv.ops.formats import MLA_ENTRY_BYTES as MLA
+    from vmmkv.ops.kv import KVTarget
+
+    bs = block_size
+    region = torch.zeros(num_blocks * bs * (MLA + IDX), dtype=torch.uint8, device=device)
+    geo = dict(ptr_table=torch.tensor([region.data_ptr()], dtype=torch.int64, device=device),
+               my_rank=0, num_blocks=num_blocks, block_size=bs,
+               committed_bytes=torch.tensor([region.numel()], device=device),
+               error_counter=torch.zeros(1, dtype=torch.int32, device=device), cache=region)  # fmt: skip
+    mla = KVTarget(kind="fp8_ds_mla", offset_bytes=0, block_stride=bs * MLA, entry_stride=MLA,
+                   entry_bytes=MLA, **geo)  # fmt: skip
+    idx = KVTarget(kind="indexer_k", offset_bytes=num_blocks * bs * MLA, block_stride=bs * IDX,
+                   entry_stride=IDX, entry_bytes=IDX, **geo)  # fmt: skip
+    return mla, idx
