@@ -395,6 +395,9 @@ def _subgroups(rank, world):
         dist.barrier(mine)
         got = sr.view(sr.rank)[:64].unique().tolist()
         dist.barrier(mine)
+    # Rank 0 hosts the store that both subgroups query: it must not exit (and take the store
+    # with it) while the other subgroup is still in its rendezvous (a CI run saw "Broken pipe").
+    dist.barrier()
     return my_ranks, peer, got
 
 
