@@ -465,14 +465,14 @@ def _plan_views_current(path):
     for staging in path._staging.values():
         assert len(staging.plans) <= _MAX_PLANS
         for plan in staging.plans.values():
-            if not same(plan.recv, staging.rows):
+            if not same(plan.recv, staging.buffers.get("rows")):
                 return False
             if plan.slot_buf is not None and not same(
-                plan.slot_buf, staging.slots.get(plan.slot_buf.dtype)
+                plan.slot_buf, staging.buffers.get(("slots", plan.slot_buf.dtype))
             ):
                 return False
             pads = [p for j, p in enumerate(plan.pieces) if j not in plan.holes]
-            if any(not same(p, staging.pad) for p in pads):
+            if any(not same(p, staging.buffers.get("pad")) for p in pads):
                 return False
     return True
 

@@ -146,22 +146,23 @@ class _Layout:
 
 
 class _Staging:
-    """Grow-only eager buffers of one row width: packed rows, slots, zero padding, and the
-    plans made over them. Every growth drops the plans, so no plan keeps a replaced buffer
-    alive or points into one."""
+    """Grow-only eager buffers of one row width, by name ("rows", "pad", or ("slots", dtype)),
+    and the plans made over them. Every growth drops the plans, so no plan keeps a replaced
+    buffer alive or points into one."""
 
     def __init__(self) -> None:
-        self.rows: torch.Tensor | None = None
-        self.slots: dict[torch.dtype, torch.Tensor] = {}
-        self.pad: torch.Tensor | None = None
+        self.buffers: dict[Any, torch.Tensor] = {}
         self.plans: dict[tuple[Any, ...], _Plan] = {}
 
-    def grow(self, old: torch.Tensor | None, rows: int, make) -> torch.Tensor:
-        """``old`` if it holds ``rows`` rows, else ``make()`` (and the plans are dropped)."""
+    def buffer(self, name: Any, rows: int, make) -> torch.Tensor:
+        """The buffer ``name`` if it holds ``rows`` rows, else ``make()`` in its place (and the
+        plans are dropped)."""
+        old = self.buffers.get(name)
         if old is not None and old.shape[0] >= rows:
             return old
         self.plans.clear()
-        return make()
+        buf = self.buffers[name] = make()
+        return buf
 
 
 # Plans kept per staging, oldest dropped first. Engines vary their eager token counts from step
@@ -220,18 +221,9 @@ class _Plan:
                 self.slot_dst = buf.view(world, per_rank)
 
 
-def _grown(staging: _Staging | None, which: Any, rows: int, make) -> torch.Tensor:
-    """The staging buffer ``which`` ("rows", "pad" or ("slots", dtype)) with at least ``rows``
-    rows, grown (plans dropped) when short; without a staging (capture) a new one."""
-    if staging is None:
-        return make()
-    if which == "rows":
-        buf = staging.rows = staging.grow(staging.rows, rows, make)
-    elif which == "pad":
-        buf = staging.pad = staging.grow(staging.pad, rows, make)
-    else:
-        buf = staging.slots[which[1]] = staging.grow(staging.slots.get(which[1]), rows, make)
-    return buf
+def _grown(staging: _Staging | None, name: Any, rows: int, make) -> torch.Tensor:
+    """``staging.buffer(name, rows, make)``; without a staging (capture) a new buffer."""
+    return make() if staging is None else staging.buffer(name, rows, make)
 
 
 class GatherPath:
