@@ -380,6 +380,70 @@ def test_a_survivor_late_to_the_exchange_names_only_the_dead_peer(watch, tmp_pat
     _assert_survivors_named_the_victim(res, "host", point)
 
 
+def _gives_up_with_messages_unread(rank, world, settle_delay):
+    """Rank 1 gives up its rendezvous fd exchange, declaring rank 2 lost, at the moment both
+    peers' messages sit unread in its sockets and its own were acknowledged; its agreement then
+    starts ``settle_delay`` late. Returns (error, elapsed) of the cache's creation."""
+    import torch.distributed as dist
+
+    from vmmkv.ipc import GroupError, fdpass
+    from vmmkv.ipc.comm import StoreComm
+
+    device = _device("host", rank, world)
+    exchange = fdpass._Exchange
+    real = {name: getattr(exchange, name) for name in ("_on_incoming", "_poll_peers")}
+    undo = []
+    if rank == 1:
+        unread = set()
+
+        def on_incoming(self, conn):
+            unread.add(conn.pid)  # leave the message in the socket: a close then resets it
+
+        def poll_peers(self):
+            if len(unread) == world - 1 and all(o.state == "done" for o in self.outgoing.values()):
+                undo.append(delay_at(StoreComm, "agree", settle_delay))
+                raise self._error("lost a peer (the test declares rank 2 lost)", lost=[2])
+            real["_poll_peers"](self)
+
+        exchange._on_incoming, exchange._poll_peers = on_incoming, poll_peers
+    dist.barrier()
+    t0 = time.monotonic()
+    error = None
+    try:
+        _cache("host", device, 2).close()
+    except GroupError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    elapsed = time.monotonic() - t0
+    for name, fn in real.items():
+        setattr(exchange, name, fn)
+    for fn in undo:
+        fn()
+    dist.barrier()  # rank 0 hosts the store: it outlives rank 1's late agreement
+    return error, elapsed
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_gives_up_its_exchange_is_not_blamed_by_the_peers_whose_connections_break():
+    """Three ranks. Rank 1 gives up the rendezvous's fd exchange because it lost rank 2 (here
+    declared by the test, so the moment is exact: both peers' messages unread in its sockets,
+    its own acknowledged) and closes its connections; ranks 0 and 2 see them reset, finish
+    their own exchange and settle the step. They must settle it with rank 1's cause, naming
+    rank 2, not name rank 1 as lost: rank 1 settles the step before it closes anything
+    (``_FdTransport._give_up``), here a second before its agreement even starts. Once failed in
+    CI as "group ranks [1] ... did not arrive within 3.0 s: ... could not deliver to ranks [1]
+    (rank 1: the connection broke before the acknowledgement (Connection reset by peer) ..."
+    (three ranks, the last killed after its exchange); fails that way on the code before the
+    fix."""
+    world, delay = 3, 1.0
+    res = run_world(_gives_up_with_messages_unread, world, args=(delay,), timeout=90)
+    for rank, (error, elapsed) in enumerate(res):
+        assert error is not None and error.startswith(f"RendezvousTimeout: rank {rank}: "), error
+        assert "group ranks [2]" in error and "the test declares rank 2 lost" in error, error
+        if rank != 1:
+            assert "(seen by rank 1)" in error, error
+        assert elapsed < TIMEOUT["host"] + delay + 3, (rank, elapsed, error)
+
+
 # --------------------------------------------------------------------------------------------
 # a peer that dies while a (captured) step of stores + barrier runs
 # --------------------------------------------------------------------------------------------

@@ -682,6 +682,7 @@ def _valid_kwargs(**overrides):
         (dict(outgoing={1: (b"", [987654])}), ValueError, "fd 987654 is not an open"),
         (dict(cancel=3), TypeError, "cancel must be callable"),
         (dict(liveness="pids"), TypeError, "liveness must be callable"),
+        (dict(on_error="log"), TypeError, "on_error must be callable"),
     ],
 )
 def test_bad_arguments_are_rejected_with_the_value_before_any_socket_exists(
@@ -695,6 +696,47 @@ def test_bad_arguments_are_rejected_with_the_value_before_any_socket_exists(
 
 def test_an_exchange_with_nothing_to_send_or_receive_returns_an_empty_dict():
     assert exchange_fds(**_valid_kwargs()) == {}
+
+
+def _bound(name: bytes) -> bool:
+    """True while some socket of this host holds the abstract ``name``."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.bind(name)
+        return False
+    except OSError:
+        return True
+    finally:
+        probe.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("raises", [False, True], ids=["returns", "raises"])
+def test_on_error_sees_the_error_while_the_sockets_are_still_open(raises, caplog):
+    """``on_error`` runs with the error about to be raised before anything closes (the
+    listener's name is still bound), once; what it raises is logged and the exchange's own
+    error still leaves; afterwards the name is free and no fd is left."""
+    nonce, seen = _nonce(), []
+    name = socket_name(nonce, 0)
+
+    def on_error(exc):
+        seen.append((exc, _bound(name)))
+        if raises:
+            raise RuntimeError("on_error broke")
+
+    baseline = _fd_count()
+    fd = _memfd(b"never delivered")
+    with caplog.at_level(logging.ERROR, logger="vmmkv.ipc.fdpass"):
+        with pytest.raises(FdExchangeError, match="timed out") as info:
+            exchange_fds(**_valid_kwargs(
+                nonce=nonce, outgoing={1: (b"x", [fd])}, expect_from=[1], timeout=0.3,
+                on_error=on_error,
+            ))  # fmt: skip
+    os.close(fd)
+    assert [(exc is info.value, bound) for exc, bound in seen] == [(True, True)]
+    assert not _bound(name)
+    assert _fd_count() == baseline
+    assert ("on_error broke" in caplog.text) == raises, caplog.text
 
 
 def test_socket_name_is_an_abstract_address_with_nonce_and_rank():

@@ -10,7 +10,8 @@ say who is missing.
 One outcome per step (no split brain). Every step has an outcome key, settled once by
 ``compare_set`` (the first writer wins, every rank adopts what is stored): ``ok`` may only be
 proposed by a rank that saw every rank's key, ``abort`` by a rank whose wait timed out or that
-knows the step cannot succeed (:meth:`StoreComm.all_gather` with ``abort=``). A rank that arrives
+knows the step cannot succeed (:meth:`StoreComm.all_gather` with ``abort=``, or ahead of the
+step with :meth:`StoreComm.abort_next`). A rank that arrives
 after its peers gave up therefore reads ``abort`` and raises like them, instead of passing the
 step on their leftover keys. Waiting ranks also watch the outcome key, so one rank's abort
 releases every rank at once. Since every rank runs the same sequence of steps whatever their
@@ -190,9 +191,7 @@ class StoreComm:
         keys = [self._key(step, r) for r in range(self.world_size)]
         outcome_key = self._key(step, "outcome")
         if abort is not None:
-            record: dict[str, Any] = {"by": self.rank, "why": str(abort)}
-            if missing:
-                record.update(missing=sorted(missing), waited=wait_s)
+            record = self._abort_record(abort, missing, wait_s)
             self._raise_outcome(self._settle(outcome_key, record, what), what)
         self._set(keys[self.rank], json.dumps([what, obj]).encode(), what)
         missing = self._wait(keys, outcome_key, time.monotonic() + wait_s, what)
@@ -231,6 +230,23 @@ class StoreComm:
         record = json.loads(outcome[len(_ABORT) :])
         why = record.get("why") or f"ranks {record.get('missing')} did not arrive"
         return f"rank {record['by']} aborted the step: {why}"
+
+    def abort_next(self, why: str, what: str, *, missing: Sequence[int] = ()) -> None:
+        """Settle the next step as aborted now (first writer wins), without taking it: this
+        rank's next call, with or without ``abort=``, raises the stored outcome like every other
+        rank's. For a rank about to give up in a way its peers would misread (breaking
+        connections they are sending on, ``transports._FdTransport``): the cause it settles
+        here is the one they adopt. Raises :class:`GroupError` when the store fails."""
+        if self._broken:
+            return  # the next call refuses anyway, naming why
+        record = self._abort_record(why, missing, self.timeout)
+        self._settle(self._key(self._step, "outcome"), record, what)
+
+    def _abort_record(self, why: str, missing: Sequence[int], waited: float) -> dict[str, Any]:
+        record: dict[str, Any] = {"by": self.rank, "why": str(why)}
+        if missing:
+            record.update(missing=sorted(missing), waited=waited)
+        return record
 
     def barrier(self, what: str, *, timeout: float | None = None) -> None:
         self.all_gather(None, what, timeout=timeout)

@@ -19,6 +19,9 @@ Contract
   ``FdExchangeError`` names the rank, the nonce, ``missing_from`` (ranks whose message never
   arrived) and ``unreachable`` (peers that did not acknowledge ours), with a reason for each.
   ``liveness`` (optional) ends it sooner, naming a peer whose process is gone.
+* Giving up: ``on_error`` (optional) sees the ``FdExchangeError`` before any socket closes, so
+  the caller can publish the cause (e.g. settle the step's outcome) before the peers' half-read
+  connections break and they take the reset for this rank's fault.
 * Security: the receiver reads ``SO_PEERCRED`` of every accepted connection and refuses it
   (closes it and logs one warning per pid and exchange) unless the uid is ours, the pid is in
   ``pids`` (the rendezvous rejects duplicates; tests may run ranks as threads), equals
@@ -127,6 +130,7 @@ def exchange_fds(
     timeout: float,
     cancel: Callable[[], str] | None = None,
     liveness: Callable[[], tuple[int, str] | None] | None = None,
+    on_error: Callable[[FdExchangeError], None] | None = None,
 ) -> dict[int, tuple[bytes, list[int]]]:
     """Send ``outgoing[p] = (payload, fds)`` to every peer ``p`` and receive one message from
     every rank in ``expect_from``; return ``{sender: (payload, fds)}`` for every expected rank.
@@ -138,7 +142,12 @@ def exchange_fds(
     ``(peer, why)`` once a peer's process is gone (``vmmkv._util.pid_liveness``) ends the
     exchange at once with ``FdExchangeError`` whose ``peers_lost`` is ``[peer]``: whether or
     not that peer still owes this rank a message, the step the exchange belongs to cannot
-    succeed. Raises ``FdExchangeError`` on timeout, refusal, a lost peer or a local socket
+    succeed. ``on_error``: called with the ``FdExchangeError`` this call is about to raise,
+    while every socket is still open (an exception it raises is logged and dropped): a peer
+    whose message this rank has not read yet sees its connection reset once we close, and
+    takes that for this rank's fault; a caller that settles the step's outcome with the real
+    cause here (the rendezvous does, ``transports._FdTransport``) makes that peer adopt it
+    instead. Raises ``FdExchangeError`` on timeout, refusal, a lost peer or a local socket
     failure; ``ValueError``/``TypeError`` on bad input before any socket exists;
     ``RuntimeError`` off Linux. See the module docstring for ownership and the wire format.
     """
@@ -153,10 +162,10 @@ def exchange_fds(
     messages = _check_outgoing(outgoing, rank, len(pids))
     expect = _check_expect_from(expect_from, rank, len(pids))
     timeout = _check_timeout(timeout)
-    for name, fn in (("cancel", cancel), ("liveness", liveness)):
+    for name, fn in (("cancel", cancel), ("liveness", liveness), ("on_error", on_error)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
-    return _Exchange(rank, nonce, messages, expect, pids, timeout, cancel, liveness).run()
+    return _Exchange(rank, nonce, messages, expect, pids, timeout, cancel, liveness, on_error).run()
 
 
 # ----------------------------------------------------------------------------- validation
@@ -357,10 +366,12 @@ class _Exchange:
         timeout: float,
         cancel: Callable[[], str] | None = None,
         liveness: Callable[[], tuple[int, str] | None] | None = None,
+        on_error: Callable[[FdExchangeError], None] | None = None,
     ) -> None:
         self.rank = rank
         self.cancel = cancel
         self.liveness = liveness
+        self.on_error = on_error
         self.next_cancel_check = 0.0
         self.nonce = nonce
         self.nonce_bytes = nonce.encode("ascii")
@@ -414,10 +425,24 @@ class _Exchange:
                 raise self._error("failed", peers=True)
             succeeded = True
             return dict(self.received)
+        except FdExchangeError as exc:
+            self._report(exc)
+            raise
         except OSError as exc:  # a local socket failure (EMFILE, ENOBUFS, ...)
-            raise self._error(f"failed locally ({exc})") from exc
+            error = self._error(f"failed locally ({exc})")
+            self._report(error)
+            raise error from exc
         finally:
             self._close_all(keep_received=succeeded)
+
+    def _report(self, error: FdExchangeError) -> None:
+        """``on_error(error)`` before ``_close_all`` breaks the connections (see exchange_fds)."""
+        if self.on_error is None:
+            return
+        try:
+            self.on_error(error)
+        except Exception as exc:  # the exchange's own error is the one raised
+            _log.error("rank %d: on_error for %r failed: %s", self.rank, self.nonce, exc)
 
     @property
     def polled(self) -> bool:

@@ -405,7 +405,9 @@ def exchange_then_agree(
     removing by-value exports), on every rank whatever happened: local failures become the
     agreed error (every rank raises naming the cause); a transport failure (a peer vanished)
     settles the agreement at once as a timeout naming the lost ranks, so no rank waits a second
-    timeout (and ``peers="auto"`` does not fall back over a dead peer). The agreement waits at
+    timeout (and ``peers="auto"`` does not fall back over a dead peer); the fd transport settles
+    it before its sockets close (``_FdTransport._give_up``), so that a peer whose connection
+    that breaks adopts the cause instead of naming this rank. The agreement waits at
     most until ``deadline`` (at least one second); the exchange ends a grace before it
     (``_Transport.timeout``) or at once when a peer's process is gone (fd handles), so a rank
     stuck exchanging with a lost peer settles the step naming that peer before the ranks that

@@ -130,11 +130,22 @@ class _FdTransport(_Transport):
                 timeout=self.timeout(),
                 cancel=self.comm.pending_abort,  # a peer that gave up releases us at once
                 liveness=self.liveness,  # a peer whose process is gone, at once too
+                on_error=self._give_up,
             )
         except BaseException:
             restore, self._restore = self._restore, None  # release() must not restore again
             restore()
             raise
+
+    def _give_up(self, exc: fdpass.FdExchangeError) -> None:
+        """Settle the step that follows the exchange (``peers.exchange_then_agree``'s
+        agreement) with this rank's cause while its connections are still open: a peer whose
+        message we had not read yet sees its connection reset when we close and would settle
+        the step naming this rank as lost, though this rank only gave up because another peer
+        died (once seen in CI: three ranks, the last killed after its exchange; rank 0 named
+        rank 1). Settled first, our cause is the one every rank raises. The agreement then
+        settles the same record again, which changes nothing (first writer wins)."""
+        self.comm.abort_next(str(exc), self.what, missing=exc.peers_lost)
 
     def map(self, peer: PeerRegion, handle: Any, chunk: Chunk) -> None:
         peer.map_fd(handle, chunk)
