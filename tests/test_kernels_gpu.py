@@ -688,6 +688,48 @@ def test_negative_and_out_of_range_slots_write_nothing_and_are_counted_exactly(d
         assert mla.error_counter.item() == idx.error_counter.item() == 4
 
 
+@requires_gpu
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("block_size", [1, 13, 48, 64, 528])
+def test_store_layer_maps_slots_to_blocks_for_any_block_size(dev, block_size, slot_dtype):
+    """The kernels shift a slot by log2 of a power-of-two block size and divide by any other
+    (csrc dest_block_offset): both against the reference, every other test here using 64.
+    Packed views of 7 blocks in 2 replicas (own rank 1, 5 leading tokens local only); up to 300
+    random slots, padding, and out-of-range slots just past the end, a block further and, for
+    int64, beyond 32 bits (the division's 64-bit path)."""
+    bs, nb = block_size, 7
+    mla_bytes = nb * bs * MLA
+    rep = Replicas(2, mla_bytes + nb * bs * IDX, dev)
+
+    def views(region):
+        base = region.storage_offset()
+        return (region.as_strided((nb, bs, MLA), (bs * MLA, MLA, 1), base),
+                region.as_strided((nb, bs, IDX), (bs * IDX, IDX, 1), base + mla_bytes))  # fmt: skip
+
+    own_mla, own_idx = views(rep.regions[1])
+    counters = [torch.zeros(1, dtype=torch.int32, device=dev) for _ in range(2)]
+    mla = KVTarget("fp8_ds_mla", rep.ptr_table, 1, 0, nb, bs, bs * MLA, MLA, MLA, rep.committed,
+                   counters[0], own_mla)  # fmt: skip
+    idx = KVTarget("indexer_k", rep.ptr_table, 1, mla_bytes, nb, bs, bs * IDX, IDX, IDX,
+                   rep.committed, counters[1], own_idx)  # fmt: skip
+    g = torch.Generator().manual_seed(80 + bs)
+    end = nb * bs
+    slots = torch.randperm(end, generator=g)[:300].to(torch.int64)
+    far = [end, end + bs, 2**31 - 1] + ([2**40 + 3] if slot_dtype == torch.int64 else [])
+    slots = torch.cat([slots, torch.tensor([-1, -9] + far)])
+    slots = slots[torch.randperm(slots.numel(), generator=g)]
+    kv_c, k_pe, k = make_inputs(slots.numel(), seed=81, device=dev)
+    exp = rep.poison(82)
+    store_layer(mla, idx, kv_c, k_pe, k, slots.to(slot_dtype).to(dev), num_local_only=5)
+    for r, buf in enumerate(exp):
+        start = 0 if r == 1 else 5
+        ev = views(buf[GUARD:-GUARD])
+        R.insert_ds_mla(ev[0], kv_c.cpu()[start:], k_pe.cpu()[start:], slots[start:])
+        R.insert_indexer_k(ev[1], k.cpu()[start:], slots[start:], True)
+    rep.assert_equal(exp)
+    assert [int(c.item()) for c in counters] == [len(far)] * 2
+
+
 # ---------------------------------------------------------------------------------------------
 # Prefill-shaped slot mappings: requests of consecutive slots (what an engine's prefill writes),
 # where every test above draws random slots. A store kernel that treats runs of consecutive
