@@ -33,17 +33,29 @@ __device__ __forceinline__ float abs_max8(uint4 v) {
     return m;
 }
 
-// Four bf16 (one uint2) divided by the scale of `d` -> four e4m3 bytes, element 0 lowest.
-template <bool kPow2>
-__device__ __forceinline__ u32 quantize_bf16x4(uint2 v, const InvScale& d) {
-    return quantize4<kPow2>(bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y), d);
+// Four bf16 (two bf16 pairs) divided by the scale of `d` -> four e4m3 bytes, element 0 lowest,
+// by the fast division (kFast, only where `kPow2 || d.fast`) or IEEE `/`.
+template <bool kPow2, bool kFast>
+__device__ __forceinline__ u32 quantize_bf16x4(u32 p0, u32 p1, const InvScale& d) {
+    const float a = bf16_lo(p0), b = bf16_hi(p0), c = bf16_lo(p1), e = bf16_hi(p1);
+    return kFast ? quantize4_fast<kPow2>(a, b, c, e, d) : quantize4_ieee(a, b, c, e, d);
 }
 
-// Eight bf16 (one uint4) -> eight e4m3 bytes (one uint2).
+template <bool kPow2, bool kFast>
+__device__ __forceinline__ uint4 quantize16_path(uint4 v0, uint4 v1, const InvScale& d) {
+    return make_uint4(quantize_bf16x4<kPow2, kFast>(v0.x, v0.y, d),
+                      quantize_bf16x4<kPow2, kFast>(v0.z, v0.w, d),
+                      quantize_bf16x4<kPow2, kFast>(v1.x, v1.y, d),
+                      quantize_bf16x4<kPow2, kFast>(v1.z, v1.w, d));
+}
+
+// Sixteen bf16 of one tile (two uint4) -> sixteen e4m3 bytes (one uint4): quantize4's choice
+// made once for the sixteen instead of once per four (three branches and their reconvergence
+// fewer per token, measured with ncu in session 10: BENCHMARKS.md).
 template <bool kPow2>
-__device__ __forceinline__ uint2 quantize8(uint4 v, const InvScale& d) {
-    return make_uint2(quantize_bf16x4<kPow2>(make_uint2(v.x, v.y), d),
-                      quantize_bf16x4<kPow2>(make_uint2(v.z, v.w), d));
+__device__ __forceinline__ uint4 quantize16(uint4 v0, uint4 v1, const InvScale& d) {
+    if (kPow2 || d.fast) return quantize16_path<kPow2, true>(v0, v1, d);
+    return quantize16_path<kPow2, false>(v0, v1, d);
 }
 
 // fp8_ds_mla: lane l owns kv_c elements [16 l, 16 l + 16) -> entry bytes [16 l, 16 l + 16);
@@ -51,7 +63,8 @@ __device__ __forceinline__ uint2 quantize8(uint4 v, const InvScale& d) {
 // chunks 32..40 of 16 bytes, held by lanes 0..8: lane 0 the scales, lane 1 + j the k_pe chunk j.
 // kPow2 (fp8_ds_mla_ue8m0, a compile-time variant): the tile scale is rounded up to a power of
 // two (mla_tile_scale), still stored as an fp32; the values are divided by it through
-// quantize4 (the bytes of IEEE division, at the cost of a multiply or three FMA-class ops).
+// quantize16 (quantize4's bytes of IEEE division, at the cost of a multiply or three FMA-class
+// ops).
 // Every token function loads its inputs before it looks at the slot (rows i < num_tokens always
 // exist), so the input and slot loads are in flight together.
 
@@ -89,9 +102,7 @@ __device__ __forceinline__ void mla_token(const KVDest& dst, i64 committed,
     const float amax = warp_max(fmaxf(abs_max8(v0), abs_max8(v1)), 8);
     const float s = mla_tile_scale<kPow2>(amax);
     const InvScale d = inv_scale(s);
-    const uint2 q0 = quantize8<kPow2>(v0, d);
-    const uint2 q1 = quantize8<kPow2>(v1, d);
-    const uint4 q = make_uint4(q0.x, q0.y, q1.x, q1.y);
+    const uint4 q = quantize16<kPow2>(v0, v1, d);
 
     const float s0 = __shfl_sync(kFullMask, s, 0);
     const float s1 = __shfl_sync(kFullMask, s, 8);
@@ -257,10 +268,18 @@ vmmkv_publish_rows(KVDest dst, const u8* __restrict__ rows, i64 row_stride, i64 
                 vec16);
 }
 
+// The `*_barrier` kernels are held to 64 registers (__launch_bounds__(256, 4)), so 4 CTAs of 256
+// threads stay resident per SM, as for their plain twins (ops/launch.py's resident_grid sizes the
+// grid from it). Unbounded, the fused layer store took 68 registers with quantize16 (3 CTAs per
+// SM; the one-rank publish +7 %, BENCHMARKS.md session 10); bounded it fits in 64 without a
+// spill. The plain stores stay unbounded: held to 64, ptxas gave store_layer 62 registers
+// instead of 52 and it got no faster (session 11).
+#define VMMKV_FUSED_BOUNDS __launch_bounds__(256, 4)
+
 // The `*_barrier` kernels here and below: the store, then the barrier (barrier.cuh, same epochs
 // and lanes as vmmkv_barrier) in one launch. Any grid size >= 1, 256 threads; a launch with
 // num_tokens == 0 still runs the barrier.
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void VMMKV_FUSED_BOUNDS
 vmmkv_publish_rows_barrier(KVDest dst, const u8* __restrict__ rows, i64 row_stride,
                            i64 row_bytes, const void* __restrict__ slots, int slots_is_64,
                            i64 num_tokens, i64 num_local_only, int vec16, BarrierArgs bar) {
@@ -286,7 +305,7 @@ vmmkv_publish_rows_barrier(KVDest dst, const u8* __restrict__ rows, i64 row_stri
         ds_mla_tokens<POW2>(dst, kv_c, kv_c_stride, k_pe, k_pe_stride, slots, slots_is_64,       \
                             num_tokens, num_local_only);                                         \
     }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(256) vmmkv_store_ds_mla##SUFFIX##_barrier(      \
+    extern "C" __global__ void VMMKV_FUSED_BOUNDS vmmkv_store_ds_mla##SUFFIX##_barrier(          \
         KVDest dst, const u16* __restrict__ kv_c, i64 kv_c_stride, const u16* __restrict__ k_pe, \
         i64 k_pe_stride, const void* __restrict__ slots, int slots_is_64, i64 num_tokens,        \
         i64 num_local_only, BarrierArgs bar) {                                                   \
@@ -305,7 +324,7 @@ vmmkv_publish_rows_barrier(KVDest dst, const u8* __restrict__ rows, i64 row_stri
         indexer_k_tokens<MX>(dst, k, k_stride, slots, slots_is_64, num_tokens, num_local_only,   \
                              ue8m0);                                                             \
     }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(256) vmmkv_store_indexer_k##SUFFIX##_barrier(   \
+    extern "C" __global__ void VMMKV_FUSED_BOUNDS vmmkv_store_indexer_k##SUFFIX##_barrier(       \
         KVDest dst, const u16* __restrict__ k, i64 k_stride, const void* __restrict__ slots,     \
         int slots_is_64, i64 num_tokens, i64 num_local_only, int ue8m0, BarrierArgs bar) {       \
         const int entry_epoch = epoch_at_entry(bar.epochs, bar.lane);                            \
@@ -326,7 +345,7 @@ vmmkv_publish_rows_barrier(KVDest dst, const u8* __restrict__ rows, i64 row_stri
         layer_tokens<POW2, MX>(mla, idx, kv_c, kv_c_stride, k_pe, k_pe_stride, k, k_stride,      \
                                slots, slots_is_64, num_tokens, num_local_only, ue8m0);           \
     }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(256) vmmkv_store_layer##SUFFIX##_barrier(       \
+    extern "C" __global__ void VMMKV_FUSED_BOUNDS vmmkv_store_layer##SUFFIX##_barrier(           \
         KVDest mla, KVDest idx, const u16* __restrict__ kv_c, i64 kv_c_stride,                   \
         const u16* __restrict__ k_pe, i64 k_pe_stride, const u16* __restrict__ k, i64 k_stride,  \
         const void* __restrict__ slots, int slots_is_64, i64 num_tokens, i64 num_local_only,     \

@@ -188,15 +188,24 @@ VMMKV_FN float div_scale(float x, const InvScale& d) {
     return (kPow2 || d.fast) ? div_scale_fast<kPow2>(x, d) : x / d.s;
 }
 
-// Four values of one tile divided by its scale -> four e4m3 bytes, element 0 lowest. The choice
-// between the fast division and `/` is made once for the four (it is the tile's), so the fast
-// path is straight-line code: no per-value branch or reconvergence.
+// Four values of one tile divided by its scale -> four e4m3 bytes, element 0 lowest: the fast
+// division (only where `kPow2 || d.fast`) and IEEE `/`.
+template <bool kPow2>
+VMMKV_FN u32 quantize4_fast(float a, float b, float c, float e, const InvScale& d) {
+    return e4m3x4(div_scale_fast<kPow2>(a, d), div_scale_fast<kPow2>(b, d),
+                  div_scale_fast<kPow2>(c, d), div_scale_fast<kPow2>(e, d));
+}
+
+VMMKV_FN u32 quantize4_ieee(float a, float b, float c, float e, const InvScale& d) {
+    return e4m3x4(a / d.s, b / d.s, c / d.s, e / d.s);
+}
+
+// The two, chosen once for the four (the choice is the tile's), so the fast path is
+// straight-line code: no per-value branch or reconvergence. Callers holding more values of one
+// tile make the same choice once for all of them (kv_store.cu's quantize16).
 template <bool kPow2>
 VMMKV_FN u32 quantize4(float a, float b, float c, float e, const InvScale& d) {
-    if (kPow2 || d.fast)
-        return e4m3x4(div_scale_fast<kPow2>(a, d), div_scale_fast<kPow2>(b, d),
-                      div_scale_fast<kPow2>(c, d), div_scale_fast<kPow2>(e, d));
-    return e4m3x4(a / d.s, b / d.s, c / d.s, e / d.s);
+    return (kPow2 || d.fast) ? quantize4_fast<kPow2>(a, b, c, e, d) : quantize4_ieee(a, b, c, e, d);
 }
 
 VMMKV_FN i64 load_slot(const void* slots, int slots_is_64, i64 i) {

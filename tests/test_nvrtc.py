@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import struct
 import subprocess
 import threading
 from pathlib import Path
@@ -343,7 +344,11 @@ _MLA_TWINS = {
 
 def _entry(ptx: str, name: str) -> tuple[list[str], str]:
     """(parameter types, body) of the PTX entry ``name``."""
-    m = re.search(rf"\.entry {name}\((.*?)\)\s*(?:\.maxntid[^\n]*\s*)?\{{(.*?)\n}}\n", ptx, re.S)
+    m = re.search(
+        rf"\.entry {name}\((.*?)\)\s*(?:\.(?:maxntid|minnctapersm)[^\n]*\s*)*\{{(.*?)\n}}\n",
+        ptx,
+        re.S,
+    )
     assert m is not None, name
     return re.findall(r"\.param (\.[\w.]+(?: \.align \d+)?)", m.group(1)), m.group(2)
 
@@ -368,3 +373,49 @@ def test_the_ue8m0_mla_variants_compile_for_hopper_and_blackwell_as_compile_time
     flt_min_floor = r"(mov|max)\.f32\s[^;]*0f00800000;"
     assert re.search(flt_min_floor, plain_mla) and not re.search(flt_min_floor, twin_mla)
     assert not any(m in plain_mla for m in ("cvt.rpi", "ex2.approx", "0f38D1B717"))
+
+
+def _registers(cubin: bytes) -> dict[str, int]:
+    """Registers per thread of each function of a cubin: the EIATTR_REGCOUNT (0x2f) attributes of
+    its ``.nv.info`` section, each naming a symbol of ``.symtab``."""
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [
+        struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)
+    ]
+
+    def cstr(base: int, off: int) -> str:
+        return cubin[base + off : cubin.index(b"\0", base + off)].decode()
+
+    names = [cstr(sections[shstrndx][4], s[0]) for s in sections]
+    symtab = sections[names.index(".symtab")]
+    strtab = sections[symtab[6]]
+    symbols = [
+        cstr(strtab[4], struct.unpack_from("<I", cubin, off)[0])
+        for off in range(symtab[4], symtab[4] + symtab[5], 24)
+    ]
+    info = sections[names.index(".nv.info")]
+    regs, p, end = {}, info[4], info[4] + info[5]
+    while p < end:  # entries: format byte, attribute byte, then by format a value or a sized blob
+        fmt, attr = cubin[p], cubin[p + 1]
+        if fmt in (1, 2):  # EIFMT_NVAL (no value), EIFMT_BVAL (one byte)
+            p += fmt + 1
+            continue
+        size = struct.unpack_from("<H", cubin, p + 2)[0]
+        if attr == 0x2F:
+            symbol, count = struct.unpack_from("<II", cubin, p + 4)
+            regs[symbols[symbol]] = count
+        p += 4 + size
+    return regs
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_every_store_keeps_four_ctas_of_256_threads_resident_per_sm(arch, cache):
+    # The stores' grid is capped at their resident CTAs (ops/launch.py's resident_grid); at most
+    # 64 registers per thread keep 4 CTAs of 256 threads per SM (65536 registers). The fused
+    # (*_barrier) stores are held there by __launch_bounds__(256, 4): unbounded, the fused layer
+    # store took 68 registers (3 CTAs per SM) and the one-rank publish got 7 % slower.
+    regs = _registers(build.compile_source("kv_store.cu", arch))
+    assert set(build.KERNELS["kv_store.cu"]) <= set(regs), arch
+    over = {k: regs[k] for k in build.KERNELS["kv_store.cu"] if regs[k] > 64}
+    assert not over, (arch, over)
