@@ -50,19 +50,28 @@ from common import (  # noqa: E402
 BS = 64
 MLA, IDX = 656, 132
 READ_PER_TOKEN = 512 * 2 + 64 * 2 + 128 * 2 + 8  # kv_c, k_pe, k (bf16), slot (int64)
-SLOT_PATTERNS = ("runs", "random")
+SLOT_PATTERNS = ("runs", "blocks", "random")
+DEFAULT_PATTERNS = ("runs", "random")  # the tables' columns; `blocks` only on request (--slots)
 
 
 def slot_mapping(pattern, t, span, base, device, generator):
-    """int64 slots of ``t`` tokens inside ``[base, base + span)``. ``runs``: consecutive slots
-    from ``base``, what an engine's prefill writes (a prompt's tokens go to consecutive slots of
-    its blocks; ``slots`` in the tables). ``random``: distinct slots in random order, every
-    token in a different place (the worst case: each entry's partial 32-byte sectors and each
-    4-byte indexer scale land alone)."""
+    """int64 slots of ``t`` tokens inside ``[base, base + span)`` (``span`` a multiple of
+    ``BS``). ``runs``: consecutive slots from ``base``, what an engine's prefill writes into a
+    block table of consecutive blocks (a prompt's tokens go to consecutive slots of its blocks;
+    ``slots`` in the tables). ``blocks``: the same into a fragmented block table, whole blocks
+    of consecutive slots, the blocks distinct and in random order. ``random``: distinct slots in
+    random order, every token in a different place (the worst case: each entry's partial 32-byte
+    sectors and each 4-byte indexer scale land alone)."""
     import torch
 
     if pattern == "runs":
         return torch.arange(base, base + t, device=device)
+    if pattern == "blocks":
+        if span % BS:
+            raise ValueError(f"span {span} is not a multiple of the block size {BS}")
+        order = torch.randperm(span // BS, device=device, generator=generator)[: -(-t // BS)]
+        within = torch.arange(BS, device=device)
+        return (order[:, None] * BS + within).reshape(-1)[:t] + base
     if pattern == "random":
         return torch.randperm(span, device=device, generator=generator)[:t] + base
     raise ValueError(f"slot pattern must be one of {SLOT_PATTERNS}, got {pattern!r}")
@@ -129,7 +138,7 @@ def ceilings(iters):
     }
 
 
-def store_sweep(tokens, dests, iters, patterns=SLOT_PATTERNS):
+def store_sweep(tokens, dests, iters, patterns=DEFAULT_PATTERNS):
     import torch
 
     from vmmkv import ops
@@ -382,7 +391,7 @@ def _steps(ops, mla_t, idx_t, prepared, bar, inputs, slots):
     return two_functional, one_functional, two_prepared, one_prepared, store_only
 
 
-def _pcp_rank(rank, world, tokens, iters, patterns=SLOT_PATTERNS):
+def _pcp_rank(rank, world, tokens, iters, patterns=DEFAULT_PATTERNS):
     import torch
     import torch.distributed as dist
 
@@ -521,7 +530,7 @@ def _symm_mem_rank(rank, world, iters):
         return {"barrier torch symm_mem": f"{type(exc).__name__}: {exc}"[:300]}
 
 
-def pcp(world, tokens, iters, patterns=SLOT_PATTERNS):
+def pcp(world, tokens, iters, patterns=DEFAULT_PATTERNS):
     from vmmkv.testing.spawn import run_world, run_world_raw
 
     per_rank = run_world(_pcp_rank, world, args=(tokens, iters, patterns), timeout=900)
@@ -738,7 +747,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,16,256,4096,16384,65536")
     ap.add_argument("--dests", default="1,2,4,8")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--slots", default=",".join(SLOT_PATTERNS),
+    ap.add_argument("--slots", default=",".join(DEFAULT_PATTERNS),
                     help=f"slot patterns, comma-separated, of {SLOT_PATTERNS}")  # fmt: skip
     ap.add_argument("--pcp", type=int, default=0, help="run the N-rank publish benchmark only")
     ap.add_argument("--host-cost", action="store_true", help="host time breakdown only")

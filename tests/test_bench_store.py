@@ -32,8 +32,24 @@ def test_random_slots_are_distinct_inside_the_span_and_not_in_order():
     assert values != sorted(values)
 
 
+def test_blocks_are_whole_blocks_of_consecutive_slots_in_random_block_order():
+    g = torch.Generator().manual_seed(0)
+    slots = bs.slot_mapping("blocks", 300, 640, 1280, "cpu", g)  # 4 whole blocks and 44 slots
+    values = slots.tolist()
+    assert len(values) == 300 and len(set(values)) == 300
+    assert min(values) >= 1280 and max(values) < 1280 + 640
+    starts = values[:: bs.BS]
+    assert all((s - 1280) % bs.BS == 0 for s in starts)
+    for i, s in enumerate(starts):
+        assert values[i * bs.BS : (i + 1) * bs.BS] == list(range(s, s + bs.BS))[: 300 - i * bs.BS]
+    assert starts != sorted(starts)
+    with pytest.raises(ValueError, match="not a multiple of the block size 64"):
+        bs.slot_mapping("blocks", 4, 100, 0, "cpu", g)
+
+
 def test_an_unknown_slot_pattern_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"slot pattern must be one of \('runs', 'random'\)"):
+    match = r"slot pattern must be one of \('runs', 'blocks', 'random'\)"
+    with pytest.raises(ValueError, match=match):
         bs.slot_mapping("strided", 4, 64, 0, "cpu", torch.Generator())
 
 
