@@ -375,9 +375,13 @@ def test_the_ue8m0_mla_variants_compile_for_hopper_and_blackwell_as_compile_time
     assert not any(m in plain_mla for m in ("cvt.rpi", "ex2.approx", "0f38D1B717"))
 
 
-def _registers(cubin: bytes) -> dict[str, int]:
-    """Registers per thread of each function of a cubin: the EIATTR_REGCOUNT (0x2f) attributes of
-    its ``.nv.info`` section, each naming a symbol of ``.symtab``."""
+EIATTR_FRAME_SIZE, EIATTR_REGCOUNT = 0x11, 0x2F
+
+
+def nv_info(cubin: bytes, attr: int) -> dict[str, int]:
+    """Attribute ``attr`` of each function of a cubin (e.g. EIATTR_REGCOUNT: registers per thread;
+    EIATTR_FRAME_SIZE: stack bytes): the entries of its ``.nv.info`` section that name a symbol of
+    ``.symtab``."""
     shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
     sections = [
@@ -395,18 +399,18 @@ def _registers(cubin: bytes) -> dict[str, int]:
         for off in range(symtab[4], symtab[4] + symtab[5], 24)
     ]
     info = sections[names.index(".nv.info")]
-    regs, p, end = {}, info[4], info[4] + info[5]
+    found, p, end = {}, info[4], info[4] + info[5]
     while p < end:  # entries: format byte, attribute byte, then by format a value or a sized blob
-        fmt, attr = cubin[p], cubin[p + 1]
+        fmt, kind = cubin[p], cubin[p + 1]
         if fmt in (1, 2):  # EIFMT_NVAL (no value), EIFMT_BVAL (one byte)
             p += fmt + 1
             continue
         size = struct.unpack_from("<H", cubin, p + 2)[0]
-        if attr == 0x2F:
-            symbol, count = struct.unpack_from("<II", cubin, p + 4)
-            regs[symbols[symbol]] = count
+        if kind == attr:
+            symbol, value = struct.unpack_from("<II", cubin, p + 4)
+            found[symbols[symbol]] = value
         p += 4 + size
-    return regs
+    return found
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
@@ -415,7 +419,7 @@ def test_every_store_keeps_four_ctas_of_256_threads_resident_per_sm(arch, cache)
     # 64 registers per thread keep 4 CTAs of 256 threads per SM (65536 registers). The fused
     # (*_barrier) stores are held there by __launch_bounds__(256, 4): unbounded, the fused layer
     # store took 68 registers (3 CTAs per SM) and the one-rank publish got 7 % slower.
-    regs = _registers(build.compile_source("kv_store.cu", arch))
+    regs = nv_info(build.compile_source("kv_store.cu", arch), EIATTR_REGCOUNT)
     assert set(build.KERNELS["kv_store.cu"]) <= set(regs), arch
     over = {k: regs[k] for k in build.KERNELS["kv_store.cu"] if regs[k] > 64}
     assert not over, (arch, over)
