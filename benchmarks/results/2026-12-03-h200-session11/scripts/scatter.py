@@ -8,13 +8,12 @@ usage: scatter.py time T D[,D..]           medians (CUDA events, 30 calls after 
        scatter.py ncu T D PATTERN OP       OP layer|rows: 4 calls, for ncu's --launch-skip 3
 """
 
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, "benchmarks")
-from bench_store import BS, IDX, MLA, SLOT_PATTERNS, slot_mapping
+from bench_store import BS, IDX, MLA, SLOT_PATTERNS, _events_ms, slot_mapping
 
 from vmmkv import ops
 from vmmkv.alloc import VirtualRegion
@@ -63,15 +62,7 @@ def median_us(fn, iters=30):
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    return _events_ms(fn, iters) * 1e3
 
 
 def main():
