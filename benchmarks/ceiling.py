@@ -291,8 +291,9 @@ def measure(
 ) -> list[dict[str, Any]]:
     """One row per size: GB/s of each method copying ``src[:size]`` into ``dst[:size]``
     (``time_ms(fn)``: ms per call, e.g. graph replays) and the best of them. ``src`` is filled
-    with random bytes here; each method's result is checked once (``dst`` zeroed, one copy,
-    ``torch.equal``; RuntimeError on a mismatch) before it is timed. ``before()`` runs before
+    with random bytes here; each method's result is checked once (``dst`` poisoned with the
+    source's complement, so every byte a method leaves unwritten differs whatever its value; one
+    copy; ``torch.equal``; RuntimeError on a mismatch) before it is timed. ``before()`` runs before
     each check and each timing (e.g. a barrier of the ranks, so that they copy together)."""
     import torch
 
@@ -312,7 +313,7 @@ def measure(
                 k.copy(method, d, s)
 
             before()
-            d.zero_()
+            torch.bitwise_not(s, out=d)
             fn()
             torch.cuda.synchronize()
             if not torch.equal(d, s):

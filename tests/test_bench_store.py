@@ -231,6 +231,21 @@ def test_measure_checks_every_copy_before_timing_it(monkeypatch):
         ceiling.measure(0, dst[:100], src, lambda fn: 1.0, sizes=(4096,))
 
 
+def test_the_copy_check_catches_an_unwritten_byte_whatever_its_value(monkeypatch):
+    # source bytes (i + 1) % 256: the byte the broken method leaves unwritten (1023) is zero, which
+    # a check that zeroes the destination first would take for a copied byte
+    def pattern(self, low, high):
+        return self.copy_((torch.arange(self.numel()) + 1) % 256)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.Tensor, "random_", pattern)
+    monkeypatch.setattr(ceiling, "kernels", lambda ordinal: _CpuKernels(True))
+    src, dst = torch.zeros(1024, dtype=torch.uint8), torch.zeros(1024, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="SM lines copy of 1024 B: 1 bytes differ"):
+        ceiling.measure(0, dst, src, lambda fn: 1.0, sizes=(1024,))
+    assert src[1023] == 0 and dst[1023] == 255  # the source's complement, left unwritten
+
+
 def test_help_works_without_a_gpu():
     import subprocess
 
