@@ -400,16 +400,15 @@ def nv_info(cubin: bytes, attr: int) -> dict[str, int]:
     ]
     info = sections[names.index(".nv.info")]
     found, p, end = {}, info[4], info[4] + info[5]
-    while p < end:  # entries: format byte, attribute byte, then by format a value or a sized blob
-        fmt, kind = cubin[p], cubin[p + 1]
-        if fmt in (1, 2):  # EIFMT_NVAL (no value), EIFMT_BVAL (one byte)
-            p += fmt + 1
-            continue
-        size = struct.unpack_from("<H", cubin, p + 2)[0]
-        if kind == attr:
+    # entries: format byte, attribute byte, two bytes; EIFMT_SVAL (4) is followed by as many
+    # bytes as those two say, the other formats (no value, a byte, a half word) end there
+    while p < end:
+        fmt, kind, size = cubin[p], cubin[p + 1], struct.unpack_from("<H", cubin, p + 2)[0]
+        if fmt == 4 and kind == attr:
             symbol, value = struct.unpack_from("<II", cubin, p + 4)
             found[symbols[symbol]] = value
-        p += 4 + size
+        p += 4 + (size if fmt == 4 else 0)
+    assert p == end, f".nv.info read past its end ({p} > {end}): an entry format not known here"
     return found
 
 
