@@ -34,7 +34,7 @@ __device__ __forceinline__ float abs_max8(uint4 v) {
 }
 
 // Four bf16 (two bf16 pairs) divided by the scale of `d` -> four e4m3 bytes, element 0 lowest,
-// by the fast division (kFast, only where `kPow2 || d.fast`) or IEEE `/`.
+// by the fast division (kFast, only where fast_division(d)) or IEEE `/`.
 template <bool kPow2, bool kFast>
 __device__ __forceinline__ u32 quantize_bf16x4(u32 p0, u32 p1, const InvScale& d) {
     const float a = bf16_lo(p0), b = bf16_hi(p0), c = bf16_lo(p1), e = bf16_hi(p1);
@@ -54,7 +54,7 @@ __device__ __forceinline__ uint4 quantize16_path(uint4 v0, uint4 v1, const InvSc
 // fewer per token, measured with ncu in session 10: BENCHMARKS.md).
 template <bool kPow2>
 __device__ __forceinline__ uint4 quantize16(uint4 v0, uint4 v1, const InvScale& d) {
-    if (kPow2 || d.fast) return quantize16_path<kPow2, true>(v0, v1, d);
+    if (fast_division<kPow2>(d)) return quantize16_path<kPow2, true>(v0, v1, d);
     return quantize16_path<kPow2, false>(v0, v1, d);
 }
 

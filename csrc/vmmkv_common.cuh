@@ -166,7 +166,13 @@ VMMKV_FN InvScale inv_scale(float s) {
     return InvScale{s, __frcp_rn(s), s >= 0x1p-90f && s < 0x1p126f};
 }
 
-// x / s at issue rate, for the e4m3 conversion that follows, where `kPow2 || d.fast`. kPow2 (s
+// Where div_scale_fast gives x / s: every power-of-two scale, else scales inside the guard.
+template <bool kPow2>
+VMMKV_FN bool fast_division(const InvScale& d) {
+    return kPow2 || d.fast;
+}
+
+// x / s at issue rate, for the e4m3 conversion that follows, where fast_division(d). kPow2 (s
 // a power of two, checked for every scale the pow2 formulas produce): r = 1/s is exact, so
 // x * r is the exact quotient rounded once, as x / s is: the same float. Otherwise: q = x * r,
 // then one Markstein correction q + r * (x - s * q) (the compiler's own fast path of `/`),
@@ -185,11 +191,11 @@ VMMKV_FN float div_scale_fast(float x, const InvScale& d) {
 // differ): tests/test_quant_exact_gpu.py checks all of them on the GPU.
 template <bool kPow2>
 VMMKV_FN float div_scale(float x, const InvScale& d) {
-    return (kPow2 || d.fast) ? div_scale_fast<kPow2>(x, d) : x / d.s;
+    return fast_division<kPow2>(d) ? div_scale_fast<kPow2>(x, d) : x / d.s;
 }
 
 // Four values of one tile divided by its scale -> four e4m3 bytes, element 0 lowest: the fast
-// division (only where `kPow2 || d.fast`) and IEEE `/`.
+// division (only where fast_division(d)) and IEEE `/`.
 template <bool kPow2>
 VMMKV_FN u32 quantize4_fast(float a, float b, float c, float e, const InvScale& d) {
     return e4m3x4(div_scale_fast<kPow2>(a, d), div_scale_fast<kPow2>(b, d),
@@ -205,7 +211,8 @@ VMMKV_FN u32 quantize4_ieee(float a, float b, float c, float e, const InvScale& 
 // tile make the same choice once for all of them (kv_store.cu's quantize16).
 template <bool kPow2>
 VMMKV_FN u32 quantize4(float a, float b, float c, float e, const InvScale& d) {
-    return (kPow2 || d.fast) ? quantize4_fast<kPow2>(a, b, c, e, d) : quantize4_ieee(a, b, c, e, d);
+    return fast_division<kPow2>(d) ? quantize4_fast<kPow2>(a, b, c, e, d)
+                                   : quantize4_ieee(a, b, c, e, d);
 }
 
 VMMKV_FN i64 load_slot(const void* slots, int slots_is_64, i64 i) {
