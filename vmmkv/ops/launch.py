@@ -239,7 +239,7 @@ def _current_stream(ordinal: int) -> int:
 # The current stream's handle on a device ordinal: what PreparedLaunch.launch launches on and
 # what the gather fallback keys its staging by. torch's accessor itself where it exists (one
 # call less; torch.cuda.current_stream builds a Stream object: 2.9 µs against 0.1 µs per call on
-# the H200 host, benchmarks/results/2026-12-02-h200-session8/call2-profile.log).
+# the H200 host, benchmarks/results/2026-12-02-h200-gather-host-cost/plans-v1/profile.log).
 stream_handle = _raw_stream if _raw_stream is not None else _current_stream
 
 
