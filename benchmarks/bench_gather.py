@@ -21,7 +21,7 @@ median over ``--reps`` loops, then the slowest rank. Before timing, each T check
 fallback and direct publication leave identical bytes (``equal``).
 
 ``--profile`` adds, per T, where the host time of one eager ``fallback_gathered`` step goes
-(vLLM's convention, issue 23 item 4): ``iters`` steps under ``cProfile`` on every rank (they are
+(vLLM's convention): ``iters`` steps under ``cProfile`` on every rank (they are
 collective), rank 0's functions with the most cumulative time, per step (µs; calls per step);
 printed after the table and kept in the JSON (``profile``). cProfile adds its own cost to every
 Python call, so read it for shares and call counts, not as timings.

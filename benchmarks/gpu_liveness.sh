@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Barrier liveness, lane misuse, timeout records and the publish stress with its mutants
-# (issue 24), in one device-machine call of about 6 minutes on one GPU. Usage, from the
+# Barrier liveness, lane misuse, timeout records and the publish stress with its mutants,
+# in one device-machine call of about 6 minutes on one GPU. Usage, from the
 # repository root:
 #   OUT=/some/folder bash benchmarks/gpu_liveness.sh
 # Logs go to $OUT (default ./liveness-out): pytest.log (everything), stress-*.json (each stress

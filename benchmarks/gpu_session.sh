@@ -2,15 +2,15 @@
 # One device-machine call. Logs and JSON go to $OUT (the folder whose files come back). Usage:
 #   bash benchmarks/gpu_session.sh tests|tests-a|tests-b|bench|all|ops-tests|ops-bench|ops|bw
 # - tests: the GPU suite + CLI on the GPU; bench: every benchmark; all: both.
-# - tests-a / tests-b: the suite in two device calls (since 2026-12-02 it no longer fits one
+# - tests-a / tests-b: the suite in two device calls (the whole suite does not fit one
 #   10-minute call with a machine start): a = every GPU test but the kernel tests, the
 #   byte-identity proof and the soak, plus the CLI; b = those three files.
-# - bw: issue 23's rows: the exhaustive division proof, the gather fallback's host time by stage
-#   (`bench_gather.py --host-cost`, one process), then `bench_store.py --pcp 2` with a row
-#   at each copy-ceiling size (T = 8192, 32768, 65536: 6.5, 25.8, 51.6 MB); with 2 GPUs the
-#   gather fallback against its ideal with its host-time profile (`bench_gather.py --profile`),
-#   on one GPU the 1/4/8-destination table; logged to $OUT/bw.log.
-# - ops-tests / ops-bench / ops (both): the ops layer alone (issue 12), everything also logged
+# - bw: the bandwidth and host-cost rows: the exhaustive division proof, the gather fallback's
+#   host time by stage (`bench_gather.py --host-cost`, one process), then `bench_store.py
+#   --pcp 2` with a row at each copy-ceiling size (T = 8192, 32768, 65536: 6.5, 25.8, 51.6 MB);
+#   with 2 GPUs the gather fallback against its ideal with its host-time profile
+#   (`bench_gather.py --profile`), on one GPU the 1/4/8-destination table; logged to $OUT/bw.log.
+# - ops-tests / ops-bench / ops (both): the ops layer alone, everything also logged
 #   to $OUT/ops.log. ops-tests: the ops GPU and CPU tests. ops-bench: the host-cost breakdown and
 #   the PCP2 tables (eager host time 2 launches vs 1, graph time, barrier vs torch symmetric
 #   memory, publish vs peer copy); on 2 GPUs (nvidia-h200-x2) one rank per GPU, on 1 GPU
