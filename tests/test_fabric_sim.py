@@ -355,10 +355,12 @@ def _inject(point):
     state = {"armed": True}
 
     def hook(*args, **kwargs):
-        if point == "exchange" and state["armed"]:  # a malformed message: one handle short
-            state["armed"] = False
+        if point == "exchange":  # the first round with handles: a malformed one, one short
             self, body, handles, *rest = args
-            return real(self, body, handles[:-1], *rest)
+            if state["armed"] and handles:
+                state["armed"] = False
+                handles = handles[:-1]
+            return real(self, body, handles, *rest, **kwargs)
         if state["armed"] and not after:
             state["armed"] = False
             raise RuntimeError(f"injected {point} failure")

@@ -495,9 +495,12 @@ def _nonces(rank, world):
 
 def test_every_exchange_uses_a_fresh_unpredictable_socket_name():
     out = run_world(_nonces, 2, timeout=40)
-    assert out[0] == out[1] and len(out[0]) == 3  # rendezvous, two grows
-    assert len(set(out[0])) == 3
-    assert all(len(n) >= 32 for n in out[0])  # 128 random bits, nothing derived from a step
+    # rendezvous, two grows; each in two rounds (descriptions, then one round of handles)
+    assert out[0] == out[1] and len(out[0]) == 6 and len(set(out[0])) == 6
+    fresh = [n.rsplit("-", 1) for n in out[0]]
+    assert [r for _, r in fresh] == ["0", "1"] * 3
+    assert len({n for n, _ in fresh}) == 3  # one fresh nonce per exchange
+    assert all(len(n) >= 32 for n, _ in fresh)  # 128 random bits, nothing derived from a step
 
 
 def test_a_squatted_socket_name_fails_at_once_naming_the_squatter():

@@ -46,6 +46,7 @@ class Backend(Protocol):
     device: torch.device
     granularity: int
     frees_from_any_thread: bool
+    keeps_fds: bool  # one open fd per committed own chunk (counted in vmmkv.ipc.fdbudget)
 
     def describe(self) -> str:
         """A short human description for reprs and errors (device, handle type)."""

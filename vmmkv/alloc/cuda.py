@@ -103,6 +103,7 @@ class CudaBackend:
     # a view can die on any thread, e.g. one in the middle of a global-mode stream capture,
     # where a driver call may be refused and invalidate the capture: defer those frees
     frees_from_any_thread = False
+    keeps_fds = False  # a created or imported chunk is a driver handle, not an fd
 
     def __init__(self, ordinal: int, handle_type: str = _POSIX_FD) -> None:
         self.ordinal = ordinal

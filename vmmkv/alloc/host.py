@@ -103,6 +103,9 @@ class HostBackend:
 
     name = "host"
     frees_from_any_thread = True  # munmap: no device, no stream capture to disturb
+    # One memfd per committed own chunk, kept for later exports: each chunk is a file of its
+    # own, as each CUDA chunk is a physical allocation of its own (vmmkv.ipc.fdbudget).
+    keeps_fds = True
 
     def __init__(self, handle_type: str = "posix_fd") -> None:
         if handle_type not in ("posix_fd", "shm_name"):

@@ -573,11 +573,17 @@ class _Exchange:
                 fds.frombytes(cdata[: len(cdata) - len(cdata) % fds.itemsize])
                 conn.fds.extend(fds)
         if flags & socket.MSG_CTRUNC:
-            soft, _hard = _nofile_limits()
+            soft, hard = _nofile_limits()
+            try:
+                held = str(len(os.listdir("/proc/self/fd")))
+            except OSError:  # EMFILE: not one fd left to list them with
+                held = "all its"
             self._drop(conn, "file descriptors were truncated (MSG_CTRUNC)", warn=True)
             raise self._error(
-                f"lost file descriptors from pid {conn.pid} (MSG_CTRUNC): is the open-file "
-                f"limit too low? RLIMIT_NOFILE soft limit is {soft}"
+                f"lost file descriptors from pid {conn.pid} (MSG_CTRUNC): its message carries "
+                f"{conn.fd_count} fds and this process held {held} open files, against an "
+                f"RLIMIT_NOFILE soft limit of {soft} and hard limit of {hard}: raise the limits "
+                "or send fewer fds per message"
             )
         if not data:
             self._drop(

@@ -317,13 +317,22 @@ def _exchange_and_map(
     """Send our ``chunks`` (and the signal chunk) to every peer and map theirs, over
     ``transport`` (fds over sockets or values over the store: the same protocol).
 
+    Rounds, so that the fds held at once stay bounded whatever the chunk count
+    (``vmmkv.ipc.fdbudget``): round 0 carries each rank's description (its chunks, signal chunk
+    and largest round it can afford, or an abort notice) and no handles; every rank then knows
+    the same round size (the smallest offered) and round count (enough for the largest chunk
+    list). Each later round exports the next slice of the own handles, sends it to every peer,
+    closes the own exports, maps the slice each peer sent and closes those fds before the next
+    round. Every rank runs every round: a rank that fails on the way (an export or a mapping)
+    sends abort notices and no handles in the rounds left, and so does a rank that received
+    one, so the ranks stay in step and all of them raise (the failing one its cause, the others
+    :class:`PeerAborted`, which the agreement resolves into that cause).
+
     Local work only, between two collective points of the caller; the caller always goes on to
     the agreement that follows (and then ``transport.finish()``). A rank that cannot take part
-    (``local_error``, or an export that fails here) still runs the exchange with an abort
-    notice and no handles, so its peers fail fast with its cause; it then raises
-    :class:`RendezvousError`, and so does every peer that received a notice. Transport failures
-    (a peer vanished) raise ``FdExchangeError`` / :class:`ExchangeLost`. On error, whatever
-    this call mapped stays recorded in the PeerRegions (the caller rolls back with
+    (``local_error``) sends its abort notice in round 0, so its peers stop at once. Transport
+    failures (a peer vanished) raise ``FdExchangeError`` / :class:`ExchangeLost`. On error,
+    whatever this call mapped stays recorded in the PeerRegions (the caller rolls back with
     ``unmap_from`` or ``unmap_outside``)."""
     others = [r for r in range(comm.world_size) if r != comm.rank]
     if not others:
@@ -331,66 +340,105 @@ def _exchange_and_map(
             raise RendezvousError(f"rank {comm.rank}: {local_error}") from local_error
         return
     region = transport.region
-    what = transport.what
-    received: dict[int, tuple[bytes, list[Any]]] = {}
-    try:
+    items: list[tuple[VirtualRegion, Chunk]] = [(region, c) for c in chunks]
+    desc: dict[str, Any] = {"chunks": [[c.offset, c.size] for c in chunks]}
+    if signal is not None and local_error is None:
+        sig = signal.chunks()[0]
+        items.append((signal, sig))
+        desc["signal"] = [sig.offset, sig.size]
+    if local_error is None:
+        try:
+            desc["round"] = transport.round_size(len(items))
+        except Exception as exc:
+            local_error = exc
+    failure: Exception | None = local_error  # this rank's own cause, if any
+    if failure is not None:
+        desc = {"abort": repr(failure)}
+    received = transport.exchange(json.dumps(desc).encode(), [], others, 0, round_no=0)
+    transport.release(received)
+    descs = {peer: json.loads(body.decode()) for peer, (body, _) in received.items()}
+    aborted = {peer: d["abort"] for peer, d in descs.items() if "abort" in d}
+    todo: dict[int, list[tuple[PeerRegion, Chunk]]] = {}
+    rounds, size = 0, 0
+    if failure is None and not aborted:
+        size = min([desc["round"]] + [d["round"] for d in descs.values()])
+        longest = max([len(items)] + [_handle_count(d) for d in descs.values()])
+        rounds = -(-longest // size)
+        for peer in others:
+            d = descs[peer]
+            todo[peer] = [(peers[peer], Chunk(off, sz)) for off, sz in d["chunks"]]
+            if signal_peers is not None and "signal" in d:
+                todo[peer].append((signal_peers[peer], Chunk(*d["signal"])))
+    for k in range(rounds):
+        mine = items[k * size : (k + 1) * size] if failure is None and not aborted else []
         handles: list[Any] = []
         try:
-            desc: dict[str, Any] = {}
-            if local_error is None:
-                try:
-                    desc["chunks"] = [[c.offset, c.size] for c in chunks]
-                    for c in chunks:
-                        handles.append(transport.export(region, c))
-                    if signal is not None:
-                        sig = signal.chunks()[0]
-                        desc["signal"] = [sig.offset, sig.size]
-                        handles.append(transport.export(signal, sig))
-                except Exception as exc:
-                    local_error = exc
-            if local_error is not None:
+            try:
+                for owner, chunk in mine:
+                    handles.append(transport.export(owner, chunk))
+            except Exception as exc:
+                failure = exc
                 transport.discard(handles)
                 handles = []
-                desc = {"abort": repr(local_error)}
-            per_peer = len(chunks) + (1 if signal is not None else 0)
-            received = transport.exchange(json.dumps(desc).encode(), handles, others, per_peer)
+            body = {"abort": repr(failure)} if failure is not None else {}
+            got = transport.exchange(
+                json.dumps(body).encode(), handles, others, size, round_no=k + 1
+            )
         finally:
             transport.discard(handles)
-        if local_error is not None:
+        try:
+            for peer, (pbody, _) in got.items():
+                why = json.loads(pbody.decode()).get("abort")
+                if why is not None:
+                    aborted.setdefault(peer, why)
+            if failure is None and not aborted:
+                _map_round(comm, transport, todo, got, k * size, size)
+        except Exception as exc:
+            failure = failure or exc
+        finally:
+            transport.release(got)
+    if failure is not None:
+        if isinstance(failure, RendezvousError) and failure is not local_error:
+            raise failure
+        raise RendezvousError(
+            f"rank {comm.rank}: could not take part in the {transport.what}: {failure!r}"
+        ) from failure
+    if aborted:
+        raise PeerAborted(
+            f"rank {comm.rank}: peers could not take part in the {transport.what}: "
+            + "; ".join(f"rank {p}: {why}" for p, why in sorted(aborted.items()))
+        )
+
+
+def _handle_count(desc: dict[str, Any]) -> int:
+    return len(desc["chunks"]) + (1 if "signal" in desc else 0)
+
+
+def _map_round(
+    comm: StoreComm,
+    transport: _Transport,
+    todo: dict[int, list[tuple[PeerRegion, Chunk]]],
+    got: dict[int, tuple[bytes, list[Any]]],
+    start: int,
+    size: int,
+) -> None:
+    """Map the handles each peer sent in one round: its chunks ``[start, start + size)``."""
+    region = transport.region
+    for peer, (_, handles) in sorted(got.items()):
+        want = todo[peer][start : start + size]
+        if len(handles) != len(want):
             raise RendezvousError(
-                f"rank {comm.rank}: could not take part in the {what}: {local_error!r}"
-            ) from local_error
-        descs = {peer: json.loads(body.decode()) for peer, (body, _) in received.items()}
-        aborted = {peer: d["abort"] for peer, d in descs.items() if "abort" in d}
-        if aborted:
-            raise PeerAborted(
-                f"rank {comm.rank}: peers could not take part in the {what}: "
-                + "; ".join(f"rank {p}: {why}" for p, why in sorted(aborted.items()))
+                f"rank {comm.rank}: rank {peer} sent {len(handles)} handles, expected "
+                f"{len(want)} in this round"
             )
-        for peer in others:
-            pdesc, peer_handles = descs[peer], received[peer][1]
-            want = len(pdesc["chunks"]) + (1 if "signal" in pdesc else 0)
-            if len(peer_handles) != want:
+        for (target, chunk), handle in zip(want, handles, strict=True):
+            try:
+                transport.map(target, handle, chunk)
+            except (drv.CudaError, OSError, ValueError) as exc:
                 raise RendezvousError(
-                    f"rank {comm.rank}: rank {peer} sent {len(peer_handles)} handles, "
-                    f"expected {want}"
-                )
-            todo = [(peers[peer], h, Chunk(off, size)) for (off, size), h in zip(
-                pdesc["chunks"], peer_handles, strict=False
-            )]  # fmt: skip
-            if signal_peers is not None:
-                off, size = pdesc["signal"]
-                todo.append((signal_peers[peer], peer_handles[-1], Chunk(off, size)))
-            for target, handle, chunk in todo:
-                try:
-                    transport.map(target, handle, chunk)
-                except (drv.CudaError, OSError, ValueError) as exc:
-                    raise RendezvousError(
-                        f"rank {comm.rank} ({region.device}): mapping a chunk of rank {peer} "
-                        f"({chunk}, {region.handle_type}) failed: {exc}"
-                    ) from exc
-    finally:
-        transport.release(received)
+                    f"rank {comm.rank} ({region.device}): mapping a chunk of rank {peer} "
+                    f"({chunk}, {region.handle_type}) failed: {exc}"
+                ) from exc
 
 
 def exchange_then_agree(

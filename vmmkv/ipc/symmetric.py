@@ -68,10 +68,11 @@ import torch
 
 from .._util import require_int, run_all
 from ..alloc import Chunk, VirtualRegion
-from ..alloc.region import _resolve_device, check_device
+from ..alloc.region import _resolve_device, check_device, covering_chunks
+from . import fdbudget
 from .comm import GroupError, PeerTimeoutError, StoreComm
 from .errors import ConfigMismatch, RendezvousError, as_rendezvous_error
-from .peers import PeerMap, exchange_then_agree, gather_requests, map_peers
+from .peers import BY_VALUE_HANDLES, PeerMap, exchange_then_agree, gather_requests, map_peers
 from .placement import choose_handle_type
 
 __all__ = ["PEER_MODES", "RendezvousTypeError", "RendezvousValueError", "SymmetricRegion"]
@@ -113,8 +114,19 @@ class _Prefix:
     def bounds(self, nbytes: int) -> list[int]:
         return [self._region.round_up(nbytes)]
 
+    def ranges(self, nbytes: int) -> list[tuple[int, int]]:
+        return [(0, self.rounded(nbytes))]
+
     def moved(self, nbytes: int) -> None:
         pass  # the size is the region's own committed size
+
+
+def _new_chunks(layout: _Prefix | _Segments, size: int) -> int:
+    """How many chunks ``layout.commit(size)`` would add (pure geometry, no driver call)."""
+    region = layout._region
+    have = {c.offset for c in region.chunks()}
+    want = covering_chunks(layout.ranges(size), region.chunk_bytes, region.capacity_bytes)
+    return sum(c.offset not in have for c in want)
 
 
 class _Segments:
@@ -357,6 +369,13 @@ class SymmetricRegion:
                 handle_type=handle_type,
             )  # fmt: skip
             self._layout: _Prefix | _Segments = _Prefix(self.region)
+            # Every chunk of the capacity may be committed later: refuse now, before anything
+            # is committed, a hard open-file limit that could never hold a full grow.
+            grid = -(-self.region.capacity_bytes // self.region.chunk_bytes)
+            fd_world = 1 if peers == "off" or handle_type in BY_VALUE_HANDLES else self.world_size
+            self._check_fds("setting up", grid, keep=0, world=fd_world)
+            initial = _new_chunks(self._layout, initial_bytes)
+            self._check_fds("the initial commit", initial, world=fd_world)
             self.region.commit(initial_bytes)
             # Local device tables before the last agreement (nothing local happens after it).
             self.local_table = torch.tensor(
@@ -379,6 +398,19 @@ class SymmetricRegion:
             if self.region is not None:
                 self.region.close()
             raise
+
+    def _check_fds(self, what: str, chunks: int, *, world: int, keep: int | None = None) -> None:
+        """Before a step commits or exchanges ``chunks`` chunks (``vmmkv.ipc.fdbudget``): raise
+        ``FdBudgetError`` when its exchange rounds and the fds its chunks keep (host backend:
+        one memfd each; ``keep`` 0: checked, not kept yet) cannot fit under the hard limit;
+        else make room under the soft limit for the fds kept."""
+        kept = chunks if self.region.keeps_fds else 0
+        fdbudget.exchange_round(
+            rank=self.rank, world=world, device=self.region.device, what=what, chunks=chunks,
+            kept=kept,
+        )  # fmt: skip
+        if keep is None:
+            fdbudget.keep_fds(rank=self.rank, device=self.region.device, what=what, count=kept)
 
     def _map(self, reqs: list[dict[str, Any]], mode: str) -> PeerMap | None:
         try:
@@ -725,6 +757,8 @@ class SymmetricRegion:
             # The new bounds are built before the agreement: after it, nothing that can fail
             # on one rank alone may stand between the agreement and the bounds' device write.
             bounds = self._bounds_tensor(layout, size)
+            world = 1 if self.peers is None or self.peers.by_value else self.world_size
+            self._check_fds(what, _new_chunks(layout, size), world=world)
             added = layout.commit(size)
         except Exception as exc:
             error = exc

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..alloc import Chunk, PeerRegion, VirtualRegion
-from . import fdpass
+from . import fdbudget, fdpass
 from .comm import GroupError, PeerTimeoutError, StoreComm
 from .errors import ExchangeLost, as_rendezvous_error
 
@@ -37,6 +37,7 @@ log = logging.getLogger("vmmkv.ipc.peers")
 
 # Handle types whose chunks travel as values through the group's store (no socket, no fd).
 BY_VALUE_HANDLES = ("fabric", "shm_name")
+_ONE_ROUND = 1 << 30
 _MIN_EXCHANGE_S = 0.05  # a rank that reaches its exchange at the deadline still tries once
 
 
@@ -77,6 +78,12 @@ class _Transport:
         grace = min(1.0, self.comm.timeout / 4)
         return max(_MIN_EXCHANGE_S, self.deadline - grace - time.monotonic())
 
+    def round_size(self, count: int) -> int:
+        """The most handles this rank can take from each peer in one round of an exchange of
+        ``count`` own handles (``peers._exchange_and_map`` uses the smallest any rank offers);
+        raises ``FdBudgetError`` when no round fits."""
+        raise NotImplementedError
+
     def export(self, owner: VirtualRegion, chunk: Chunk) -> Any:
         raise NotImplementedError
 
@@ -84,10 +91,11 @@ class _Transport:
         pass
 
     def exchange(
-        self, body: bytes, handles: list[Any], others: list[int], per_peer: int
+        self, body: bytes, handles: list[Any], others: list[int], per_peer: int, *, round_no: int
     ) -> dict[int, tuple[bytes, list[Any]]]:
-        """Send ``body`` and ``handles`` to every rank of ``others`` and return what each sent;
-        ``per_peer``: the most handles one peer may send (its chunks and signal chunk)."""
+        """One round: send ``body`` and ``handles`` to every rank of ``others`` and return what
+        each sent; ``per_peer``: the most handles one peer may send in this round; ``round_no``:
+        the round's number, the same on every rank."""
         raise NotImplementedError
 
     def map(self, peer: PeerRegion, handle: Any, chunk: Chunk) -> None:
@@ -105,6 +113,12 @@ class _FdTransport(_Transport):
 
     what = "fd exchange"
 
+    def round_size(self, count: int) -> int:
+        return fdbudget.exchange_round(
+            rank=self.comm.rank, world=self.comm.world_size, device=self.region.device,
+            what=self.what, chunks=count,
+        )  # fmt: skip
+
     def export(self, owner: VirtualRegion, chunk: Chunk) -> int:
         return owner.export_chunk(chunk)
 
@@ -113,7 +127,7 @@ class _FdTransport(_Transport):
             os.close(fd)
 
     def exchange(
-        self, body: bytes, handles: list[Any], others: list[int], per_peer: int
+        self, body: bytes, handles: list[Any], others: list[int], per_peer: int, *, round_no: int
     ) -> dict[int, tuple[bytes, list[Any]]]:
         # The RLIMIT_NOFILE soft limit is raised for the exchange if needed, and restored by
         # ``release`` once the received fds are closed. Sized by what the peers may send, not
@@ -123,7 +137,7 @@ class _FdTransport(_Transport):
         try:
             return fdpass.exchange_fds(
                 rank=self.comm.rank,
-                nonce=self.nonce,
+                nonce=f"{self.nonce}-{round_no}",  # one socket name per round
                 outgoing={p: (body, handles) for p in others},
                 expect_from=others,
                 pids=self.pids,
@@ -169,11 +183,14 @@ class _ValueTransport(_Transport):
 
     what = "handle exchange"
 
+    def round_size(self, count: int) -> int:
+        return _ONE_ROUND  # values hold no fd: every handle travels in one store step
+
     def export(self, owner: VirtualRegion, chunk: Chunk) -> bytes:
         return owner.export_chunk_value(chunk, self.nonce)
 
     def exchange(
-        self, body: bytes, handles: list[Any], others: list[int], per_peer: int
+        self, body: bytes, handles: list[Any], others: list[int], per_peer: int, *, round_no: int
     ) -> dict[int, tuple[bytes, list[Any]]]:
         mine = [body.decode(), [h.hex() for h in handles]]
         try:
