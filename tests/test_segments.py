@@ -828,12 +828,11 @@ def test_bad_mismatched_or_late_layouts_and_wrong_resize_kinds_raise_on_every_ra
 
 
 def test_block_layout_chunks_follow_the_blocks_of_a_deepseek_v32_cache():
-    """Review R5: with the default chunk (capacity / 64) a 122-segment layout commits the whole
-    capacity for any block count. ``block_layout_chunk_bytes`` (what the vLLM plugin passes)
-    keeps the committed bytes near the blocks' own bytes; the fd / mapping count is the chunk
-    count (docs/design.md, "Segmented growth")."""
+    """With the default chunk (capacity / 64) a 122-segment layout commits the whole
+    capacity for any block count. ``block_layout_chunk_bytes`` keeps the committed bytes near
+    the blocks' own bytes as far as its chunk budget allows (docs/design.md, "Chunk sizes")."""
     from vmmkv._util import ceil_div, round_up
-    from vmmkv.alloc.region import block_layout_chunk_bytes, covering_chunks
+    from vmmkv.alloc.region import MAX_CHUNKS, block_layout_chunk_bytes, covering_chunks
 
     mib, layers, idx, mla = 1 << 20, 61, 64 * 132, 64 * 656
 
@@ -849,17 +848,26 @@ def test_block_layout_chunks_follow_the_blocks_of_a_deepseek_v32_cache():
     segs, cap = geometry(4096)  # the review's example: 11.74 GiB
     default = min(round_up(ceil_div(cap, 64), 2 * mib), 1 << 30)
     assert committed(segs, cap, default, 1)[1] == cap  # the defect: everything, for one block
+    # the overhead rule alone: 2 MiB chunks follow the blocks within 1.2x, with 6009 chunks
+    fine = block_layout_chunk_bytes(segs, cap, 2 * mib, max_chunks=1 << 20)
+    assert fine == 2 * mib and cap // fine == 6009
+    count, got, blocks = committed(segs, cap, fine, 1000)
+    assert (count, round(got / blocks, 3)) == (1586, 1.081)
+    # capped at MAX_CHUNKS: 16 MiB, 751 chunks; a layer-major layout's partial grow then
+    # commits 1.66x the blocks' bytes (a block-major one would follow them closely)
     chunk = block_layout_chunk_bytes(segs, cap, 2 * mib)
-    assert chunk == 2 * mib
+    assert chunk == 16 * mib and cap // chunk == 751 <= MAX_CHUNKS
     count, got, blocks = committed(segs, cap, chunk, 1000)
-    assert (count, round(got / blocks, 3)) == (1586, 1.081)  # <= 1.2x the blocks' bytes
-    assert committed(segs, cap, chunk, 4096)[0] == cap // chunk  # all: 6009 fds per peer
-    # a larger cache takes larger chunks: the chunk count stays bounded, the overhead too
+    assert (count, round(got / blocks, 3)) == (304, 1.658)
+    assert committed(segs, cap, chunk, 4096)[0] == ceil_div(cap, chunk)
+    # a larger cache takes larger chunks: at most MAX_CHUNKS of them (the driver calls of a
+    # full grow), though the overhead rule alone would take 8 MiB (14,700 chunks)
     segs, cap = geometry(40000)  # ~115 GiB
+    assert block_layout_chunk_bytes(segs, cap, 2 * mib, max_chunks=1 << 20) == 8 * mib
     chunk = block_layout_chunk_bytes(segs, cap, 2 * mib)
-    assert chunk == 8 * mib and 2 * len(segs) * chunk <= cap / 32
+    assert chunk == 128 * mib and ceil_div(cap, chunk) <= MAX_CHUNKS < ceil_div(cap, chunk // 2)
     count, got, blocks = committed(segs, cap, chunk, 10000)
-    assert got / blocks <= 1.07 and count == ceil_div(got, chunk)
+    assert count == ceil_div(got, chunk) and round(got / blocks, 3) == 1.518
     # never below the granularity, never above 1 GiB
     assert block_layout_chunk_bytes(segs[:1], 4096, 4096) == 4096
     assert block_layout_chunk_bytes([(0, 1)], 1 << 40, 2 * mib) == 1 << 30

@@ -84,6 +84,7 @@ __all__ = [
     "RegionClosedError",
     "UnmapError",
     "VirtualRegion",
+    "MAX_CHUNKS",
     "block_layout_chunk_bytes",
     "covering_chunks",
     "make_backend",
@@ -93,6 +94,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _MAX_DEFAULT_CHUNK = 1 << 30
+# The most chunks block_layout_chunk_bytes gives a region: a full grow's driver work is per
+# chunk (on an H200 ~0.1 ms own + ~0.08 ms per peer), so at most ~0.7 s at PCP 8 (docs/design.md).
+MAX_CHUNKS = 1024
 _DEFAULT_CHUNKS = 64
 
 
@@ -247,26 +251,34 @@ def _overlaps(merged: list[Range], offset: int, size: int) -> bool:
 
 
 def block_layout_chunk_bytes(
-    segments: Any, capacity: int, granularity: int, *, waste: float = 1 / 32
+    segments: Any,
+    capacity: int,
+    granularity: int,
+    *,
+    waste: float = 1 / 32,
+    max_chunks: int = MAX_CHUNKS,
 ) -> int:
     """The chunk size for a region that grows by blocks of ``segments`` (``(offset,
     block_bytes)`` pairs, as ``set_block_layout`` takes them): the largest power-of-two multiple
     of ``granularity`` (at most 1 GiB, at least the granularity) whose worst-case overhead, one
     partly used chunk at each end of every segment (``2 * len(segments)`` chunks), stays within
-    ``waste * capacity``. Pure geometry.
+    ``waste * capacity``; then doubled until the capacity holds at most ``max_chunks`` chunks
+    (while the 1 GiB ceiling allows). Pure geometry.
 
     Why: the default (``capacity / 64``) is larger than a segment as soon as a layout has more
     than 64 of them (a DeepSeek-V3.2 cache has 122), and then any block count commits the whole
-    capacity. Smaller chunks follow the committed blocks closer but cost one fd and one mapping
-    per chunk and peer; 1/32 of the capacity bounds the overhead while the chunk count stays
-    near ``capacity / chunk`` (measured figures: docs/design.md, "Segmented growth")."""
+    capacity. Smaller chunks follow the committed blocks closer, but every chunk costs driver
+    calls on every rank at every grow (create, map, access and export its own; import, map and
+    access it on every peer: ~0.1 ms + ~0.08 ms per peer on an H200), so the count is capped (``MAX_CHUNKS``; docs/design.md, "Chunk
+    sizes"). A caller that only ever commits everything or nothing (the vLLM plugin) needs no
+    fine chunks at all and takes the region's default."""
     _require_positive("capacity", capacity)
     _require_positive("granularity", granularity)
+    _require_positive("max_chunks", max_chunks)
     count = len(list(segments))
     chunk = granularity
-    while (
-        chunk * 2 <= min(capacity, _MAX_DEFAULT_CHUNK)
-        and 2 * count * chunk * 2 <= waste * capacity
+    while chunk * 2 <= min(capacity, _MAX_DEFAULT_CHUNK) and (
+        2 * count * chunk * 2 <= waste * capacity or ceil_div(capacity, chunk) > max_chunks
     ):
         chunk *= 2
     return chunk
@@ -335,6 +347,11 @@ class _MappedRange:
     @property
     def handle_type(self) -> str:
         return self._backend.handle_type
+
+    @property
+    def keeps_fds(self) -> bool:
+        """Whether each committed own chunk holds an open fd (the host backend's memfds)."""
+        return self._backend.keeps_fds
 
     @property
     def closed(self) -> bool:
