@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # One device-machine call. Logs and JSON go to $OUT (the folder whose files come back). Usage:
-#   bash benchmarks/gpu_session.sh tests|tests-a|tests-b|bench|all|ops-tests|ops-bench|ops|bw
+#   bash benchmarks/gpu_session.sh tests|tests-a|tests-b|bench|all|ops-tests|ops-bench|ops|bw|scale
+# - scale: DeepSeek-V3.2 caches at full size (`bench_scale.py`): 2 x 50, 4 x 25 and 8 x 12 GiB
+#   per rank (ranks share the GPUs), LBNHC and BLNHC, at the machine's open-file limit and at
+#   4096: start, sleep, wake, byte-exact stores; the chunk-budget rule and 12,800 chunks of
+#   4 MiB at 4096 too; logged to $OUT/scale.log, JSON beside it.
 # - tests: the GPU suite + CLI on the GPU; bench: every benchmark; all: both.
 # - tests-a / tests-b: the suite in two device calls (the whole suite does not fit one
 #   10-minute call with a machine start): a = every GPU test but the kernel tests, the
@@ -26,7 +30,7 @@ OUT=${OUT:-$PWD/bench-out}
 mkdir -p "$OUT"
 what=${1:-all}
 LOG=/dev/null
-case "$what" in ops*) LOG="$OUT/ops.log" ;; bw) LOG="$OUT/bw.log" ;; esac
+case "$what" in ops*) LOG="$OUT/ops.log" ;; bw) LOG="$OUT/bw.log" ;; scale) LOG="$OUT/scale.log" ;; esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
 SPLIT="tests/test_kernels_gpu.py tests/test_quant_exact_gpu.py tests/test_soak.py"
 if [ "$what" = tests-b ]; then
@@ -76,6 +80,14 @@ if [ "$what" = ops-bench ] || [ "$what" = ops ]; then
         timeout 900 python3 benchmarks/bench_store.py --out "$OUT/bench_store.json" 2>&1 \
             | grep -v " done$" | tee -a "$LOG"
     fi
+fi
+if [ "$what" = scale ]; then
+    S="python3 benchmarks/bench_scale.py"
+    {
+        $S --ranks 2,4,8 --gib 50,25,12 --chunks default --nofile 0,4096 --out "$OUT/scale-default.json"
+        $S --ranks 2,4 --gib 50,25 --chunks budget --nofile 4096 --out "$OUT/scale-budget.json"
+        $S --ranks 2 --gib 50 --layouts LBNHC --chunks 4 --nofile 4096,0 --out "$OUT/scale-4mib.json"
+    } 2>&1 | tee -a "$LOG"
 fi
 if [ "$what" = bw ]; then
     ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
