@@ -75,13 +75,14 @@ def exchange_round(
         return ROUND
     free = hard - now - kept - sockets - SPARE
     size = min(ROUND, free // world)
-    if size >= MIN_ROUND:
+    smallest = min(MIN_ROUND, ROUND)
+    if size >= smallest:
         return size
-    need = now + kept + sockets + SPARE + world * MIN_ROUND
+    need = now + kept + sockets + SPARE + world * smallest
     raise FdBudgetError(
         f"rank {rank} ({device}): {what}: {chunks} chunks among {world} ranks need {need} "
         f"open files at once ({now} open now, {kept} kept for the new chunks, {world} x "
-        f"{MIN_ROUND} for the smallest exchange round, {sockets} sockets, {SPARE} spare), "
+        f"{smallest} for the smallest exchange round, {sockets} sockets, {SPARE} spare), "
         f"over the hard RLIMIT_NOFILE of {hard}: {_remedy(hard)}"
     )
 
