@@ -13,12 +13,14 @@ first. A sampler thread records each rank's peak of open fds per step.
 takes, since it commits everything or nothing), ``budget`` (``block_layout_chunk_bytes``: at
 most ``MAX_CHUNKS``), or a size in MiB. ``--nofile N``: RLIMIT_NOFILE soft = hard = N in every
 rank first (0: the machine's own). Ranks share the GPU(s) (rank r on GPU r % count), or run on
-the host backend (``--backend host``). Prints a table and writes JSON (``--out``), including a
-model of a wake at PCP 8 on separate GPUs from the per-chunk costs measured here.
+the host backend (``--backend host``). Prints a table and writes JSON (``--out``), with a model of
+a 100 GiB wake at PCP 8 fitted to the wakes measured (``model``); ``--model FILES`` fits it to the
+rows of earlier runs instead.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -239,37 +241,45 @@ def summarize(world: int, cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> d
     return row
 
 
-def model(rows: list[dict[str, Any]], gib: float = 100.0, pcp: int = 8) -> list[dict[str, Any]]:
-    """A wake of ``gib`` GiB per rank at PCP ``pcp`` on separate GPUs, per layout and chunk
-    rule: the wake's seconds per chunk measured here fitted as ``own + (world - 1) * peer``
-    (least squares over the group sizes run; ranks sharing one GPU contend for it, so the fit
-    is an upper bound), times the chunk count the same rule gives at ``gib`` GiB."""
+def model(rows: list[dict[str, Any]], gib: float = 100.0, pcp: int = 8) -> dict[str, Any]:
+    """A wake of ``gib`` GiB per rank at PCP ``pcp``, fitted to the wakes measured: seconds =
+    ``a + b (W - 1) + N (c + d (W - 1))`` for ``W`` ranks and ``N`` chunks (least squares over
+    every run, whatever its layout and chunk rule; a step's fixed cost and its per-chunk cost
+    apart). Ranks sharing one GPU contend for it and for the host's cores, so on separate GPUs
+    this is an upper bound. Returns the coefficients and, per chunk rule, the chunk count at
+    ``gib`` GiB (LBNHC geometry, 2 MiB granularity) and the modelled seconds."""
+    import torch
+
     from vmmkv._util import round_up
     from vmmkv.alloc.region import block_layout_chunk_bytes
 
-    out = []
-    for layout, rule in sorted({(r["layout"], r["rule"]) for r in rows if "wake_s" in r}):
-        pts = [(r["pcp"] - 1, r["wake_s"] / r["chunks"]) for r in rows
-               if (r["layout"], r["rule"]) == (layout, rule) and "wake_s" in r]  # fmt: skip
-        if len({x for x, _ in pts}) < 2:
-            continue
-        n = len(pts)
-        mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
-        peer = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
-        own = my - peer * mx
-        segs, size = geometry(layout, int(gib * GiB) // (LAYERS * (MLA_BLOCK + IDX_BLOCK)))
-        cap = round_up(size, 2 * MiB)
-        if rule == "default":
-            chunk = min(round_up(-(-cap // 64), 2 * MiB), GiB)
-        elif rule == "budget":
-            chunk = block_layout_chunk_bytes(segs, cap, 2 * MiB)
-        else:
-            chunk = int(float(rule) * MiB)
-        chunks = -(-cap // chunk)
-        out.append({"layout": layout, "rule": rule, "own_ms_per_chunk": round(own * 1e3, 4),
-                    "peer_ms_per_chunk": round(peer * 1e3, 4), "model_GiB": gib, "model_pcp": pcp,
-                    "model_chunks": chunks,
-                    "model_wake_s": round(chunks * (own + (pcp - 1) * peer), 3)})  # fmt: skip
+    done = [r for r in rows if "wake_s" in r]
+    if len({(r["pcp"], r["chunks"]) for r in done}) < 4:
+        return {}
+    a = torch.tensor([[1.0, r["pcp"] - 1, r["chunks"], r["chunks"] * (r["pcp"] - 1)]
+                      for r in done], dtype=torch.float64)  # fmt: skip
+    y = torch.tensor([[r["wake_s"]] for r in done], dtype=torch.float64)
+    coef = torch.linalg.lstsq(a, y).solution.flatten().tolist()
+    segs, size = geometry("LBNHC", int(gib * GiB) // (LAYERS * (MLA_BLOCK + IDX_BLOCK)))
+    cap = round_up(size, 2 * MiB)
+    rules = {"default": min(round_up(-(-cap // 64), 2 * MiB), GiB),
+             "budget": block_layout_chunk_bytes(segs, cap, 2 * MiB)}  # fmt: skip
+    out: dict[str, Any] = {
+        "fit_ms": dict(
+            zip(
+                ("step", "step_per_peer", "chunk", "chunk_per_peer"),
+                (round(c * 1e3, 4) for c in coef),
+                strict=True,
+            )
+        ),  # fmt: skip
+        "runs": len(done),
+        "GiB": gib,
+        "pcp": pcp,
+    }
+    for rule, chunk in rules.items():
+        n = -(-cap // chunk)
+        secs = coef[0] + (pcp - 1) * coef[1] + n * (coef[2] + (pcp - 1) * coef[3])
+        out[rule] = {"chunk_MiB": chunk // MiB, "chunks": n, "wake_s": round(secs, 3)}
     return out
 
 
@@ -284,7 +294,19 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="tokens per rank and stored layer")
     ap.add_argument("--backend", default="cuda", choices=("cuda", "host"))
     ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument(
+        "--model",
+        nargs="*",
+        metavar="JSON",
+        help="only fit the model to the rows of these bench_scale JSON files",
+    )
     a = ap.parse_args()
+    if a.model:
+        rows = [r for path in a.model for r in json.load(open(path))["rows"]]
+        fit = model(rows)
+        print(json.dumps(fit, indent=1))
+        write_json(a.out, "bench_scale_model", [], model=fit, inputs=a.model)
+        return
     worlds = [int(w) for w in a.ranks.split(",")]
     gibs = [float(g) for g in a.gib.split(",")]
     if len(gibs) == 1:
@@ -307,8 +329,8 @@ def main() -> None:
     print(table(rows, [c for c in cols if any(c in r for r in rows)]))
     fit = model(rows)
     if fit:
-        print("model: a 100 GiB wake at PCP 8 on separate GPUs, from the per-chunk costs above")
-        print(table(fit, list(fit[0])))
+        print("model of a 100 GiB wake at PCP 8 (an upper bound on separate GPUs):")
+        print(json.dumps(fit))
     write_json(a.out, "bench_scale", rows, model=fit)
 
 

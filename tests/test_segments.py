@@ -853,21 +853,21 @@ def test_block_layout_chunks_follow_the_blocks_of_a_deepseek_v32_cache():
     assert fine == 2 * mib and cap // fine == 6009
     count, got, blocks = committed(segs, cap, fine, 1000)
     assert (count, round(got / blocks, 3)) == (1586, 1.081)
-    # capped at MAX_CHUNKS: 16 MiB, 751 chunks; a layer-major layout's partial grow then
-    # commits 1.66x the blocks' bytes (a block-major one would follow them closely)
+    # capped at MAX_CHUNKS: 32 MiB, 376 chunks; a layer-major layout's partial grow then
+    # commits 2.17x the blocks' bytes (a block-major one would follow them closely)
     chunk = block_layout_chunk_bytes(segs, cap, 2 * mib)
-    assert chunk == 16 * mib and cap // chunk == 751 <= MAX_CHUNKS
+    assert chunk == 32 * mib and ceil_div(cap, chunk) == 376 <= MAX_CHUNKS
     count, got, blocks = committed(segs, cap, chunk, 1000)
-    assert (count, round(got / blocks, 3)) == (304, 1.658)
+    assert (count, round(got / blocks, 3)) == (199, 2.171)
     assert committed(segs, cap, chunk, 4096)[0] == ceil_div(cap, chunk)
     # a larger cache takes larger chunks: at most MAX_CHUNKS of them (the driver calls of a
     # full grow), though the overhead rule alone would take 8 MiB (14,700 chunks)
     segs, cap = geometry(40000)  # ~115 GiB
     assert block_layout_chunk_bytes(segs, cap, 2 * mib, max_chunks=1 << 20) == 8 * mib
     chunk = block_layout_chunk_bytes(segs, cap, 2 * mib)
-    assert chunk == 128 * mib and ceil_div(cap, chunk) <= MAX_CHUNKS < ceil_div(cap, chunk // 2)
+    assert chunk == 256 * mib and ceil_div(cap, chunk) <= MAX_CHUNKS < ceil_div(cap, chunk // 2)
     count, got, blocks = committed(segs, cap, chunk, 10000)
-    assert count == ceil_div(got, chunk) and round(got / blocks, 3) == 1.518
+    assert count == ceil_div(got, chunk) and round(got / blocks, 3) == 2.016
     # never below the granularity, never above 1 GiB
     assert block_layout_chunk_bytes(segs[:1], 4096, 4096) == 4096
     assert block_layout_chunk_bytes([(0, 1)], 1 << 40, 2 * mib) == 1 << 30

@@ -94,9 +94,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _MAX_DEFAULT_CHUNK = 1 << 30
-# The most chunks block_layout_chunk_bytes gives a region: a full grow's driver work is per
-# chunk (on an H200 ~0.1 ms own + ~0.08 ms per peer), so at most ~0.7 s at PCP 8 (docs/design.md).
-MAX_CHUNKS = 1024
+# The most chunks block_layout_chunk_bytes gives a region: a grow's cost is per chunk and peer
+# (measured on one H200: ~0.39 ms per chunk and peer), so a full grow of 512 chunks at PCP 8
+# stays under 2 s (docs/design.md, "Chunk sizes").
+MAX_CHUNKS = 512
 _DEFAULT_CHUNKS = 64
 
 
@@ -269,7 +270,7 @@ def block_layout_chunk_bytes(
     than 64 of them (a DeepSeek-V3.2 cache has 122), and then any block count commits the whole
     capacity. Smaller chunks follow the committed blocks closer, but every chunk costs driver
     calls on every rank at every grow (create, map, access and export its own; import, map and
-    access it on every peer: ~0.1 ms + ~0.08 ms per peer on an H200), so the count is capped (``MAX_CHUNKS``; docs/design.md, "Chunk
+    access it on every peer), so the count is capped (``MAX_CHUNKS``; docs/design.md, "Chunk
     sizes"). A caller that only ever commits everything or nothing (the vLLM plugin) needs no
     fine chunks at all and takes the region's default."""
     _require_positive("capacity", capacity)
