@@ -6,8 +6,10 @@ What it does, in order (the constructor):
    :class:`UnsupportedKVCache` naming the layer, spec or layout before any collective).
 2. One ``ReplicatedKVCache`` over the PCP group (``cpu_group`` for its rendezvous,
    ``device_group`` for its gather fallback) of the backing size rounded up to the allocation
-   granularity, nothing committed, chunks sized by ``block_layout_chunk_bytes`` (so that
-   committed bytes follow committed blocks).
+   granularity, nothing committed, in the region's default chunks (at most 64, of at most 1 GiB;
+   ``chunk_bytes`` or ``VMMKV_CHUNK_MIB`` for others): vLLM 0.33 commits every block or none
+   (start, sleep, wake), and a grow's cost is per chunk and peer, so few chunks make the engine's
+   start and every wake fast (docs/design.md, "Chunk sizes").
 3. ``allocate(size, reserve=True)`` (exactly vLLM's backing size, committed block by block
    afterwards) is vLLM's backing buffer; ``set_block_layout`` declares the plan's segments
    (block growth, both layout families); vLLM's own ``create_kv_cache_views`` builds the layer
@@ -42,6 +44,7 @@ are invalid afterwards). The object owns its ``ReplicatedKVCache`` and closes it
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +52,7 @@ from typing import Any
 import torch
 
 from ..._util import require_int, round_up
-from ...alloc.region import block_layout_chunk_bytes, make_backend
+from ...alloc.region import make_backend
 from ...cache import Binding, ReplicatedKVCache
 from ...ops.formats import get_format
 from ._layout import KVCachePlan, create_views, plan_kv_cache
@@ -126,6 +129,27 @@ def pcp_store_plan(
     return StorePlan("dcp-replicated-decodes", rows, nd, own, gathered)
 
 
+CHUNK_ENV = "VMMKV_CHUNK_MIB"
+
+
+def _chunk_bytes_from_env(granularity: int, capacity: int) -> int | None:
+    """The KV region's chunk size from ``VMMKV_CHUNK_MIB`` (MiB, a multiple of the allocation
+    granularity), or None: the region's default."""
+    raw = os.environ.get(CHUNK_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        chunk = int(float(raw) * (1 << 20))
+    except ValueError:
+        chunk = 0
+    if chunk <= 0 or chunk % granularity or chunk > capacity:
+        raise ValueError(
+            f"{CHUNK_ENV}={raw!r}: expected a chunk size in MiB, a multiple of the allocation "
+            f"granularity ({granularity} bytes) and at most the KV capacity ({capacity} bytes)"
+        )
+    return chunk
+
+
 class VllmKVCache:
     """vLLM's KV cache of one worker on vmmkv memory (see the module docstring)."""
 
@@ -158,11 +182,11 @@ class VllmKVCache:
         self.mla_kind, self.indexer_kind = mla_kind, indexer_kind
         # The region's capacity is vLLM's backing size rounded up to the granularity (2 MiB on
         # CUDA: num_blocks x 61 layers x 50432 B almost never is a multiple); vLLM's buffer is
-        # exactly plan.size. Chunks follow the block layout (block_layout_chunk_bytes).
+        # exactly plan.size. Few chunks: every block or none is committed (module docstring).
         gran = make_backend(device, backend).granularity
         capacity = round_up(plan.size, gran)
         if chunk_bytes is None:
-            chunk_bytes = block_layout_chunk_bytes(plan.segments, capacity, gran)
+            chunk_bytes = _chunk_bytes_from_env(gran, capacity)
         self.cache = ReplicatedKVCache(
             cpu_group, capacity, device, device_group=device_group, initial_bytes=0,
             chunk_bytes=chunk_bytes, lanes=1, direct=direct, timeout=timeout, backend=backend,
