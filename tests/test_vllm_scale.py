@@ -1,0 +1,114 @@
+"""A 61-layer DeepSeek-V3.2 KV cache through the vLLM 0.33.0 plugin's allocation path under a low
+open-file limit (CPU, host backend, spawned ranks, vLLM's own groups and planner).
+
+Each rank sets RLIMIT_NOFILE soft = hard, joins vLLM's process groups, and allocates as MRV2
+does with CUDA graphs on (a profiling cache, then the real one, both through the patched
+``attn_utils.allocate_kv_cache`` and planned by vLLM's ``get_kv_cache_configs``): the engine's
+start, a grow of every block. Then a sleep (``shrink(0)``) and a wake (``grow`` back), the
+calls the plugin's sleep backend makes. Checked on every rank: every block committed after
+start and wake, none after sleep, each peer mapping exactly the chunks its owner committed, and
+the fds held never reaching the limit. In the plugin's own chunks (at most 64) and in 64 KiB
+chunks (``VMMKV_CHUNK_MIB``: thousands of them).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import vllm_marks
+from vmmkv.testing.spawn import free_port, run_world
+
+pytestmark = vllm_marks()
+
+LAYERS, BLOCKS, PROFILE_BLOCKS, BS = 61, 48, 5, 64
+
+
+def _mapped(vc) -> dict[str, list[int]]:
+    sr = vc.cache.region
+    return {"own": [c.offset for c in sr.region.chunks()],
+            "peers": [[c.offset for c in sr.peers.mapped_chunks(r)]
+                      for r in range(sr.world_size) if r != sr.rank]}  # fmt: skip
+
+
+def _scale(rank, world, port, nofile, chunk_mib):
+    import os
+    import resource
+    import threading
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.gpu import attn_utils
+
+    from vmmkv.integrations import vllm as integration
+    from vmmkv.integrations.vllm import testing
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+    if chunk_mib:
+        os.environ["VMMKV_CHUNK_MIB"] = str(chunk_mib)
+    peak, stop = [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            try:
+                peak[0] = max(peak[0], len(os.listdir("/proc/self/fd")))
+            except OSError:
+                peak[0] = nofile  # not one fd left to list them with
+            time.sleep(0.002)
+
+    threading.Thread(target=sample, daemon=True).start()
+    cfg = testing.vllm_config("LBNHC", BLOCKS, LAYERS, pcp=world)
+    ps = testing.join_vllm_groups(cfg, rank, world, port)
+    out = {}
+    try:
+        cpu, lay = torch.device("cpu"), KVCacheLayout.LBNHC
+        _, prof = testing.build_profiling_kv_cache_config(
+            "LBNHC", PROFILE_BLOCKS, LAYERS, pcp=world
+        )
+        _, config = testing.build_kv_cache_config("LBNHC", BLOCKS, LAYERS, pcp=world)
+        with set_current_vllm_config(cfg), integration.patched():
+            views = attn_utils.allocate_kv_cache(prof, cpu, lay, [BS])
+            del views  # vLLM's teardown of the profiling state
+            views = attn_utils.allocate_kv_cache(config, cpu, lay, [BS])
+            vc = integration.active_cache()
+            out["chunks"] = -(-vc.cache.capacity_bytes // vc.cache.region.chunk_bytes)
+            out["views"] = len(views)
+            for step, call in (("start", None), ("sleep", lambda: vc.shrink(0)),
+                               ("wake", lambda: vc.grow(vc.num_blocks))):  # fmt: skip
+                if call is not None:
+                    dist.barrier(group=ps.get_pcp_group().cpu_group)
+                    call()
+                out[step] = {"blocks": vc.committed_blocks, "peak_fds": peak[0], **_mapped(vc)}
+                peak[0] = 0
+            del views
+            vc.close()
+        dist.barrier(group=ps.get_world_group().cpu_group)
+    finally:
+        stop.set()
+        ps.destroy_model_parallel()
+        ps.destroy_distributed_environment()
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "world,nofile,chunk_mib,chunks",
+    [(2, 4096, None, 64), (4, 4096, None, 64), (2, 4096, 0.0625, 2254), (4, 8192, 0.0625, 2254)],
+)
+def test_a_61_layer_cache_starts_sleeps_and_wakes_through_the_plugin_under_the_limit(
+    world, nofile, chunk_mib, chunks
+):
+    out = run_world(_scale, world, args=(free_port(), nofile, chunk_mib), init_group=False,
+                    timeout=280)  # fmt: skip
+    for rank, o in enumerate(out):
+        assert o["chunks"] == chunks and o["views"] == 2 * LAYERS, o
+        for step, blocks in (("start", BLOCKS), ("sleep", 0), ("wake", BLOCKS)):
+            s = o[step]
+            assert s["blocks"] == blocks, (rank, step, s["blocks"])
+            assert len(s["own"]) == (chunks if blocks else 0), (rank, step, len(s["own"]))
+            assert s["peak_fds"] < nofile, (rank, step, s["peak_fds"])
+            # every peer maps exactly the chunks its owner committed
+            others = [r for r in range(world) if r != rank]
+            assert s["peers"] == [out[r][step]["own"] for r in others], (rank, step)
