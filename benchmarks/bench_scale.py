@@ -207,6 +207,8 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         out["bad_bytes"] = _verify_stores(
             cache, buf, cfg["layout"], blocks, rank, world, cfg["tokens"], sync
         )
+        cache.close()
+        dist.barrier()  # rank 0 holds the group's store: it leaves after every rank closed
         return out
     finally:
         peak.stop()
