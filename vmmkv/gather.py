@@ -10,12 +10,12 @@ Convention (the one vLLM's own PCP gather uses):
 - Slots: either this rank's ``slot_mapping`` (``[T]``; then the slots travel with the rows) or
   the engine's already gathered ``gathered_slot_mapping`` (``[world * T]``, rank-major: rank
   ``r``'s rows at ``[r*T, (r+1)*T)``, its replicated rows first); then slots are not gathered.
-- One all-gather per store call: the ``world * (T - nlo)`` packed rows (every input's bytes,
-  then the slot, one row per token). On CUDA with a ``device_group`` (NCCL): one
+- One all-gather of rows per store call: the ``world * (T - nlo)`` packed rows (every input's
+  bytes, then the slot, one row per token). On CUDA with a ``device_group`` (NCCL): one
   ``all_gather_into_tensor`` on that group, enqueued on the current stream. On the host backend,
   or on CUDA without a device group: gloo over the CPU group (on CUDA staged through host
-  memory: it synchronizes, cannot be captured, and is refused during capture). Gloo waits are
-  bounded by vmmkv's timeout (the cache's ``timeout``), not the group's.
+  memory: it synchronizes, cannot be captured, and is refused during capture), after a
+  small header all-gather that checks the convention (below).
 - Then the same store kernels (``vmmkv.ops.prepare``; on the host backend the same reference)
   with a one-entry destination table, the own replica: the same bytes as direct publication.
 - Device work per call: one pack launch (``torch.cat`` into the staging rows; skipped for one
@@ -24,16 +24,31 @@ Convention (the one vLLM's own PCP gather uses):
   rows), one insert launch, plus one for the replicated rows.
 
 Contract: ``store`` is collective over the group (every rank, same order, same ``T``, ``nlo``,
-kinds, slot dtype and slot form). With NCCL it takes no host synchronization, no ``.item()``
-and no host collective: capture-safe under ``torch.cuda.graph`` (after one eager call, which
-sets NCCL up), also when replayed after the cache grew. A rank that breaks the convention is a
-contract violation that the path cannot see without a host collective: NCCL then hangs or
-corrupts, gloo aborts the process (mismatched sizes) or times out. Invalid inputs raise on the
-rank that passed them before any collective; its peers then wait in the all-gather (gloo: up to
-vmmkv's timeout; NCCL: until NCCL's own timeout). ``VMMKV_CHECK_PADDING=1``
-(read at construction, equal on every rank) adds a bounded host collective before every gather
-that compares ``T``, ``nlo``, kinds, slot dtype and form and input validity across ranks and
-raises the same diagnosis on every rank (a debug aid: it synchronizes the host).
+kinds, slot dtype and slot form).
+
+- Over gloo (the host backend, or CUDA without a device group) every call first all-gathers a
+  fixed-size header (input validity, ``T``, ``nlo``, kinds, slot form, bytes per row): the
+  path is synchronous there anyway, so one more small host collective buys the check. A rank
+  that breaks the convention, or passes invalid inputs, makes every rank raise before anything
+  is stored or gathered: the same ``ValueError`` on every rank, naming each rank's ``T`` and
+  ``nlo`` and the call (the rank with invalid inputs raises its own error, its peers one that
+  names it). The group stays in step: the next valid call works on every rank.
+- With NCCL it takes no host synchronization, no ``.item()`` and no host collective:
+  capture-safe under ``torch.cuda.graph`` (after one eager call, which sets NCCL up), also when
+  replayed after the cache grew. The sizes cannot be checked there: NCCL's all-gather takes its
+  count from each rank's own call, a device-side check would run only after a mismatched
+  all-gather had hung or written past the rows, and a host check would synchronize every call
+  and break capture. vLLM never reaches it uneven: its PCP pads every rank to the same row
+  count (its own gather is an equal-size all-gather, and the expanded slot mapping is
+  ``[world * T]`` rank-major) and takes ``nlo`` from the scheduler's decode count, the same on
+  every rank. A rank that breaks the convention there is a contract violation: NCCL hangs or
+  corrupts. Invalid inputs raise on the rank that passed them before any collective; its peers
+  then wait in the all-gather until NCCL's own timeout. ``VMMKV_CHECK_PADDING=1`` (read at
+  construction, equal on every rank) turns the gloo header check on for NCCL calls too, and
+  then they raise as over gloo (a debug aid: it synchronizes the host; a call captured in a
+  CUDA graph is checked when captured, not on replay).
+- Gloo waits are bounded by vmmkv's timeout (the cache's ``timeout``), not the group's: a peer
+  that is gone, or in a different call, raises :class:`GatherTimeout` on the waiting rank.
 
 Staging: eager calls reuse grow-only buffers owned by this object (per stream and row width),
 and a plan per call shape (layout, dtypes, slot dtype, ``T - nlo``, ``nlo``): the views of those
@@ -73,7 +88,7 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 class GatherTimeout(RuntimeError):
     """A gloo all-gather of the fallback did not complete within vmmkv's timeout (a peer is
-    gone, or broke the padding convention). The group's collectives are out of step after it."""
+    gone, or in a different call). The group's collectives are out of step after it."""
 
 
 def check_padding_enabled() -> bool:
@@ -251,6 +266,9 @@ class GatherPath:
         # NCCL where the rows live on a GPU and the caller gave a device group; else gloo
         self._device_group = device_group if device.type == "cuda" else None
         self._timeout = timedelta(seconds=timeout)
+        # gloo is synchronous anyway: check every call's header there; NCCL only when asked
+        self._checked = check_padding or self._device_group is None
+        self._calls = 0  # collective store calls on this path, named in its errors
         self._stores: dict[tuple[Any, ...], Any] = {}  # bindings -> ops.PreparedStore
         self._staging: dict[tuple[int, int], _Staging] = {}
         self._layouts: dict[tuple[int, ...], _Layout] = {}
@@ -295,20 +313,24 @@ class GatherPath:
             tokens = check_inputs(kinds, rows_entry, inputs, slots, nlo, self.device)
         except (TypeError, ValueError) as exc:
             problem = exc
-        if self.check_padding and self.world_size > 1:
-            self._check_padding(problem, kinds, inputs, tokens, nlo, slot_mapping, gathered)
+        capturing = False
+        if self.world_size > 1:
+            self._calls += 1
+            capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            if problem is None and capturing and self._device_group is None:
+                problem = RuntimeError(
+                    f"rank {self.rank} ({self.device}): the gather fallback over gloo (no "
+                    "device_group) cannot run during CUDA-graph capture: pass an NCCL "
+                    "device_group to ReplicatedKVCache"
+                )
+            if self._checked:
+                self._check_call(problem, kinds, inputs, tokens, nlo, slot_mapping, gathered)
         if problem is not None:
             raise problem
         store = self.prepare(bindings)
         if self.world_size == 1:
             store.store(inputs, slots, nlo)
             return tokens
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if capturing and self._device_group is None:
-            raise RuntimeError(
-                f"rank {self.rank}: the gather fallback over gloo (no device_group) cannot run "
-                "during CUDA-graph capture: pass an NCCL device_group to ReplicatedKVCache"
-            )
         if nlo:  # replicated rows: from the own inputs, never gathered
             store.store(inputs, slots[:nlo], 0)
         per_rank = tokens - nlo
@@ -386,56 +408,62 @@ class GatherPath:
             work.wait(timeout=self._timeout)
         except RuntimeError as exc:
             raise GatherTimeout(
-                f"rank {self.rank}: gather fallback: the gloo all-gather of the {what} failed "
-                f"or did not complete within {self._timeout.total_seconds():g} s ({exc}); a "
-                "peer is gone or broke the padding convention (VMMKV_CHECK_PADDING=1 finds out)"
+                f"rank {self.rank} ({self.device}): gather fallback, call {self._calls}: the gloo "
+                f"all-gather of the {what} failed or did not complete within "
+                f"{self._timeout.total_seconds():g} s ({exc}); a peer is gone or in a different "
+                "call (the group's calls are out of step)"
             ) from exc
 
-    # -- debug check -----------------------------------------------------------------------
+    # -- the header check ------------------------------------------------------------------
     _FIELDS = (
         "inputs valid", "padded token count", "num_local_only", "kinds", "slot form",
         "input bytes per row",
     )  # fmt: skip
 
-    def _check_padding(self, problem, kinds, inputs, tokens, nlo, slot_mapping, gathered):
-        """VMMKV_CHECK_PADDING=1: compare this call's shape of the convention across ranks
-        with one bounded host collective; raise the same diagnosis on every rank. (A call
-        captured in a CUDA graph is checked when captured, not on replay.)"""
+    def _check_call(self, problem, kinds, inputs, tokens, nlo, slot_mapping, gathered):
+        """Compare this call's shape of the convention across ranks with one bounded host
+        collective of a fixed size (which gloo cannot abort on); raise the same diagnosis on
+        every rank before anything is stored or gathered."""
         from .ops.formats import STORE_KINDS
 
         if problem is None:
             src = gathered if gathered is not None else slot_mapping
             form = (2 if gathered is not None else 1) * 100 + src.element_size()
             row = sum(t.shape[1] * t.element_size() for t in inputs)
-            mine = [1, tokens, nlo, STORE_KINDS.index(kinds), form, row]
+            kind = STORE_KINDS.index(kinds) if kinds in STORE_KINDS else -1
+            mine = [1, tokens, nlo, kind, form, row]
         else:
             mine = [0] * len(self._FIELDS)
         send = torch.tensor(mine, dtype=torch.int64)
         out = torch.empty(self.world_size * len(mine), dtype=torch.int64)
-        self._wait(_ALL_GATHER(out, send, group=self._cpu_group, async_op=True), "padding check")
+        self._wait(_ALL_GATHER(out, send, group=self._cpu_group, async_op=True), "call header")
         table = out.view(self.world_size, len(mine)).tolist()
         if problem is not None:
             return  # this rank raises its own error
+        kinds_s = "+".join(kinds)
+        call = f"rank {self.rank} ({self.device}): gather fallback, call {self._calls} ({kinds_s})"
         bad = [r for r, row in enumerate(table) if row[0] == 0]
         if bad:
             raise ValueError(
-                f"rank {self.rank}: gather fallback: ranks {bad} passed invalid inputs (their "
-                "error says why); nothing was stored"
+                f"{call}: ranks {bad} passed invalid inputs (their error says why); nothing "
+                "was stored on any rank"
             )
         for i, field in enumerate(self._FIELDS[1:], start=1):
             values = [row[i] for row in table]
-            if any(v != values[0] for v in values):
-                if field == "kinds":
-                    values = [STORE_KINDS[v] for v in values]
-                elif field == "slot form":
-                    values = [f"{('own', 'gathered')[v // 100 - 1]} int{8 * (v % 100)}"
-                              for v in values]  # fmt: skip
-                listing = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-                raise ValueError(
-                    f"rank {self.rank}: gather fallback: {field} differs across ranks ({listing});"
-                    " every rank must pass the same padded token count and num_local_only, pad "
-                    "uneven inputs with vmmkv.gather.pad_tokens (VMMKV_CHECK_PADDING=1 check)"
-                )
+            if all(v == values[0] for v in values):
+                continue
+            if field == "kinds":
+                values = [STORE_KINDS[v] if v >= 0 else "other" for v in values]
+            elif field == "slot form":
+                values = [f"{('own', 'gathered')[v // 100 - 1]} int{8 * (v % 100)}"
+                          for v in values]  # fmt: skip
+            listing = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            t_nlo = ", ".join(f"rank {r}: {row[1]}/{row[2]}" for r, row in enumerate(table))
+            raise ValueError(
+                f"{call}: {field} differs across ranks ({listing}); T/num_local_only by rank: "
+                f"{t_nlo}. Nothing was stored on any rank: every rank must pass the same padded "
+                "token count and num_local_only (pad uneven inputs with vmmkv.gather.pad_tokens)"
+            )
 
     def close(self) -> None:
         self._stores.clear()
