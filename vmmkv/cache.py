@@ -76,8 +76,9 @@ Store API (one for both paths)::
   builds it for PCP. With it, ``slot_mapping`` may be None: the direct path uses this rank's
   slice (a view), the gather path does not gather slots.
 - Gather convention: every rank passes the same padded ``T`` and ``num_local_only`` (pad uneven
-  inputs with :func:`vmmkv.gather.pad_tokens`); ``VMMKV_CHECK_PADDING=1`` checks it on every call
-  with a host collective and raises the same error on every rank.
+  inputs with :func:`vmmkv.gather.pad_tokens`). Over gloo it is checked on every call (a host
+  header gathered first; the same error on every rank, nothing stored); over NCCL only with
+  ``VMMKV_CHECK_PADDING=1`` (a host collective: not capturable).
 - ``mode``: None (the cache's path), ``"gather"`` (always possible) or ``"direct"`` (raises
   when the cache is not direct). One byte result whatever the path.
 
