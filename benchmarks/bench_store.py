@@ -608,9 +608,7 @@ def host_cost(tokens=16):
         "stage: validate + collect values + grid (_values)",
         per_call_ns(lambda: p._values(inputs, slots, 0)),
     )
-    show(
-        "  of which reading the tensors' attributes", per_call_ns(_attribute_reads(inputs, slots))
-    )
+    show("  of which reading the tensors' attributes", per_call_ns(_attribute_reads(inputs, slots)))
     show("stage: barrier.barrier_args(lane)", per_call_ns(lambda: bar.barrier_args(0)))
     show(
         "stage: pack parameters in place",

@@ -199,8 +199,12 @@ def test_a_live_peer_that_never_arrives_is_named_after_the_host_timeout_and_clos
     assert res["peer"] == 1, res
     assert timeout_s - 0.5 < res["elapsed"] < timeout_s + 5, res
     err = res["error"]
-    for want in ("rank 0 (cuda:", "ReplicatedKVCache.stats: vmmkv barrier aborted (lane 0 epoch 2",
-                 "waiting for peer rank 1", "did not arrive within the barrier timeout of 4 s"):
+    for want in (
+        "rank 0 (cuda:",
+        "ReplicatedKVCache.stats: vmmkv barrier aborted (lane 0 epoch 2",
+        "waiting for peer rank 1",
+        "did not arrive within the barrier timeout of 4 s",
+    ):
         assert want in err, err  # fmt: skip
     assert "state=aborted" in res["diag"] and "missing peer=1" in res["diag"], res
     assert res["context_ok"], res
@@ -367,7 +371,9 @@ os._exit(3)
 @requires_gpu
 @pytest.mark.parametrize("world", [2, 34])
 def test_with_the_opt_in_trap_the_record_is_complete_before_the_trap(world):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    )
     run = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(_TRAP_SCRIPT), str(world)], cwd=REPO, env=env,
         capture_output=True, text=True, timeout=300,

@@ -508,7 +508,9 @@ def _killed(rank, world, point, marker):
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("point", list(KILLS))
-def test_a_rank_killed_at_each_by_value_step_is_named_and_leaves_no_shm_names(point, tmp_path, ledger):
+def test_a_rank_killed_at_each_by_value_step_is_named_and_leaves_no_shm_names(
+    point, tmp_path, ledger
+):
     world = 3
     marker = tmp_path / "killed-at"
     res = run_world_raw(_killed, world, args=(point, str(marker)), timeout=120)

@@ -123,8 +123,10 @@ def test_the_host_cost_stages_run_on_the_cpu_and_write_their_json(tmp_path, caps
     rows = json.loads(out.read_text())["rows"]
     stages = {r["stage"] for r in rows}
     assert stages == {
-        "checks (own_slots + check_inputs)", "pack + views + slots (_gather)",
-        "total: GatherPath.store", "reference: torch.cat of the 3 inputs' bytes",
+        "checks (own_slots + check_inputs)",
+        "pack + views + slots (_gather)",
+        "total: GatherPath.store",
+        "reference: torch.cat of the 3 inputs' bytes",
     }  # fmt: skip  (the insert stage is CUDA's only: on the CPU the insert is a no-op)
     assert sorted({r["T"] for r in rows}) == [1, 3] and len(rows) == 2 * len(stages)
     assert all(r["own"] > 0 and r["gathered"] > 0 for r in rows)

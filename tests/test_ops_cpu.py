@@ -670,8 +670,10 @@ def test_a_broken_barrier_refuses_every_launch_naming_rank_peer_lane_device_and_
         with pytest.raises(BarrierAborted) as info:
             fn()
         msg = str(info.value)
-        assert msg.startswith(f"rank 1 (cuda:3): {call}: vmmkv barrier aborted (lane 0 epoch 7, "
-                              "waiting for peer rank 0): peer rank 0's process (pid 42) is gone")
+        assert msg.startswith(
+            f"rank 1 (cuda:3): {call}: vmmkv barrier aborted (lane 0 epoch 7, "
+            "waiting for peer rank 0): peer rank 0's process (pid 42) is gone"
+        )
         assert (info.value.peer, info.value.lane, info.value.call) == (0, 0, call)
     assert recorded_launches == []
 

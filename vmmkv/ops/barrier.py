@@ -243,8 +243,13 @@ class DeviceBarrier:
         self.timeout_s = float(timeout_s)
         self.trap = trap
         # trap: the device's timeout is the trap; otherwise its diagnostic comes first
-        diag = self.timeout_s if trap else min(
-            self.timeout_s, DEFAULT_DIAG_AFTER_S if diag_after_s is None else float(diag_after_s)
+        diag = (
+            self.timeout_s
+            if trap
+            else min(
+                self.timeout_s,
+                DEFAULT_DIAG_AFTER_S if diag_after_s is None else float(diag_after_s),
+            )
         )
         self.diag_after_s = diag
         self.timeout_ns = min(int(diag * 1e9), 2**63 - 1)  # the device's (BarrierArgs.diag_ns)

@@ -1,4 +1,5 @@
 """Medians over the runs of scripts/ab_host_cost.sh: stage, T, slot form, OLD, NEW (µs)."""
+
 import glob
 import json
 import statistics
