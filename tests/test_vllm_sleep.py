@@ -15,8 +15,9 @@ Checked on both ranks: sleep releases every chunk of the KV region and every pee
 (no fault), a wake without "kv_cache" keeps it released, a wake with "kv_cache" or with no tags
 restores the committed blocks (the count before sleep, not the capacity) zeroed (poisoned
 before sleep) at the same addresses (every view's data_ptr), and stores afterwards are byte-equal
-to ``vmmkv.ops.reference``; ``discard(("kv_cache",))`` releases and a wake restores; CuMem is told
-to offload the ``kv_cache`` tag (vmmkv's bookkeeping) only while a vmmkv cache is active.
+to ``vmmkv.ops.reference``; ``discard(("kv_cache",))`` releases and a wake restores; CuMem gets
+the calls vLLM's own backend makes (vmmkv's bookkeeping is outside CuMem's pool:
+``tests/test_vllm_cumem.py``), after the release and before the restore.
 """
 
 from __future__ import annotations
@@ -236,23 +237,19 @@ def _without_vmmkv_cache():
 
 
 def _refusal():
-    from types import SimpleNamespace
-
-    from vmmkv.integrations.vllm import UnsupportedKVCache, _sleep
+    from vmmkv.integrations.vllm import UnsupportedKVCache, _sleep, testing
 
     out = {}
     for name in ("cumem", "vmmkv"):
-        cfg = SimpleNamespace(
-            model_config=SimpleNamespace(enable_sleep_mode=True, sleep_mode_backend=name)
-        )
+        cfg = testing.vllm_config(LAYOUT)
+        # set after construction: vLLM refuses sleep mode on the CPU platform
+        cfg.model_config.enable_sleep_mode, cfg.model_config.sleep_mode_backend = True, name
         try:
             _sleep.check_config(cfg)
             out[name] = ""
         except UnsupportedKVCache as exc:
             out[name] = str(exc)
-    off = SimpleNamespace(model_config=SimpleNamespace(enable_sleep_mode=False,
-                                                       sleep_mode_backend="cumem"))  # fmt: skip
-    _sleep.check_config(off)
+    _sleep.check_config(testing.vllm_config(LAYOUT))  # sleep allocator off: vLLM's defaults
     return out
 
 
@@ -402,14 +399,14 @@ def _restored(snap, before):
 
 @pytest.mark.timeout(600)
 def test_with_vllms_own_backend_sleep_leaves_the_kv_memory_untouched(sleep_run):
-    """The finding this module fixes: CuMem does not know vmmkv's memory (not released, not
-    offloaded, content kept) and discards the kv_cache tag, where vmmkv's bookkeeping lives."""
+    """Why the vmmkv backend exists: CuMem does not know vmmkv's memory (not released, not
+    offloaded, content kept)."""
     for rank in range(2):
         got = sleep_run[rank]
         assert got["cumem backend"] == "CuMemBackend"
         assert _restored(got["cumem asleep"], got["before"]) and got["cumem asleep"]["kept"]
         assert got["calls 0"] == [
-            ("sleep", ("weights", *CUMEM_TAGS), COMMITTED),  # kv_cache: discarded, no backup
+            ("sleep", ("weights", *CUMEM_TAGS), COMMITTED),  # the KV still committed
             ("wake_up", None, COMMITTED),
         ]
 
@@ -465,21 +462,18 @@ def test_stores_after_wake_up_equal_the_reference(sleep_run):
 
 
 @pytest.mark.timeout(600)
-def test_cumem_offloads_vmmkvs_bookkeeping_and_runs_around_the_release(sleep_run):
-    """CuMem's sleep runs after the release (0 blocks) and offloads the kv_cache tag; its wake
-    runs before the restore (still 0 blocks); a kv_cache discard does not reach CuMem."""
+def test_cumem_gets_vllms_own_calls_around_the_release(sleep_run):
+    """CuMem's sleep runs after the release (0 blocks) with the tags vLLM's own backend gives
+    it; its wake and a kv_cache discard run while the KV is released (still 0 blocks)."""
     for rank in range(2):
         got = sleep_run[rank]
         assert got["calls 1"] == [
-            ("sleep", ("weights", *CUMEM_TAGS, "kv_cache"), 0),
+            ("sleep", ("weights", *CUMEM_TAGS), 0),
             ("wake_up", ["weights"], 0),
             ("wake_up", ["kv_cache"], 0),
         ]
-        assert got["calls 2"] == [
-            ("sleep", (*CUMEM_TAGS, "kv_cache"), 0),
-            ("wake_up", None, 0),
-        ]
-        assert got["calls 3"] == [("wake_up", ["kv_cache"], 0)]
+        assert got["calls 2"] == [("sleep", CUMEM_TAGS, 0), ("wake_up", None, 0)]
+        assert got["calls 3"] == [("discard", ("kv_cache",), 0), ("wake_up", ["kv_cache"], 0)]
 
 
 @pytest.mark.timeout(600)

@@ -58,9 +58,12 @@ release the KV cache's memory on every PCP rank (a collective ``shrink(0)``: own
 decommitted, peers' chunks unmapped); a wake with ``kv_cache`` in its tags, or with no tags,
 restores the committed blocks zeroed, at the same addresses (vLLM's views and captured CUDA
 graphs stay valid); a wake without ``kv_cache`` keeps them released. vLLM's own backend would
-leave vmmkv's memory untouched (it is outside vLLM's pool) and drop vmmkv's small device tensors
-(allocated under vLLM's ``kv_cache`` pool tag), so sleep mode with another backend is refused
-at allocation; the ``vmmkv`` backend has CuMem offload that tag instead. See ``_sleep``.
+leave vmmkv's memory untouched (it is outside vLLM's pool), so another backend is refused at
+allocation whenever vLLM's sleep allocator is on (``enable_cumem_allocator``, which
+``enable_sleep_mode`` turns on: vLLM offers sleep and KV release through the backend without
+sleep mode too). vmmkv's small device tensors (peer pointers, bounds, error counter, barrier
+state) are built outside vLLM's CuMem pools, which vLLM allocates the KV cache in, so no sleep
+backend drops them. See ``_sleep``.
 
 Contract: :func:`register`/:func:`unregister` are local and idempotent; :func:`patched` is a
 context manager for tests (install, then unregister on exit). ``unregister`` restores every

@@ -13,8 +13,10 @@ lists "prefill context parallel" as unsupported), so only MRV2's sites are patch
 | ``vllm.v1.worker.gpu.model_runner: GPUModelRunner.shutdown`` | vLLM's shutdown, then the cache is closed |
 
 Not a patch: ``install`` registers the ``vmmkv`` sleep-mode backend with vLLM's
-``SleepModeBackendFactory`` (``_sleep``), and ``check_vllm_config`` refuses sleep mode under any
-other sleep-mode backend.
+``SleepModeBackendFactory`` (``_sleep``). The replaced ``allocate_kv_cache`` first runs
+``check_vllm_config`` (local, before any collective: every rank refuses alike), then builds the
+cache outside vLLM's CuMem pools (``_sleep.OutsideCuMemPools``: vmmkv's small device tensors
+must not be dropped by a sleep).
 
 A replaced gather and its insert pair up through a pending record per cache family (MLA,
 indexer): the gather stores the PCP case and the tensors it returned; the insert that receives
@@ -180,7 +182,8 @@ def vllm_mla_kind() -> str:
 
 def check_vllm_config(cfg: Any) -> None:
     """Refuse (UnsupportedKVCache) what the vLLM config asks and vmmkv cannot do: activations
-    other than bfloat16 (the stores take bf16), HiSparse KV caches, micro-batching (DBO)."""
+    other than bfloat16 (the stores take bf16), HiSparse KV caches, micro-batching (DBO), and
+    the sleep-mode settings ``_sleep.check_config`` refuses. Local."""
     from ._layout import UnsupportedKVCache
 
     model = cfg.model_config
@@ -212,6 +215,7 @@ def _allocate(orig: Callable[..., Any]) -> Callable[..., Any]:
 
         from ._cache import VllmKVCache
         from ._layout import UnsupportedKVCache
+        from ._sleep import OutsideCuMemPools
 
         pcp = get_pcp_group()
         if pcp.world_size == 1:
@@ -227,15 +231,28 @@ def _allocate(orig: Callable[..., Any]) -> Callable[..., Any]:
         # memory (the reservation lives as long as a view). Every rank allocates in the same
         # order, so every rank closes (local) and then builds the new cache (collective).
         close_active("vLLM allocates a new KV cache")
+        # vLLM allocates inside its CuMem pools ("runtime", "kv_cache") when its sleep allocator
+        # is on; a sleep discards what lives there, so vmmkv's tables are built outside them.
+        outside = OutsideCuMemPools()
         try:
-            cache = VllmKVCache(
-                kv_cache_config, layout, cpu_group=pcp.cpu_group, device=device,
-                device_group=pcp.device_group, kernel_block_sizes=kernel_block_sizes,
-                mla_kind=vllm_mla_kind(), indexer_kind=vllm_indexer_kind(),
-            )  # fmt: skip
+            with outside:
+                cache = VllmKVCache(
+                    kv_cache_config, layout, cpu_group=pcp.cpu_group, device=device,
+                    device_group=pcp.device_group, kernel_block_sizes=kernel_block_sizes,
+                    mla_kind=vllm_mla_kind(), indexer_kind=vllm_indexer_kind(),
+                )  # fmt: skip
         except UnsupportedKVCache as exc:  # name the model too (every rank refuses alike)
             model = cfg.model_config.model if cfg is not None and cfg.model_config else "?"
             raise UnsupportedKVCache(f"vmmkv cannot hold the KV cache of {model!r}: {exc}") from exc
+        landed = "; ".join(outside.landed())
+        if landed:
+            cache.close()
+            raise RuntimeError(
+                f"rank {pcp.rank_in_group} ({device}): allocate_kv_cache: vmmkv's KV-cache "
+                f"tables reached vLLM's CuMem pool although the plugin builds them outside it "
+                f"({landed}); a sleep would discard them without a backup. Run without "
+                "--enable-cumem-allocator and --enable-sleep-mode"
+            )
         _STATE.active = cache
         return dict(cache.views)
 

@@ -1,6 +1,7 @@
-"""vLLM 0.33.0 sleep mode with the KV cache on vmmkv memory: the ``vmmkv`` sleep-mode backend.
+"""vLLM 0.33.0 sleep mode with the KV cache on vmmkv memory: the ``vmmkv`` sleep-mode backend,
+the plugin's sleep-mode configuration check, and the CuMem pool escape of vmmkv's bookkeeping.
 
-What vLLM's sleep does to vmmkv's KV memory without this module (read in vLLM 0.33.0):
+What vLLM's sleep does to vmmkv's KV memory without the ``vmmkv`` backend (read in vLLM 0.33.0):
 
 - ``Worker.sleep(level)`` / ``wake_up(tags)`` / ``discard(tags)`` (``v1/worker/gpu_worker.py``)
   hand the memory work to ``SleepModeBackendFactory.create_backend(model_config)``, by default
@@ -8,14 +9,20 @@ What vLLM's sleep does to vmmkv's KV memory without this module (read in vLLM 0.
   made through its own pool (``pointer_to_data``, filled by its malloc callback): vmmkv's region
   is reserved, committed and mapped by vmmkv itself, so sleep **leaves the KV memory untouched**:
   still committed on every rank, peer mappings kept, not offloaded, not released, not zeroed.
-- The worker allocates the KV cache inside ``use_memory_pool(tag="kv_cache")``
-  (``initialize_from_config`` -> the runners' ``allocate_kv_cache``), so the small device tensors
-  vmmkv creates there (the peer pointer table, the committed-bytes table, the error counter, the
-  barrier's tensors) can land in CuMem segments tagged ``kv_cache``. ``CuMemBackend.suspend``
-  offloads only ``weights`` (level 1), ``runtime`` and ``cudagraph``: it unmaps those vmmkv
-  tensors without a backup, and ``wake_up`` maps fresh memory under them (uninitialized on CUDA;
-  zeroed with ``cudaMemset`` on ROCm). That is what wake-up would "zero" of vmmkv's: its
-  bookkeeping, never the KV bytes.
+- vLLM reaches that backend whether or not sleep mode is on: ``LLM.sleep()``,
+  ``LLM.release_kv_cache_memory()`` and the dev endpoints check no flag
+  (``v1/engine/core.py``), and ``Worker.sleep``/``discard`` always use
+  ``model_config.sleep_mode_backend`` (default ``cumem``).
+
+vmmkv's bookkeeping (:class:`OutsideCuMemPools`): the worker builds the KV cache inside
+``use_memory_pool(tag="runtime")`` and ``use_memory_pool(tag="kv_cache")`` whenever
+``enable_cumem_allocator`` is on (``initialize_from_config``), and every device tensor allocated
+there is a CuMem allocation: ``CuMemBackend.suspend`` offloads only ``weights`` (level 1),
+``runtime`` and ``cudagraph`` and discards the rest without a backup, and a wake maps fresh,
+uninitialized memory under it. The plugin therefore builds the cache with the calling thread
+taken out of every CuMem pool (as vLLM builds its own KV-zero metadata outside the pool): the
+peer pointer and signal tables, the committed-bytes table, the error counter and the barrier's
+tensors come from PyTorch's default allocator, which no sleep backend touches.
 
 What the ``vmmkv`` backend does (``--sleep-mode-backend vmmkv``; registered through vLLM's
 ``SleepModeBackendFactory`` by the plugin's ``install``). It wraps vLLM's own backend (``cumem``,
@@ -25,19 +32,16 @@ and graphs. When the plugin holds this worker's KV cache (:func:`active_cache`):
 - ``suspend(level)``: the KV cache's device memory is released on every PCP rank: a collective
   ``VllmKVCache.shrink(0)`` (bounds lowered first, peers' chunks unmapped, own chunks
   decommitted: nothing of the region stays mapped), the committed block count remembered; then
-  the inner backend's suspend, with CuMem told to offload the ``kv_cache`` tag as well (with
-  vmmkv that pool holds only vmmkv's bookkeeping tensors, so the copy is small).
-- ``resume(tags)``: the inner backend's resume first (it maps vmmkv's bookkeeping back); then,
-  when ``tags`` is None or holds ``"kv_cache"``, a collective ``VllmKVCache.grow(n)`` to the
-  remembered count: the blocks come back **zeroed** (grow zeroes its new blocks and runs the
-  cache barrier), at the **same virtual addresses** (the reservation never moves), so vLLM's
-  views and captured CUDA graphs stay valid. vLLM clears its prefix cache before a sleep of
-  level 1 or 2 (``EngineCore.sleep``), so no content is expected back. A wake without
-  ``"kv_cache"`` keeps the KV released.
+  the inner backend's suspend.
+- ``resume(tags)``: the inner backend's resume first; then, when ``tags`` is None or holds
+  ``"kv_cache"``, a collective ``VllmKVCache.grow(n)`` to the remembered count: the blocks come
+  back **zeroed** (grow zeroes its new blocks and runs the cache barrier), at the **same virtual
+  addresses** (the reservation never moves), so vLLM's views and captured CUDA graphs stay
+  valid. vLLM clears its prefix cache before a sleep of level 1 or 2 (``EngineCore.sleep``), so
+  no content is expected back. A wake without ``"kv_cache"`` keeps the KV released.
 - ``discard(tags)`` with ``"kv_cache"`` (vLLM's ``EngineCore.release_kv_cache_memory``): the
-  same release as ``suspend``; the ``kv_cache`` tag is not passed to the inner backend (it would
-  drop vmmkv's bookkeeping without a backup), other tags are. A later ``resume`` with
-  ``"kv_cache"`` (or no tags) restores the blocks zeroed, as after a sleep.
+  same release as ``suspend``, then the inner backend's discard of the same tags. A later
+  ``resume`` with ``"kv_cache"`` (or no tags) restores the blocks zeroed, as after a sleep.
 - Without an active vmmkv cache (PCP size 1: vLLM's own KV cache) every call goes to the inner
   backend unchanged.
 
@@ -46,24 +50,25 @@ active. vLLM calls them on every worker with the same arguments (``Executor.slee
 ``discard`` -> ``collective_rpc``), so every PCP rank calls them in the same order. Releasing
 twice, or restoring what is not released, does nothing (the same on every rank).
 
-Refusal: with ``enable_sleep_mode`` and another sleep-mode backend, :func:`check_config` refuses
-the KV cache (:class:`UnsupportedKVCache`): that backend would neither release the KV memory nor
-keep vmmkv's bookkeeping. Note: vLLM offloads CUDA-graph memory on sleep
-(``sleep_mode_offload_cudagraph``) only under the backend name ``cumem``; under ``vmmkv`` the
-graphs' memory stays resident (the graphs stay valid either way).
+Refusal (:func:`check_config`, :class:`UnsupportedKVCache`, at allocation): another sleep-mode
+backend while vLLM's sleep allocator is on (``enable_cumem_allocator``, which
+``enable_sleep_mode`` turns on): vLLM then offers sleep and KV release through that backend,
+which would report success and release none of vmmkv's KV memory. With the allocator off
+nothing of vLLM's own KV cache is releasable either (it is outside any pool), and vmmkv behaves
+as vLLM does. Note: vLLM offloads CUDA-graph memory on sleep (``sleep_mode_offload_cudagraph``)
+only under the backend name ``cumem``; under ``vmmkv`` the graphs' memory stays resident.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import os
-from collections.abc import Iterator
+import sys
 from typing import Any
 
+import torch
 from vllm.device_allocator.sleep_mode_backend import (
-    CuMemBackend,
     SleepModeBackend,
     SleepModeBackendFactory,
 )
@@ -74,6 +79,7 @@ __all__ = [
     "INNER_ENV",
     "KV_TAG",
     "NAME",
+    "OutsideCuMemPools",
     "VmmkvSleepModeBackend",
     "check_config",
     "register_backend",
@@ -85,6 +91,9 @@ NAME = "vmmkv"
 KV_TAG = "kv_cache"
 INNER_ENV = "VMMKV_SLEEP_INNER_BACKEND"
 DEFAULT_INNER = "cumem"
+CUMEM_MODULE = "vllm.device_allocator.cumem"
+# vLLM's graph pool, routed by capture (not by thread) and never current while vLLM allocates
+GRAPH_POOL_TAG = "cudagraph"
 
 
 def inner_name() -> str:
@@ -115,22 +124,102 @@ def register_backend() -> None:
 
 
 def check_config(cfg: Any) -> None:
-    """Refuse (UnsupportedKVCache) sleep mode with a sleep-mode backend other than ``vmmkv``:
-    it would neither release the KV cache (vmmkv memory is outside vLLM's pool) nor keep
-    vmmkv's bookkeeping tensors (allocated under vLLM's ``kv_cache`` pool tag). Local."""
+    """Refuse (UnsupportedKVCache) a sleep-mode backend other than ``vmmkv`` while vLLM's sleep
+    allocator is on (``enable_cumem_allocator``, implied by ``enable_sleep_mode``; module
+    docstring, "Refusal"). Local."""
     model = getattr(cfg, "model_config", None)
-    if model is None or not getattr(model, "enable_sleep_mode", False):
+    if model is None:
         return
-    backend = getattr(model, "sleep_mode_backend", DEFAULT_INNER)
-    if backend != NAME:
-        from ._layout import UnsupportedKVCache
+    from ._layout import UnsupportedKVCache
 
+    backend = getattr(model, "sleep_mode_backend", DEFAULT_INNER)
+    sleep_mode = bool(getattr(model, "enable_sleep_mode", False))
+    cumem = bool(getattr(model, "enable_cumem_allocator", False))
+    if backend != NAME and (sleep_mode or cumem):
+        why = "--enable-sleep-mode" if sleep_mode else "--enable-cumem-allocator"
         raise UnsupportedKVCache(
-            f"sleep mode with the sleep-mode backend {backend!r}: vmmkv holds the KV cache "
-            "outside vLLM's sleep allocator, so that backend would not release it and would "
-            f"drop vmmkv's bookkeeping; use --sleep-mode-backend {NAME} (it wraps "
-            f"{DEFAULT_INNER!r} for everything else; {INNER_ENV} picks another)"
+            f"the sleep-mode backend {backend!r} with vLLM's sleep allocator on ({why}): vLLM "
+            "then offers sleep and KV release (LLM.sleep, release_kv_cache_memory, the dev "
+            "endpoints) through that backend, which knows only CuMem's pool and would release "
+            "none of vmmkv's KV memory while reporting success; use --sleep-mode-backend "
+            f"{NAME} (it wraps {DEFAULT_INNER!r} for everything else; {INNER_ENV} picks "
+            "another), or turn the allocator off"
         )
+
+
+class OutsideCuMemPools:
+    """A context in which the calling thread's device allocations go to PyTorch's default
+    allocator, not to the CuMem pools vLLM made current for it, and to the same pools in the
+    same order afterwards.
+
+    ``CuMemAllocator.use_memory_pool(tag)`` enters ``torch.cuda.memory.use_mem_pool`` on a new
+    ``MemPool`` of CuMem's pluggable allocator: the caching allocator appends the pool to its
+    list of pools routing allocations (here: those of the current thread) and serves each
+    allocation from the first matching entry. Entering ends every such entry of CuMem's pools
+    (``_cuda_endAllocateToPool``, dropping the reference the entry took), oldest pool first;
+    leaving begins them again for this thread in that order, each taking its reference back.
+    A pool that is not routing allocations (its context has exited) refuses the end and is left
+    alone, and so is vLLM's graph pool (routed by capture, not by thread).
+
+    :meth:`landed` lists the CuMem allocations made while inside: none unless a pool routed
+    allocations in a way this escape does not know. Nothing at all when vLLM has no CuMem
+    allocator in this process (never loaded, or never instantiated: the allocator is off).
+    Local; vLLM's worker allocates from one thread, as this assumes."""
+
+    def __init__(self) -> None:
+        cumem = sys.modules.get(CUMEM_MODULE)
+        self.allocator = None if cumem is None else cumem.CuMemAllocator.instance
+        self.suspended: list[Any] = []
+        self.before: set[int] = set()
+        self.device = -1
+
+    def __enter__(self) -> OutsideCuMemPools:
+        allocator = self.allocator
+        if allocator is None:
+            return self
+        import torch.cuda.memory as pools
+
+        self.device = torch.cuda.current_device()  # the device use_mem_pool began them on
+        candidates = sorted(
+            (entry[0] for tag, entries in allocator.allocator_and_pools.items()
+             if tag != GRAPH_POOL_TAG for entry in entries),
+            key=lambda pool: tuple(pool.id),
+        )  # fmt: skip
+        try:
+            for pool in candidates:
+                try:
+                    pools._cuda_endAllocateToPool(self.device, pool.id)
+                except RuntimeError:  # not routing allocations: its context has exited
+                    continue
+                self.suspended.append(pool)
+                pools._cuda_releasePool(self.device, pool.id)
+        except BaseException:
+            self._resume()
+            raise
+        self.before = set(allocator.pointer_to_data)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._resume()
+
+    def _resume(self) -> None:
+        import torch.cuda.memory as pools
+
+        suspended, self.suspended = self.suspended, []
+        for pool in suspended:
+            pools._cuda_beginAllocateCurrentThreadToPool(self.device, pool.id)
+
+    def landed(self) -> list[str]:
+        """The CuMem allocations made inside the context (``"<tag>: <bytes> bytes at
+        <address>"``), in address order; empty when everything went to the default
+        allocator."""
+        if self.allocator is None:
+            return []
+        data = self.allocator.pointer_to_data
+        return [
+            f"{data[ptr].tag}: {data[ptr].handle[1]} bytes at {ptr:#x}"
+            for ptr in sorted(set(data) - self.before)
+        ]
 
 
 def _check_signature(fn: Any, params: tuple[str, ...], what: str) -> None:
@@ -170,16 +259,14 @@ class VmmkvSleepModeBackend(SleepModeBackend):
     # -- what vLLM calls -------------------------------------------------------------
     def suspend(self, level: int = 1) -> None:
         cache = active_cache()
-        offload = self._offload_kv_tag(cache)  # checked before anything is released
         if cache is not None:
             self._release(cache, "sleep")
-        with offload:
-            self.inner.suspend(level)
+        self.inner.suspend(level)
         self._state = "SUSPENDED"
 
     def resume(self, tags: list[str] | None = None) -> None:
         self._state = "RESUMING"
-        self.inner.resume(tags)  # first: vmmkv's bookkeeping tensors are mapped back
+        self.inner.resume(tags)  # first: weights and runtime state back before the KV grows
         if tags is None or KV_TAG in tags:
             self._restore()
         self._state = "RUNNING"
@@ -187,14 +274,9 @@ class VmmkvSleepModeBackend(SleepModeBackend):
     def discard(self, tags: tuple[str, ...]) -> None:
         tags = tuple(tags)
         cache = active_cache()
-        if cache is None or KV_TAG not in tags:
-            self.inner.discard(tags)
-            self._state = "SUSPENDED"
-            return
-        rest = tuple(t for t in tags if t != KV_TAG)
-        self._release(cache, "discard")
-        if rest:
-            self.inner.discard(rest)
+        if cache is not None and KV_TAG in tags:
+            self._release(cache, "discard")
+        self.inner.discard(tags)  # CuMem's kv_cache tag holds nothing of vmmkv's
         self._state = "SUSPENDED"
 
     # -- capabilities: the inner backend's ---------------------------------------------
@@ -247,38 +329,3 @@ class VmmkvSleepModeBackend(SleepModeBackend):
             "vmmkv: wake-up restored %d KV blocks (zeroed) on PCP rank %d of %d",
             blocks, cache.rank, cache.world_size,
         )  # fmt: skip
-
-    def _offload_kv_tag(self, cache: Any) -> contextlib.AbstractContextManager[None]:
-        """With a vmmkv cache under vLLM's CuMem backend: a context in which the
-        allocator's ``sleep`` offloads the ``kv_cache`` tag too (it holds vmmkv's
-        bookkeeping tensors, not the KV bytes). Else nothing."""
-        if cache is None or type(self.inner) is not CuMemBackend:
-            return contextlib.nullcontext()
-        from vllm.device_allocator import get_mem_allocator_instance
-
-        allocator = get_mem_allocator_instance()
-        _check_signature(allocator.sleep, ("offload_tags",), "the sleep allocator's sleep")
-        return _kv_tag_offloaded(allocator)
-
-
-@contextlib.contextmanager
-def _kv_tag_offloaded(allocator: Any) -> Iterator[None]:
-    """``allocator.sleep(offload_tags=...)`` adds the ``kv_cache`` tag for the duration."""
-    sleep = allocator.sleep
-    had = "sleep" in vars(allocator)
-
-    def sleep_offloading_kv(offload_tags: Any = None) -> Any:
-        if offload_tags is None:
-            offload_tags = (getattr(allocator, "default_tag", "default"),)
-        elif isinstance(offload_tags, str):
-            offload_tags = (offload_tags,)
-        return sleep(offload_tags=tuple(dict.fromkeys((*offload_tags, KV_TAG))))
-
-    allocator.sleep = sleep_offloading_kv
-    try:
-        yield
-    finally:
-        if had:
-            allocator.sleep = sleep
-        else:
-            del allocator.sleep
