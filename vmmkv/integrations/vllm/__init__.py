@@ -39,7 +39,9 @@ the zeroing traffic by the group size. Growth zeroes new blocks the same way (ze
 Supported (anything else is refused with :class:`UnsupportedKVCache` naming the layer and spec,
 or the layout): DeepSeek-V3.2-style caches (``fp8_ds_mla`` MLA layers + indexer K layers,
 bfloat16 activations) in layouts LBHNC, LBNHC (vLLM's default), BLHNC, BLNHC; no HiSparse, no
-kernel-block splitting, no micro-batching (DBO). The bytes are the ones the installed vLLM writes: the MLA kind from
+kernel-block splitting, no micro-batching (DBO), no KV-transfer connector (none is tested on
+vmmkv memory: its chunks are not registered RDMA-capable, and a connector's own memory pool
+would be bypassed). The bytes are the ones the installed vLLM writes: the MLA kind from
 ``vmmkv.ops.formats.mla_kind_for(vllm.__version__)`` (0.33: power-of-two tile scales,
 ``fp8_ds_mla_ue8m0``), the indexer kind from vLLM's own ``mqa_logits_use_mx_scales()``
 (``indexer_k``; ``indexer_k_mxfp8`` on SM100).
@@ -63,7 +65,8 @@ allocation whenever vLLM's sleep allocator is on (``enable_cumem_allocator``, wh
 ``enable_sleep_mode`` turns on: vLLM offers sleep and KV release through the backend without
 sleep mode too). vmmkv's small device tensors (peer pointers, bounds, error counter, barrier
 state) are built outside vLLM's CuMem pools, which vLLM allocates the KV cache in, so no sleep
-backend drops them. See ``_sleep``.
+backend drops them. ``--sleep-mode-offload-cudagraph`` is refused under the ``vmmkv`` backend
+(vLLM offloads graphs only under ``cumem``). See ``_sleep``.
 
 Contract: :func:`register`/:func:`unregister` are local and idempotent; :func:`patched` is a
 context manager for tests (install, then unregister on exit). ``unregister`` restores every

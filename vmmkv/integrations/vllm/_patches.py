@@ -182,8 +182,9 @@ def vllm_mla_kind() -> str:
 
 def check_vllm_config(cfg: Any) -> None:
     """Refuse (UnsupportedKVCache) what the vLLM config asks and vmmkv cannot do: activations
-    other than bfloat16 (the stores take bf16), HiSparse KV caches, micro-batching (DBO), and
-    the sleep-mode settings ``_sleep.check_config`` refuses. Local."""
+    other than bfloat16 (the stores take bf16), HiSparse KV caches, micro-batching (DBO), a
+    KV-transfer connector (:func:`_check_kv_transfer`), and the sleep-mode settings
+    ``_sleep.check_config`` refuses. Local."""
     from ._layout import UnsupportedKVCache
 
     model = cfg.model_config
@@ -200,9 +201,35 @@ def check_vllm_config(cfg: Any) -> None:
         raise UnsupportedKVCache(
             "vmmkv does not support micro-batching (enable_dbo / ubatch_size > 1) yet"
         )
+    _check_kv_transfer(getattr(cfg, "kv_transfer_config", None))
     from ._sleep import check_config  # sleep mode needs the vmmkv sleep-mode backend
 
     check_config(cfg)
+
+
+def _check_kv_transfer(kvt: Any) -> None:
+    """Refuse a KV-transfer connector (vLLM creates one when ``is_kv_transfer_instance``): no
+    connector has run on vmmkv memory. RDMA connectors (NIXL, Mooncake) register the layer views
+    for the NIC, but vmmkv's chunks are not created RDMA-capable and each layer range spans many
+    physical allocations; connectors with a memory pool of their own expect the KV cache in it,
+    and the replaced allocation does not use it; a grow or shrink remaps pages under registered
+    addresses."""
+    if kvt is None or not kvt.is_kv_transfer_instance:
+        return
+    from ._layout import UnsupportedKVCache
+
+    name = kvt.kv_connector
+    if name == "MultiConnector":
+        children = kvt.kv_connector_extra_config.get("connectors", [])
+        name += " (" + ", ".join(str(c.get("kv_connector")) for c in children) + ")"
+    raise UnsupportedKVCache(
+        f"the KV-transfer connector {name} (kv_role {kvt.kv_role!r}): no connector has been "
+        "tested on vmmkv memory; vmmkv's chunks are not registered RDMA-capable (NIXL and "
+        "Mooncake register the KV cache for the NIC), a connector's own memory pool would be "
+        "bypassed (the KV cache lives in vmmkv's region), and a grow or shrink remaps pages "
+        "under registered addresses. Run without --kv-transfer-config, or without "
+        "VLLM_USE_VMMKV=1 (vLLM's own KV cache)"
+    )
 
 
 # -- the replacements ------------------------------------------------------------------------

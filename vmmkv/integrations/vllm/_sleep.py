@@ -50,13 +50,17 @@ active. vLLM calls them on every worker with the same arguments (``Executor.slee
 ``discard`` -> ``collective_rpc``), so every PCP rank calls them in the same order. Releasing
 twice, or restoring what is not released, does nothing (the same on every rank).
 
-Refusal (:func:`check_config`, :class:`UnsupportedKVCache`, at allocation): another sleep-mode
-backend while vLLM's sleep allocator is on (``enable_cumem_allocator``, which
-``enable_sleep_mode`` turns on): vLLM then offers sleep and KV release through that backend,
-which would report success and release none of vmmkv's KV memory. With the allocator off
-nothing of vLLM's own KV cache is releasable either (it is outside any pool), and vmmkv behaves
-as vLLM does. Note: vLLM offloads CUDA-graph memory on sleep (``sleep_mode_offload_cudagraph``)
-only under the backend name ``cumem``; under ``vmmkv`` the graphs' memory stays resident.
+Refusals (:func:`check_config`, :class:`UnsupportedKVCache`, at allocation):
+
+- another sleep-mode backend while vLLM's sleep allocator is on (``enable_cumem_allocator``,
+  which ``enable_sleep_mode`` turns on): vLLM then offers sleep and KV release through that
+  backend, which would report success and release none of vmmkv's KV memory. With the
+  allocator off nothing of vLLM's own KV cache is releasable either (it is outside any pool),
+  and vmmkv behaves as vLLM does;
+- ``sleep_mode_offload_cudagraph`` under the ``vmmkv`` backend with sleep mode and CUDA graphs
+  on: vLLM puts graphs into CuMem's offloadable pool only under the backend name ``cumem``
+  (``VllmConfig.use_cumem_cudagraph_pool``), so the request would be ignored without a word and
+  the graphs' memory would stay resident while asleep (the graphs stay valid either way).
 """
 
 from __future__ import annotations
@@ -124,9 +128,11 @@ def register_backend() -> None:
 
 
 def check_config(cfg: Any) -> None:
-    """Refuse (UnsupportedKVCache) a sleep-mode backend other than ``vmmkv`` while vLLM's sleep
-    allocator is on (``enable_cumem_allocator``, implied by ``enable_sleep_mode``; module
-    docstring, "Refusal"). Local."""
+    """Refuse (UnsupportedKVCache) what vLLM's sleep machinery would do wrong with vmmkv's KV
+    cache (module docstring, "Refusals"): a sleep-mode backend other than ``vmmkv`` while vLLM's
+    sleep allocator is on (``enable_cumem_allocator``, implied by ``enable_sleep_mode``), and
+    ``sleep_mode_offload_cudagraph`` under the ``vmmkv`` backend with sleep mode and CUDA graphs
+    on. Local."""
     model = getattr(cfg, "model_config", None)
     if model is None:
         return
@@ -145,6 +151,27 @@ def check_config(cfg: Any) -> None:
             f"{NAME} (it wraps {DEFAULT_INNER!r} for everything else; {INNER_ENV} picks "
             "another), or turn the allocator off"
         )
+    if (
+        backend == NAME
+        and sleep_mode
+        and getattr(model, "sleep_mode_offload_cudagraph", False)
+        and _cudagraphs_on(cfg)
+    ):
+        raise UnsupportedKVCache(
+            f"--sleep-mode-offload-cudagraph with --sleep-mode-backend {NAME}: vLLM 0.33 puts "
+            "CUDA graphs into CuMem's offloadable pool only under the backend name "
+            f"{DEFAULT_INNER!r} (VllmConfig.use_cumem_cudagraph_pool), so the graphs' memory "
+            "would stay resident while asleep; drop --sleep-mode-offload-cudagraph (the "
+            "graphs stay valid across sleep and keep their memory)"
+        )
+
+
+def _cudagraphs_on(cfg: Any) -> bool:
+    """Whether vLLM captures CUDA graphs under ``cfg`` (a cudagraph mode other than NONE)."""
+    from vllm.config import CUDAGraphMode
+
+    mode = getattr(getattr(cfg, "compilation_config", None), "cudagraph_mode", None)
+    return mode is not None and mode != CUDAGraphMode.NONE
 
 
 class OutsideCuMemPools:

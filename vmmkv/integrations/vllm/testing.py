@@ -84,10 +84,11 @@ def model_config(num_layers: int = 4) -> Any:
 
 def vllm_config(
     layout: str | None = None, num_blocks: int = 32, num_layers: int = 4, *, tp: int = 1,
-    pcp: int = 1,
+    pcp: int = 1, kv_transfer_config: Any = None,
 ) -> Any:  # fmt: skip
     """A ``VllmConfig`` on the CPU device with the fp8_ds_mla cache, ``num_blocks`` blocks,
-    ``layout`` (a KVCacheLayout name; None: vLLM resolves it) and ``tp`` x ``pcp`` ranks."""
+    ``layout`` (a KVCacheLayout name; None: vLLM resolves it), ``tp`` x ``pcp`` ranks and
+    ``kv_transfer_config`` (a vLLM ``KVTransferConfig``, or None)."""
     from vllm.config import CacheConfig, DeviceConfig, ParallelConfig, VllmConfig
 
     cfg = VllmConfig(
@@ -95,6 +96,7 @@ def vllm_config(
         device_config=DeviceConfig(device="cpu"),
         cache_config=CacheConfig(block_size=BLOCK_SIZE, cache_dtype=CACHE_DTYPE),
         parallel_config=ParallelConfig(tensor_parallel_size=tp, prefill_context_parallel_size=pcp),
+        kv_transfer_config=kv_transfer_config,
     )
     cfg.cache_config.num_gpu_blocks_override = num_blocks
     if layout is not None:
