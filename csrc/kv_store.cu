@@ -51,7 +51,7 @@ __device__ __forceinline__ uint4 quantize16_path(uint4 v0, uint4 v1, const InvSc
 
 // Sixteen bf16 of one tile (two uint4) -> sixteen e4m3 bytes (one uint4): quantize4's choice
 // made once for the sixteen instead of once per four (three branches and their reconvergence
-// fewer per token, measured with ncu in session 10: BENCHMARKS.md).
+// fewer per token, measured with ncu: docs/benchmarks-history.md).
 template <bool kPow2>
 __device__ __forceinline__ uint4 quantize16(uint4 v0, uint4 v1, const InvScale& d) {
     if (fast_division<kPow2>(d)) return quantize16_path<kPow2, true>(v0, v1, d);
@@ -271,9 +271,9 @@ vmmkv_publish_rows(KVDest dst, const u8* __restrict__ rows, i64 row_stride, i64 
 // The `*_barrier` kernels are held to 64 registers (__launch_bounds__(256, 4)), so 4 CTAs of 256
 // threads stay resident per SM, as for their plain twins (ops/launch.py's resident_grid sizes the
 // grid from it). Unbounded, the fused layer store took 68 registers with quantize16 (3 CTAs per
-// SM; the one-rank publish +7 %, BENCHMARKS.md session 10); bounded it fits in 64 without a
+// SM; the one-rank publish +7 %, docs/benchmarks-history.md); bounded it fits in 64 without a
 // spill. The plain stores stay unbounded: held to 64, ptxas gave store_layer 62 registers
-// instead of 52 and it got no faster (session 11).
+// instead of 52 and it got no faster.
 #define VMMKV_FUSED_BOUNDS __launch_bounds__(256, 4)
 
 // The `*_barrier` kernels here and below: the store, then the barrier (barrier.cuh, same epochs

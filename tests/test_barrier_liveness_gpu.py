@@ -1,4 +1,4 @@
-"""Barrier liveness on the GPU (issue 24): no trap by default, the host watchdog's abort, lane
+"""Barrier liveness on the GPU: no trap by default, the host watchdog's abort, lane
 misuse, complete timeout records.
 
 - A peer that sleeps 30 s before its publish never kills the waiting rank (defaults: host

@@ -1,4 +1,4 @@
-"""A publish stress with teeth (issue 24 point 4; the kernel review's F5).
+"""A publish stress with teeth.
 
 Two ranks in two processes (one per GPU when there are two GPUs, else sharing GPU 0), over a
 real ``SymmetricRegion`` (peer mappings) with a ``DeviceBarrier`` and a prepared rows store of

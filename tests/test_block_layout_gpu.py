@@ -1,4 +1,4 @@
-"""The CUDA pieces the vLLM plugin relies on, without vLLM (issue 21, item 4): a DeepSeek-V3.2
+"""The CUDA pieces the vLLM plugin relies on, without vLLM: a DeepSeek-V3.2
 block layout through ``ReplicatedKVCache``, grown, captured, slept and woken.
 
 Layout: vLLM's LBNHC, layer-major, 61 layers = 122 segments: one indexer-K tensor (page = one

@@ -38,7 +38,7 @@ def _rows_target(**over) -> KVTarget:
 
 
 # ---------------------------------------------------------------------------------------------
-# KVTarget geometry (review F10)
+# KVTarget geometry
 
 
 def test_a_geometry_whose_block_offsets_overflow_int64_is_refused():
@@ -74,7 +74,7 @@ def test_an_empty_view_is_bounded_by_its_offset_and_extent():
 
 
 # ---------------------------------------------------------------------------------------------
-# load_module cleanup (review finding of issue 12, point 6)
+# load_module cleanup
 
 
 class _FakeDriver:
@@ -514,7 +514,7 @@ def test_inductor_runs_a_traced_publish_in_place_and_reads_after_it():
 
 # ---------------------------------------------------------------------------------------------
 # Prepared launches on CPU: the validation of PreparedStore calls and the parameters that reach
-# cuLaunchKernel (issue 12 point 2). The driver is replaced by a recorder that decodes each
+# cuLaunchKernel. The driver is replaced by a recorder that decodes each
 # kernelParams[i] by the kernel's layout, as the driver reads them.
 
 _SCALAR = {"Q": "<Q", "q": "<q", "i": "<i"}

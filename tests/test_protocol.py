@@ -87,7 +87,7 @@ def _stall_once(cls, name, rank_to_stall, rank, seconds):
 
 
 # --------------------------------------------------------------------------------------------
-# F1: a late rank adopts the abort of its peers
+# a late rank adopts the abort of its peers
 # --------------------------------------------------------------------------------------------
 
 
@@ -219,7 +219,7 @@ def test_an_aborted_step_releases_every_waiting_rank_at_once_with_the_reason():
 
 
 # --------------------------------------------------------------------------------------------
-# F2: local failures before or inside the exchange join the agreement
+# local failures before or inside the exchange join the agreement
 # --------------------------------------------------------------------------------------------
 
 
@@ -318,7 +318,7 @@ def test_exchange_fds_reports_a_local_socket_failure_as_fd_exchange_error(monkey
 
 
 # --------------------------------------------------------------------------------------------
-# F6: namespaces cannot skew
+# namespaces cannot skew
 # --------------------------------------------------------------------------------------------
 
 
@@ -347,7 +347,7 @@ def test_a_rank_that_failed_before_any_collective_does_not_skew_the_next_attempt
 
 
 # --------------------------------------------------------------------------------------------
-# F3/F4: mode and settings agreed once; auto falls back together
+# mode and settings agreed once; auto falls back together
 # --------------------------------------------------------------------------------------------
 
 
@@ -470,7 +470,7 @@ def test_ranks_in_different_pid_namespaces_are_detected_up_front(mode):
 
 
 # --------------------------------------------------------------------------------------------
-# F7: exchange names are fresh per exchange; a squatter is named
+# exchange names are fresh per exchange; a squatter is named
 # --------------------------------------------------------------------------------------------
 
 

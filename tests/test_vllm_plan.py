@@ -86,7 +86,7 @@ def test_a_vllm_release_other_than_the_supported_one_is_refused_naming_vmmkv_and
 
 
 def test_a_moved_or_changed_site_is_refused_at_install_naming_it_and_nothing_is_patched():
-    """Review R3: a renamed vLLM op used to kill every process with a bare AttributeError."""
+    """A renamed vLLM op used to kill every process with a bare AttributeError."""
     import vllm._custom_ops as ops
     from vllm.v1.worker.gpu import attn_utils
 
