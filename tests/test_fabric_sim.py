@@ -2,7 +2,8 @@
 
 Several processes of this machine act as several hosts of one NVLink domain, or as several
 domains, through the test-only overrides ``VMMKV_TEST_HOST`` / ``VMMKV_TEST_NVLINK_DOMAIN``
-(set per rank before anything of vmmkv runs). Chunks are then created with the ``shm_name``
+(set per rank before anything of vmmkv runs), opted in to by-value handles (``VMMKV_FABRIC=1``)
+unless a test checks the default without it. Chunks are then created with the ``shm_name``
 handle type: a chunk travels as a name in ``/dev/shm`` through the group's store (no socket, no
 fd), is opened by name and mapped like an fd-imported chunk, and every name is removed once the
 exchange's agreement is over, on success and on every failure path, a killed exporter's too.
@@ -32,6 +33,7 @@ from tests.helpers import (
 )
 from vmmkv.alloc.host import shm_names
 from vmmkv.ipc.peers import TEST_DOMAIN_ENV, TEST_HOST_ENV
+from vmmkv.ipc.placement import FABRIC_ENV
 from vmmkv.testing.markers import requires_gpu
 from vmmkv.testing.spawn import run_world, run_world_raw
 
@@ -50,13 +52,15 @@ def _gran() -> int:
     return os.sysconf("SC_PAGE_SIZE")
 
 
-def _place(rank: int, hosts: list[str], domains: list[str] | None) -> None:
-    """Make this rank act as running on ``hosts[rank]`` in NVLink domain ``domains[rank]``, and
-    record the by-value names it links in the test's ledger."""
+def _place(rank: int, hosts: list[str], domains: list[str] | None, fabric: str = "1") -> None:
+    """Make this rank act as running on ``hosts[rank]`` in NVLink domain ``domains[rank]`` with
+    ``VMMKV_FABRIC=fabric`` (by-value handles opted in by default), and record the by-value
+    names it links in the test's ledger."""
     record_shm_exports()
     os.environ[TEST_HOST_ENV] = hosts[rank]
     if domains is not None:
         os.environ[TEST_DOMAIN_ENV] = domains[rank]
+    os.environ[FABRIC_ENV] = fabric
 
 
 def _shm_maps() -> int:
@@ -245,12 +249,12 @@ def test_rendezvous_maps_shm_name_regions_of_two_simulated_hosts_byte_exact(ledg
     assert ledger.names() and ledger.left() == [], ledger.left()
 
 
-def _cache_publish(rank, world, hosts, domains):
+def _cache_publish(rank, world, hosts, domains, fabric="1"):
     import torch.distributed as dist
 
     from vmmkv import ReplicatedKVCache
 
-    _place(rank, hosts, domains)
+    _place(rank, hosts, domains, fabric)
     chunk = 1 << 16
     with ReplicatedKVCache(
         dist.group.WORLD, 8 * chunk, "cpu", chunk_bytes=chunk, initial_bytes=2 * chunk,
@@ -287,6 +291,17 @@ def test_a_group_across_two_nvlink_domains_falls_back_to_gather_naming_domains_a
         assert "nvlink:test:d0: ranks [0, 1]" in why and "nvlink:test:d1: ranks [2, 3]" in why
         assert (tokens, oob) == (TOKENS * LAYERS, 0)  # the gather path stores the same bytes
     assert ledger.left() == [], ledger.left()
+
+
+@pytest.mark.timeout(150)
+def test_hosts_of_one_domain_without_the_opt_in_fall_back_to_gather_naming_the_opt_in(ledger):
+    out = run_world(_cache_publish, 2, args=(["a", "b"], ["d0"] * 2, "0"), timeout=130)
+    for direct, why, handle, tokens, oob in out:
+        assert not direct and handle is None
+        assert "several hosts" in why and f"set {FABRIC_ENV}=1 on every rank" in why, why
+        assert "not run on multi-node NVLink hardware" in why, why
+        assert (tokens, oob) == (TOKENS * LAYERS, 0)  # the gather path stores the same bytes
+    assert ledger.names() == [], ledger.names()  # nothing was exported by value
 
 
 def _require_across_hosts(rank, world):
@@ -634,28 +649,20 @@ class _TwoRankComm:
 HERE = {"host": "h", "boot_id": "b0", "domain": "nvlink:c:1"}
 
 
+# rank 1's first request when both ranks opted in to by-value handles
+PEER_IN = ["auto", "cuda", "b1", "nvlink:c:1", "1"]
+
+
 @pytest.mark.parametrize(
     "backend, peer_loc, probes, want, steps",
     [
-        ("cuda", ["auto", "cuda", "b1", "nvlink:c:1"], [(True, ""), (True, "")], "fabric", 2),
-        (
-            "cuda",
-            ["auto", "cuda", "b1", "nvlink:c:1"],
-            [(True, ""), (False, "no IMEX")],
-            "posix_fd",
-            2,
-        ),
-        (
-            "cuda",
-            ["auto", "cuda", "b1", "nvlink:c:1"],
-            [RuntimeError("gone"), (True, "")],
-            "posix_fd",
-            2,
-        ),
-        ("host", ["auto", "host", "b1", "nvlink:c:1"], None, "shm_name", 1),
-        ("cuda", ["auto", "cuda", "b0", "nvlink:c:1"], None, "posix_fd", 1),  # one host
-        ("cuda", ["auto", "cuda", "b1", "nvlink:c:2"], None, "posix_fd", 1),  # two domains
-        ("cuda", ["auto", "host", "b1", "nvlink:c:1"], None, "posix_fd", 1),  # mixed backends
+        ("cuda", PEER_IN, [(True, ""), (True, "")], "fabric", 2),
+        ("cuda", PEER_IN, [(True, ""), (False, "no IMEX")], "posix_fd", 2),
+        ("cuda", PEER_IN, [RuntimeError("gone"), (True, "")], "posix_fd", 2),
+        ("host", ["auto", "host", "b1", "nvlink:c:1", "1"], None, "shm_name", 1),
+        ("cuda", ["auto", "cuda", "b0", "nvlink:c:1", "1"], None, "posix_fd", 1),  # one host
+        ("cuda", ["auto", "cuda", "b1", "nvlink:c:2", "1"], None, "posix_fd", 1),  # two domains
+        ("cuda", ["auto", "host", "b1", "nvlink:c:1", "1"], None, "posix_fd", 1),  # two backends
     ],
 )
 def test_a_cuda_group_across_hosts_of_one_domain_takes_fabric_handles_only_if_every_probe_passes(
@@ -670,6 +677,7 @@ def test_a_cuda_group_across_hosts_of_one_domain_takes_fabric_handles_only_if_ev
             raise probes[0]
         return probes[0]
 
+    monkeypatch.setenv(FABRIC_ENV, "1")
     monkeypatch.setattr(placement, "local_location", lambda ordinal: dict(HERE))
     monkeypatch.setattr(cuda, "fabric_probe", probe)
     comm = _TwoRankComm({"handle type": peer_loc, "fabric probe": list(probes[1]) if probes else 0})
@@ -681,6 +689,70 @@ def test_a_cuda_group_across_hosts_of_one_domain_takes_fabric_handles_only_if_ev
         assert ("rank 1: no IMEX" in text) or ("rank 0: fabric probe failed" in text), text
 
 
+@pytest.mark.parametrize("backend", ["cuda", "host"])
+@pytest.mark.parametrize(
+    "mine, peer, level, named",
+    [
+        ("", "0", "INFO", ""),  # unset on both ranks: the default
+        ("0", "0", "INFO", ""),
+        ("1", "0", "WARNING", "ranks [1] did not"),  # one rank alone cannot opt the group in
+        ("0", "1", "WARNING", "ranks [0] did not"),
+    ],
+)
+def test_hosts_of_one_domain_take_by_value_handles_only_when_every_rank_opts_in(
+    monkeypatch, caplog, backend, mine, peer, level, named
+):
+    from vmmkv.alloc import cuda
+    from vmmkv.ipc import placement
+
+    def probe(ordinal):
+        raise AssertionError("without the opt-in no fabric probe runs")
+
+    monkeypatch.setenv(FABRIC_ENV, mine)
+    monkeypatch.setattr(placement, "local_location", lambda ordinal: dict(HERE))
+    monkeypatch.setattr(cuda, "fabric_probe", probe)
+    comm = _TwoRankComm({"handle type": ["auto", backend, "b1", "nvlink:c:1", peer]})
+    with caplog.at_level("INFO", logger="vmmkv.ipc.peers"):
+        assert placement.choose_handle_type(comm, backend, 0) == "posix_fd"
+    assert comm.steps == ["handle type"]
+    (record,) = [r for r in caplog.records if "NVLink domain" in r.getMessage()]
+    text = record.getMessage()
+    assert record.levelname == level, (record.levelname, text)
+    assert "several hosts of one NVLink domain (nvlink:c:1)" in text, text
+    assert f"set {FABRIC_ENV}=1 on every rank, or handle_type='fabric'" in text, text
+    assert "gather-then-insert" in text and named in text, text
+
+
+def test_an_explicit_fabric_request_needs_no_opt_in(monkeypatch):
+    from vmmkv.ipc import placement
+
+    monkeypatch.delenv(FABRIC_ENV, raising=False)
+    comm = _TwoRankComm({"handle type": ["fabric", None, None, None, None]})
+    assert placement.choose_handle_type(comm, "cuda", 0, "fabric") == "fabric"
+
+
+def test_a_fabric_opt_in_other_than_0_or_1_fails_every_rank_naming_ranks_and_values(monkeypatch):
+    from vmmkv.ipc import placement
+
+    monkeypatch.setenv(FABRIC_ENV, "yes")
+    monkeypatch.setattr(placement, "local_location", lambda ordinal: dict(HERE))
+    comm = _TwoRankComm({"handle type": ["auto", "cuda", "b1", "nvlink:c:1", "invalid 'on'"]})
+    with pytest.raises(ValueError, match=rf"{FABRIC_ENV} must be '0' or '1' on every rank") as e:
+        placement.choose_handle_type(comm, "cuda", 0)
+    assert "rank 0: 'yes'; rank 1: 'on'" in str(e.value), str(e.value)
+    assert str(e.value).startswith("rank 0 of 2: choosing the handle type"), str(e.value)
+
+
+def test_the_placement_problem_of_hosts_of_one_domain_names_the_opt_in_only_there():
+    from vmmkv.ipc.placement import _placement_problem
+
+    one = [_req("b0", "nvlink:c:1", "a"), _req("b1", "nvlink:c:1", "b")]
+    assert f"set {FABRIC_ENV}=1 on every rank" in _placement_problem(one, by_value=False)
+    apart = [_req("b0", "host:b0", "a"), _req("b1", "host:b1", "b")]  # separate hosts, no fabric
+    msg = _placement_problem(apart, by_value=False)
+    assert "several hosts" in msg and FABRIC_ENV not in msg, msg
+
+
 @pytest.mark.parametrize(
     "mine, peer", [("auto", "posix_fd"), ("posix_fd", "auto"), ("posix_fd", "shm_name")]
 )
@@ -690,7 +762,7 @@ def test_ranks_asking_for_different_handle_types_get_one_config_mismatch_naming_
     from vmmkv.ipc import peers, placement
 
     monkeypatch.setattr(placement, "local_location", lambda ordinal: dict(HERE))
-    comm = _TwoRankComm({"handle type": [peer, None, None, None]})
+    comm = _TwoRankComm({"handle type": [peer, None, None, None, None]})
     with pytest.raises(peers.ConfigMismatch, match=rf"rank 0: '{mine}', rank 1: '{peer}'"):
         placement.choose_handle_type(comm, "host", 0, mine)
     assert comm.steps == ["handle type"]
@@ -703,7 +775,7 @@ def test_ranks_asking_for_the_same_explicit_handle_type_get_it_in_one_step(monke
         raise AssertionError("an explicit handle type reads no location")
 
     monkeypatch.setattr(placement, "local_location", no_location)
-    comm = _TwoRankComm({"handle type": ["posix_fd", None, None, None]})
+    comm = _TwoRankComm({"handle type": ["posix_fd", None, None, None, None]})
     assert placement.choose_handle_type(comm, "cuda", 0, "posix_fd") == "posix_fd"
     assert comm.steps == ["handle type"]
 

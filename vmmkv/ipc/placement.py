@@ -8,6 +8,13 @@ rendezvous (``vmmkv.ipc.peers``) and the choice of a group's handle type.
 - ``choose_handle_type`` and ``select_handle_type``: collective over a CPU-capable group;
   every rank runs every step and decides from gathered values only (``select_handle_type`` is
   a diagnostic with a trial allocation).
+- By-value handles across the hosts of one NVLink domain are opt-in: ``"auto"`` picks them only
+  when every rank sets ``VMMKV_FABRIC=1`` (``FABRIC_ENV``; or asks for ``handle_type="fabric"``
+  explicitly), because the CUDA fabric path has not run on multi-node NVLink hardware. Without
+  it such a group takes POSIX fds, which cannot map across hosts, so it falls back to
+  gather-then-insert, the reason logged at INFO and carried in the placement problem. The host
+  backend's simulation (``"shm_name"``) follows the same opt-in, so that it runs the same
+  decision.
 - ``_placement_problem`` and ``_host_problem`` (on the gathered requests) and
   ``_p2p_problems`` (this rank's driver view of P2P access and native atomics): local; the
   rendezvous gathers their answers so that every rank raises the same
@@ -33,6 +40,7 @@ from .comm import GroupError, StoreComm
 from .errors import ConfigMismatch, as_rendezvous_error
 
 __all__ = [
+    "FABRIC_ENV",
     "TEST_DOMAIN_ENV",
     "TEST_HOST_ENV",
     "choose_handle_type",
@@ -48,6 +56,12 @@ log = logging.getLogger("vmmkv.ipc.peers")
 # as several hosts of one domain, or as several domains, to run the by-value protocol in CI.
 TEST_HOST_ENV = "VMMKV_TEST_HOST"
 TEST_DOMAIN_ENV = "VMMKV_TEST_NVLINK_DOMAIN"
+# '1' lets "auto" pick by-value handles across the hosts of one NVLink domain (module docstring)
+FABRIC_ENV = "VMMKV_FABRIC"
+NOT_OPTED_IN = (
+    "by-value (CUDA fabric) handles across hosts are opt-in, since that path has not run on "
+    f"multi-node NVLink hardware: set {FABRIC_ENV}=1 on every rank, or handle_type='fabric'"
+)
 
 
 def _by_value(values: list[Any], verb: str) -> str:
@@ -107,7 +121,10 @@ def _placement_problem(reqs: list[dict[str, Any]], by_value: bool) -> str:
                 f"{d}: ranks {rk}" for d, rk in domains.items()
             )
         return ""
-    return _host_problem(reqs)
+    problem = _host_problem(reqs)
+    if problem and len(domains) == 1 and next(iter(domains)).startswith("nvlink:"):
+        problem += f"; {NOT_OPTED_IN}"  # hosts of one domain take fds unless opted in
+    return problem
 
 
 _domains: dict[int, str] = {}  # CUDA ordinal -> domain key, read once per process
@@ -164,6 +181,15 @@ def local_location(ordinal: int | None) -> dict[str, str]:
     return {"host": host, "boot_id": boot, "domain": domain}
 
 
+def fabric_opt_in() -> str:
+    """Local: this process's ``VMMKV_FABRIC``: ``"1"`` (opted in), ``"0"`` (unset, empty or
+    '0'), or ``"invalid <value>"``."""
+    raw = os.environ.get(FABRIC_ENV, "").strip()
+    if raw in ("", "0", "1"):
+        return raw or "0"
+    return f"invalid {raw!r}"
+
+
 def choose_handle_type(
     comm: StoreComm, backend: str, ordinal: int | None, requested: str = "auto"
 ) -> str:
@@ -171,18 +197,20 @@ def choose_handle_type(
     the first step whatever it ``requested``: ranks that asked for different handle types get
     the same :class:`ConfigMismatch` naming each rank's request (instead of steps out of
     order); when all asked for the same explicit type, that is the answer. When all asked
-    ``"auto"``: several hosts
-    inside one NVLink domain, every rank on the same backend: by value (``"shm_name"``, the
+    ``"auto"``: several hosts inside one NVLink domain, every rank on the same backend and every
+    rank opted in (``VMMKV_FABRIC=1``, :func:`fabric_opt_in`): by value (``"shm_name"``, the
     simulation, on the host backend; ``"fabric"`` on CUDA when every rank's
     ``cuda.fabric_probe`` passes, a second step, since a domain key says nothing about the IMEX
     channel); otherwise ``"posix_fd"`` (one host; several domains, which fall back to gather
-    anyway; several hosts whose devices cannot create fabric memory, which then fall back to
-    gather too, the probes' reasons logged). ``backend``: ``"cuda"`` or ``"host"`` (anything
-    else: fds). Every rank decides from gathered values only, so all take the same steps."""
-    mine: list[Any] = [requested, None, None, None]
+    anyway; several hosts without the opt-in, or whose devices cannot create fabric memory,
+    which then fall back to gather too, the reason logged). ``backend``: ``"cuda"`` or
+    ``"host"`` (anything else: fds). Every rank decides from gathered values only, so all take
+    the same steps; a ``VMMKV_FABRIC`` other than '0' or '1' on any rank raises the same
+    ValueError on every rank, naming the ranks and values."""
+    mine: list[Any] = [requested, None, None, None, None]
     if requested == "auto":  # an explicit request needs no location (no NVML read)
         loc = local_location(ordinal)
-        mine = [requested, backend, loc["boot_id"], loc["domain"]]
+        mine = [requested, backend, loc["boot_id"], loc["domain"], fabric_opt_in()]
     try:
         gathered = comm.all_gather(mine, "handle type")
     except GroupError as exc:
@@ -194,11 +222,31 @@ def choose_handle_type(
         )
     if requested != "auto":
         return requested
-    locs = [tuple(g[1:]) for g in gathered]
+    opts = [g[4] for g in gathered]
+    bad = [
+        f"rank {r}: {o.removeprefix('invalid ')}" for r, o in enumerate(opts) if o not in ("0", "1")
+    ]
+    if bad:
+        raise ValueError(
+            f"rank {comm.rank} of {comm.world_size}: choosing the handle type: {FABRIC_ENV} must "
+            f"be '0' or '1' on every rank ({'; '.join(bad)}); '1' opts in to by-value handles "
+            "across the hosts of one NVLink domain"
+        )
+    locs = [tuple(g[1:4]) for g in gathered]
     backends = {b for b, _, _ in locs}
     boots = {b for _, b, _ in locs}
     domains = {d for _, _, d in locs}
     if len(boots) == 1 or len(domains) > 1 or len(backends) > 1:
+        return "posix_fd"
+    if set(opts) != {"1"}:
+        mixed = "1" in opts
+        log.log(
+            logging.WARNING if mixed else logging.INFO,
+            "rank %d: several hosts of one NVLink domain (%s), but %s%s: posix_fd, so the group "
+            "cannot map across hosts (gather-then-insert between them)",
+            comm.rank, next(iter(domains)), NOT_OPTED_IN,
+            f" (ranks {[r for r, o in enumerate(opts) if o != '1']} did not)" if mixed else "",
+        )  # fmt: skip
         return "posix_fd"
     if backends == {"host"}:
         return "shm_name"
@@ -228,10 +276,10 @@ def choose_handle_type(
 def select_handle_type(device: Any, group: Any = None, *, timeout: float = 60.0) -> tuple[str, str]:
     """Collective: which shareable handle type the group should use, and why.
 
-    Fabric handles are chosen only when the group spans several hosts AND every rank's probe
-    (device attribute, NVML fabric state, trial ``cuMemCreate``) passes; otherwise POSIX fds,
-    with the reason logged. Same-host groups always use POSIX fds (they reach every peer and
-    need no IMEX channel). A diagnostic with the trial allocation; ``SymmetricRegion`` decides
+    Fabric handles are chosen only when the group spans several hosts AND every rank opted in
+    (``VMMKV_FABRIC=1``) AND every rank's probe (device attribute, NVML fabric state, trial
+    ``cuMemCreate``) passes; otherwise POSIX fds, with the reason logged. Same-host groups
+    always use POSIX fds (they reach every peer and need no IMEX channel). A diagnostic with the trial allocation; ``SymmetricRegion`` decides
     by NVLink domain (:func:`choose_handle_type`), and ranks of several domains fall back to
     gather-then-insert whatever this says.
     """
@@ -245,11 +293,14 @@ def select_handle_type(device: Any, group: Any = None, *, timeout: float = 60.0)
         ok, why = fabric_probe(dev.index if dev.index is not None else 0)
     else:
         ok, why = False, f"{dev} is not a CUDA device"
-    probes = comm.all_gather((socket.gethostname(), ok, why), "fabric probe")
-    hosts = {h for h, _, _ in probes}
-    failing = [f"rank {r}: {w}" for r, (_, o, w) in enumerate(probes) if not o]
-    if len(hosts) > 1 and not failing:
+    probes = comm.all_gather((socket.gethostname(), ok, why, fabric_opt_in()), "fabric probe")
+    hosts = {h for h, *_ in probes}
+    failing = [f"rank {r}: {w}" for r, (_, o, w, _) in enumerate(probes) if not o]
+    opted_in = all(opt == "1" for *_, opt in probes)
+    if len(hosts) > 1 and not failing and opted_in:
         choice, reason = "fabric", ""
+    elif len(hosts) > 1 and not opted_in:
+        choice, reason = "posix_fd", NOT_OPTED_IN
     elif len(hosts) == 1:
         choice, reason = (
             "posix_fd",
