@@ -16,7 +16,8 @@ Contract:
   on CUDA across hosts with ``"auto"``) compares every rank's request: ranks that ask for
   different types raise the same :class:`ConfigMismatch`. ``"auto"`` (default): by value (``"fabric"`` on CUDA when every
   rank's fabric probe passes, ``"shm_name"``, the simulation, on the host backend) when the
-  ranks run on several hosts of one NVLink domain, else ``"posix_fd"``; ranks of several NVLink
+  ranks run on several hosts of one NVLink domain and every rank sets ``VMMKV_FABRIC=1`` (an
+  opt-in until fabric memory has run on real hardware), else ``"posix_fd"``; ranks of several NVLink
   domains (or several hosts without fabric) fall back to gather (``peers="auto"``) or raise
   :class:`DirectUnsupported` (``"require"``), naming the domains and their ranks.
 - ``must_match``: per-rank settings of the caller that must be equal on every rank; gathered
