@@ -374,7 +374,7 @@ class SymmetricRegion:
             # is committed, a hard open-file limit that could never hold a full grow.
             grid = -(-self.region.capacity_bytes // self.region.chunk_bytes)
             fd_world = 1 if peers == "off" or handle_type in BY_VALUE_HANDLES else self.world_size
-            self._check_fds("setting up", grid, keep=0, world=fd_world)
+            self._check_fds("setting up", grid, world=fd_world, keep=False)
             initial = _new_chunks(self._layout, initial_bytes)
             self._check_fds("the initial commit", initial, world=fd_world)
             self.region.commit(initial_bytes)
@@ -400,17 +400,17 @@ class SymmetricRegion:
                 self.region.close()
             raise
 
-    def _check_fds(self, what: str, chunks: int, *, world: int, keep: int | None = None) -> None:
+    def _check_fds(self, what: str, chunks: int, *, world: int, keep: bool = True) -> None:
         """Before a step commits or exchanges ``chunks`` chunks (``vmmkv.ipc.fdbudget``): raise
         ``FdBudgetError`` when its exchange rounds and the fds its chunks keep (host backend:
-        one memfd each; ``keep`` 0: checked, not kept yet) cannot fit under the hard limit;
-        else make room under the soft limit for the fds kept."""
+        one memfd each) cannot fit under the hard limit; with ``keep`` (the step commits them now)
+        also make room under the soft limit for the fds kept."""
         kept = chunks if self.region.keeps_fds else 0
         fdbudget.exchange_round(
             rank=self.rank, world=world, device=self.region.device, what=what, chunks=chunks,
             kept=kept,
         )  # fmt: skip
-        if keep is None:
+        if keep:
             fdbudget.keep_fds(rank=self.rank, device=self.region.device, what=what, count=kept)
 
     def _map(self, reqs: list[dict[str, Any]], mode: str) -> PeerMap | None:
