@@ -79,6 +79,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -88,6 +89,7 @@ from ._patches import (
     active_cache,
     check_vllm_version,
     install,
+    install_engine,
     install_when_worker_starts,
     installed,
     original,
@@ -159,8 +161,14 @@ def register() -> None:
     and the supported release otherwise) and patch the call sites when the process starts an
     MRV2 GPU worker (``install_when_worker_starts``): the API server and engine-core processes
     import no vLLM module on vmmkv's behalf. Unset or '0': nothing. Idempotent."""
+    from ._elastic import ELASTIC_ENV, elastic_enabled
+
+    if elastic_enabled() and not enabled():
+        raise ValueError(f"{ELASTIC_ENV}=1 needs {ENV}=1 (elastic KV is vmmkv's KV cache)")
     if enabled():
         install_when_worker_starts()
+        if elastic_enabled() and "vllm.v1.engine.core" in sys.modules:
+            install_engine()  # vLLM's EngineCore loads the plugins in its constructor
 
 
 def unregister() -> None:

@@ -150,6 +150,14 @@ def _chunk_bytes_from_env(granularity: int, capacity: int) -> int | None:
     return chunk
 
 
+def elastic_chunk_bytes() -> int:
+    """Elastic mode's chunk size: ``VMMKV_CHUNK_MIB`` (parsed as the plugin does), else
+    ``ELASTIC_CHUNK_MIB``; the cache clamps it to its capacity and checks the granularity."""
+    from ._elastic import ELASTIC_CHUNK_MIB
+
+    return _chunk_bytes_from_env(1, 1 << 62) or ELASTIC_CHUNK_MIB << 20
+
+
 class VllmKVCache:
     """vLLM's KV cache of one worker on vmmkv memory (see the module docstring)."""
 
@@ -187,6 +195,8 @@ class VllmKVCache:
         capacity = round_up(plan.size, gran)
         if chunk_bytes is None:
             chunk_bytes = _chunk_bytes_from_env(gran, capacity)
+        elif chunk_bytes > capacity:  # a small cache is one chunk
+            chunk_bytes = capacity
         self.cache = ReplicatedKVCache(
             cpu_group, capacity, device, device_group=device_group, initial_bytes=0,
             chunk_bytes=chunk_bytes, lanes=1, direct=direct, timeout=timeout, backend=backend,

@@ -58,6 +58,7 @@ __all__ = [
     "active_cache",
     "check_vllm_version",
     "install",
+    "install_engine",
     "install_when_worker_starts",
     "installed",
     "original",
@@ -128,6 +129,7 @@ class _Patch:
 class _State:
     def __init__(self) -> None:
         self.patches: list[_Patch] = []
+        self.engine_patches: list[_Patch] = []  # elastic mode's, in the engine core
         self.active: Any = None  # the process's VllmKVCache, once allocated
         self.pending: dict[str, _Pending] = {}
         self.hook: Any = None  # the import hook of install_when_worker_starts, until it fires
@@ -147,7 +149,7 @@ def installed() -> bool:
 
 def original(owner: Any, name: str) -> Any:
     """vLLM's own object behind a patched ``owner.name`` (for tests and debugging)."""
-    for p in _STATE.patches:
+    for p in _STATE.patches + _STATE.engine_patches:
         if p.owner is owner and p.name == name:
             return p.original
     return getattr(owner, name)
@@ -267,6 +269,7 @@ def _allocate(orig: Callable[..., Any]) -> Callable[..., Any]:
                     kv_cache_config, layout, cpu_group=pcp.cpu_group, device=device,
                     device_group=pcp.device_group, kernel_block_sizes=kernel_block_sizes,
                     mla_kind=vllm_mla_kind(), indexer_kind=vllm_indexer_kind(),
+                    **_elastic_kwargs(cfg, kv_cache_config, layout),
                 )  # fmt: skip
         except UnsupportedKVCache as exc:  # name the model too (every rank refuses alike)
             model = cfg.model_config.model if cfg is not None and cfg.model_config else "?"
@@ -284,6 +287,35 @@ def _allocate(orig: Callable[..., Any]) -> Callable[..., Any]:
         return dict(cache.views)
 
     return allocate_kv_cache
+
+
+def _elastic_kwargs(cfg: Any, kv_cache_config: Any, layout: Any) -> dict[str, Any]:
+    """Elastic mode (``VLLM_VMMKV_ELASTIC=1``): the floor committed at start and the elastic
+    chunk, as the engine core computes them; a block-major layout is required (a layer-major
+    one spreads each block over every layer's segment: chunks of 64 MiB would commit up to 2 x
+    the blocks' bytes, small chunks cost a driver call each). Otherwise nothing."""
+    from ._elastic import elastic_enabled
+
+    if not elastic_enabled():
+        return {}
+    from ._cache import elastic_chunk_bytes
+    from ._elastic_sites import WORKER, check_elastic_config, settings_for
+    from ._layout import UnsupportedKVCache
+
+    if cfg is None:
+        raise UnsupportedKVCache("elastic KV needs vLLM's config in the allocating worker")
+    check_elastic_config(cfg)
+    if layout.name not in ("BLNHC", "BLHNC"):
+        raise UnsupportedKVCache(
+            f"elastic KV (VLLM_VMMKV_ELASTIC=1) needs a block-major KV cache layout, got "
+            f"{layout.name}: set VLLM_KV_CACHE_LAYOUT=BLNHC"
+        )
+    chunk = elastic_chunk_bytes()
+    WORKER.reset()  # a new cache: no resize applied yet
+    return {
+        "initial_blocks": settings_for(cfg, kv_cache_config, chunk).floor,
+        "chunk_bytes": chunk,
+    }
 
 
 def close_active(why: str) -> None:
@@ -490,16 +522,16 @@ def _lookup(module: str, path: str) -> tuple[Any, str, Any]:
     return owner, name, getattr(owner, name)
 
 
-def install(sites: tuple[tuple[str, str, Callable[..., Any], tuple[str, ...]], ...] = ()) -> None:
-    """Patch every site, all or nothing (idempotent). Checks the vLLM version first, then that
-    every site exists with the parameters 0.33.0 gives it; :class:`UnsupportedVLLM` lists every
-    problem and nothing is patched. Imports the vLLM modules that hold the sites. ``sites``:
-    tests only (default: every site of 0.33.0)."""
-    if _STATE.patches:
-        return
+Sites = tuple[tuple[str, str, Callable[..., Any], tuple[str, ...]], ...]
+
+
+def _patches_for(sites: Sites) -> list[_Patch]:
+    """The patches of ``sites``, checked: the vLLM version first, then that every site exists
+    with the parameters 0.33.0 gives it; :class:`UnsupportedVLLM` lists every problem and
+    nothing is patched. Imports the vLLM modules that hold the sites."""
     version = check_vllm_version()
     patches, problems = [], []
-    for module, path, factory, params in sites or _SITES:
+    for module, path, factory, params in sites:
         try:
             owner, name, current = _lookup(module, path)
         except (ImportError, AttributeError) as exc:
@@ -520,13 +552,45 @@ def install(sites: tuple[tuple[str, str, Callable[..., Any], tuple[str, ...]], .
             f"vmmkv {__version__}'s vLLM plugin (written for vllm{SUPPORTED_VLLM}) cannot patch "
             f"the installed vLLM {version}; nothing was patched: " + "; ".join(problems)
         )
+    return patches
+
+
+def _apply(patches: list[_Patch], where: str) -> list[_Patch]:
+    for p in patches:
+        setattr(p.owner, p.name, p.replacement)
+    log.info("vmmkv: replaced %d vLLM call sites (%s)", len(patches), where)
+    return patches
+
+
+def install(sites: Sites = ()) -> None:
+    """Patch every worker site, all or nothing (idempotent; :func:`_patches_for` checks them
+    first), with elastic mode's worker sites when ``VLLM_VMMKV_ELASTIC=1``. ``sites``: tests
+    only (default: every site of 0.33.0)."""
+    if _STATE.patches:
+        return
+    from ._elastic import elastic_enabled
+
+    if not sites:
+        sites = _SITES
+        if elastic_enabled():
+            from ._elastic_sites import WORKER_SITES
+
+            sites += WORKER_SITES
+    patches = _patches_for(sites)
     from ._sleep import register_backend  # vLLM's sleep-mode factory: the "vmmkv" backend
 
     register_backend()
-    for p in patches:
-        setattr(p.owner, p.name, p.replacement)
-    _STATE.patches = patches
-    log.info("vmmkv: replaced %d vLLM %s call sites (VLLM_USE_VMMKV=1)", len(patches), version)
+    _STATE.patches = _apply(patches, "worker")
+
+
+def install_engine() -> None:
+    """Elastic mode's engine-core sites (``_elastic_sites.ENGINE_SITES``), all or nothing,
+    idempotent. ``register()`` calls it in the process that runs vLLM's ``EngineCore``."""
+    if _STATE.engine_patches:
+        return
+    from ._elastic_sites import ENGINE_SITES
+
+    _STATE.engine_patches = _apply(_patches_for(ENGINE_SITES), "engine core, elastic KV")
 
 
 class _WorkerHook(importlib.abc.MetaPathFinder):
@@ -574,7 +638,8 @@ def uninstall() -> None:
         if _STATE.hook in sys.meta_path:
             sys.meta_path.remove(_STATE.hook)
         _STATE.hook = None
-    patches, _STATE.patches = _STATE.patches, []
+    patches, _STATE.patches = _STATE.patches + _STATE.engine_patches, []
+    _STATE.engine_patches = []
     for p in reversed(patches):
         if getattr(p.owner, p.name) is p.replacement:
             setattr(p.owner, p.name, p.original)

@@ -1,0 +1,171 @@
+"""Elastic KV's engine-core side through vLLM 0.33.0's own ``Scheduler``, ``KVCacheManager`` and
+``BlockPool`` (CPU, no workers' memory): the plugin's engine sites are installed on vLLM's
+classes, the pool comes from the patched ``Scheduler.__init__``, every ``SchedulerOutput`` goes
+to the plugin's worker step (``ElasticWorker`` over a block counter, ``trace.counting_worker``),
+whose stamp returns on the output as a worker's would. The traces are ``vmmkv.integrations.vllm.
+trace``'s (2048 blocks, DeepSeek-V3.2 specs, 2 layers).
+
+Checked, on three seeds: committed memory against blocks in use per phase (steady, drain, idle),
+the same trace with vLLM's own free order (the order is what makes memory follow load), prefix
+hits against unmodified vLLM, no step touching an uncommitted block (``TraceRun`` asserts it at
+every step), the square wave (one release per period, no drift), a grow refused by the group,
+released cached blocks losing their hash, vLLM's prefix-cache reset with parked blocks,
+determinism, and async scheduling (vLLM's ``AsyncScheduler``, a batch queue of 2).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import vllm_marks
+
+pytestmark = vllm_marks()
+
+N = 2048
+W = 160
+KNOBS = {
+    "VLLM_VMMKV_ELASTIC": "1",
+    "VMMKV_CHUNK_MIB": "1.5",  # 15 blocks of 100,864 B per chunk
+    "VMMKV_ELASTIC_WATERMARK_BLOCKS": str(W),
+    "VMMKV_ELASTIC_FLOOR_BLOCKS": "64",
+    "VMMKV_ELASTIC_CACHED_BLOCKS": "256",
+}
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    """The plugin's engine-core sites on vLLM's classes for one test, with the trace's knobs."""
+    from vmmkv.integrations.vllm import _patches
+
+    for k, v in KNOBS.items():
+        monkeypatch.setenv(k, v)
+    _patches.install_engine()
+    try:
+        yield monkeypatch
+    finally:
+        _patches.uninstall()
+
+
+def _run(trace="burst", seed=0, **kw):
+    from vmmkv.integrations.vllm.trace import TraceRun
+
+    run = TraceRun(trace=trace, seed=seed, num_blocks=N, **kw)
+    run.run()
+    return run
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_committed_memory_follows_load_and_vllms_own_order_does_not(engine, seed):
+    plain = _run(seed=seed, elastic=False)
+    run = _run(seed=seed)
+    engine.setenv("VMMKV_ELASTIC_ORDER", "lifo")
+    lifo = _run(seed=seed)
+    engine.delenv("VMMKV_ELASTIC_ORDER")
+    m, p, lf = run.phase_means(), plain.phase_means(), lifo.phase_means()
+    assert p["steady"]["committed"] == N  # vLLM unchanged commits everything
+    steady, drain = m["steady"], m["drain"]
+    bound = steady["in_use"] + steady["cached_free"] + 2 * W
+    assert steady["committed"] <= 1.1 * bound, (steady, bound)
+    assert steady["committed"] <= 0.85 * N, steady
+    assert drain["committed"] <= 0.6 * N, drain
+    assert lf["drain"]["committed"] >= 0.9 * N, lf["drain"]  # LIFO keeps the tail in use
+    assert run.hit_tokens >= 0.95 * plain.hit_tokens > 0
+    assert run.preemptions == plain.preemptions == 0
+    floor = run.el.s.floor
+    assert m["idle"]["end"] == floor and run.el.stats()["in_use"] == 0
+    # the same trace gives the same committed sizes step by step
+    again = _run(seed=seed)
+    assert [s.committed for s in again.steps] == [s.committed for s in run.steps]
+
+
+def test_async_scheduling_follows_load_without_touching_uncommitted_blocks(engine):
+    """vLLM's AsyncScheduler, step k+1 scheduled before step k's output (batch queue of 2):
+    confirmations arrive a step later; ``TraceRun`` checks every step's blocks."""
+    run = _run(async_depth=2)
+    plain = _run(async_depth=2, elastic=False)
+    m = run.phase_means()
+    assert m["drain"]["committed"] <= 0.6 * N
+    assert m["idle"]["end"] == run.el.s.floor
+    assert run.hit_tokens >= 0.95 * plain.hit_tokens
+    assert run.el.counts["grows"] > 0 and run.el.counts["releases"] > 0
+
+
+def test_square_wave_releases_once_per_period_without_drift(engine):
+    run = _run(trace="square")
+    per = []
+    steps = run.steps
+    for p in range(10):
+        rows = [s for s in steps if s.phase in (f"high{p}", f"low{p}")]
+        start = steps.index(rows[0])
+        sizes = [steps[start - 1].committed if start else run.el.s.floor] + [
+            s.committed for s in rows
+        ]
+        pairs = list(zip(sizes, sizes[1:], strict=False))
+        per.append(
+            (
+                sum(b > a for a, b in pairs),
+                sum(b < a for a, b in pairs),
+                max(s.in_use for s in rows),
+                min(sizes),
+                max(sizes),
+            )
+        )
+    assert all(releases <= 1 for _, releases, *_ in per), per
+    assert len(set(per[1:])) == 1, per  # periods 2-10 alike: the same grows, sizes, peak
+    assert per[1][2] >= 1400 and per[1][3] <= 0.3 * N  # a real wave: high in use, low floor
+
+
+def test_a_refused_grow_keeps_every_size_and_the_next_grow_works(engine):
+    """The worker refuses the 2nd grow (as vmmkv's resize does on every rank: an error, sizes
+    unchanged); the scheduler keeps its limit, hands out nothing beyond it, and grows later."""
+    from vmmkv.integrations.vllm._elastic import RESIZE
+    from vmmkv.integrations.vllm._elastic_sites import ElasticWorker, step_block_ids
+    from vmmkv.integrations.vllm.trace import CountingCache, TraceRun
+
+    run = TraceRun(trace="burst", seed=0, num_blocks=N)
+    run.build()
+    cache, worker = CountingCache(run.el.s.floor), ElasticWorker()
+    grows = []
+    real_grow = cache.grow
+
+    def grow(n):
+        grows.append(n)
+        if len(grows) == 2:
+            raise RuntimeError("injected: the group refused the grow")
+        return real_grow(n)
+
+    cache.grow = grow
+    refused_at = []
+
+    def on_step(so):
+        before = cache.committed_blocks
+        worker.apply(cache, getattr(so, RESIZE))
+        cache.check_blocks(step_block_ids(so))
+        if worker.error is not None and not refused_at:
+            refused_at.append((len(run.steps), before, run.el.limit))
+            assert cache.committed_blocks == before
+        return worker.stamp(cache)
+
+    run.run(on_step=on_step, on_idle=lambda r: worker.apply(cache, r))
+    assert run.el.counts["refused"] == 1 and "injected" in run.el.last_error
+    step, before, limit = refused_at[0]
+    assert before == limit  # the limit was not raised by the refused request
+    assert run.el.counts["grows"] >= 3 and len(grows) >= 3  # later grows succeeded
+    assert run.steps[step + 1].committed == limit  # unchanged right after the refusal
+    assert run.preemptions == 0
+
+
+def test_released_cached_blocks_lose_their_hash_and_reset_sees_parked_blocks(engine):
+    run = _run()
+    el, pool = run.el, run.pool
+    assert el.counts["cached_dropped"] > 0
+    parked = pool.blocks[el.limit :]
+    assert parked and all(b.block_hash is None and b.ref_cnt == 0 for b in parked)
+    hashed = {b.block_id for b in pool.blocks if b.block_hash is not None}
+    assert not hashed & {b.block_id for b in parked}
+    assert len(el.queue.lru) <= el.s.cached_blocks
+    # vLLM's reset (sleep level >= 1, RL weight updates) counts every block outside the queue
+    # as in use; parked ones are free
+    assert run.scheduler.reset_prefix_cache()
+    assert not any(b.block_hash is not None for b in pool.blocks)
+    assert pool.get_usage() == 0.0 and el.queue.num_free_blocks == el.limit - 1

@@ -1,0 +1,322 @@
+"""Elastic KV: the vLLM 0.33.0 call sites elastic mode adds, in the engine core and in every
+worker (``_elastic`` holds the policy; the package docstring, "Elastic KV", the user's view).
+
+Engine core (``ENGINE_SITES``, installed by :func:`install_engine` when elastic mode is on):
+
+| site | replaced by |
+|---|---|
+| ``Scheduler.__init__`` | vLLM's, then an :class:`~._elastic.ElasticPool` on its block pool (PCP > 1 only; refusals first) |
+| ``Scheduler.schedule`` | the pool's step (cached cap, grow or release), vLLM's schedule, the resize request set on the output |
+| ``Scheduler.update_from_output`` | the pool reads the worker's stamp (confirms or refuses a pending grow), then vLLM's |
+| ``EngineCoreProc._process_input_queue`` (the busy loop of an engine-core process) | while idle with blocks above the floor: wait ``idle_seconds`` for a request, else the idle release through ``collective_rpc`` (ordered with every step in vLLM's one queue), then vLLM's |
+
+Worker (``WORKER_SITES``, added to the plugin's sites in elastic mode):
+
+| site | replaced by |
+|---|---|
+| ``GPUModelRunner.update_requests`` | the step's resize request applied (collective, once per sequence number, before vLLM's zeroing and block copies, outside any graph), every block id the step adds checked committed, then vLLM's |
+| ``GPUModelRunner.execute_model``, ``sample_tokens`` | vLLM's; the output stamped ``(seq, committed blocks, error)`` |
+
+Why the worker may resize there: every PCP rank receives the same ``SchedulerOutput``s in the
+same order and runs ``update_requests`` for each (even a step of 0 tokens), before any graph
+replay; vmmkv's resize checks that every rank asks for the same size. A grow refused by the
+group leaves every rank at its old size with the same error; the worker reports it on its
+output instead of failing the step, because the scheduler hands out the new blocks only after a
+confirmation. Local state: one :class:`ElasticWorker` per worker process, reset with each cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections.abc import Callable
+from typing import Any
+
+from ._elastic import RESIZE, STAMP, ElasticPool, elastic_settings
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ENGINE_SITES", "WORKER", "WORKER_SITES", "ElasticWorker", "worker_resize"]
+
+
+def block_bytes(kv_cache_config: Any) -> int:
+    """Bytes of one block over every layer (one replica): vLLM's backing allocation (every
+    ``KVCacheTensor`` places its layers in the same one and names its size) over the block
+    count. The engine core's copy of the config keeps the tensors (its groups' specs do not: a
+    uniform group keeps one layer's spec), so both sides derive the same quantum."""
+    return max(t.size for t in kv_cache_config.kv_cache_tensors) // kv_cache_config.num_blocks
+
+
+def settings_for(vllm_config: Any, kv_cache_config: Any, chunk_bytes: int):
+    """:func:`~._elastic.elastic_settings` from vLLM's configs, identical in every process."""
+    sc = vllm_config.scheduler_config
+    return elastic_settings(
+        kv_cache_config.num_blocks, block_bytes(kv_cache_config), chunk_bytes,
+        block_size=vllm_config.cache_config.block_size,
+        max_num_batched_tokens=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs,
+        async_scheduling=bool(sc.async_scheduling),
+    )  # fmt: skip
+
+
+def check_elastic_config(cfg: Any) -> None:
+    """Refuse what elastic mode has not been built or tested for (local, before any
+    collective): pipeline parallelism, KV events, and anything the plugin refuses anyway."""
+    from ._layout import UnsupportedKVCache
+
+    if cfg.parallel_config.pipeline_parallel_size > 1:
+        raise UnsupportedKVCache("elastic KV (VLLM_VMMKV_ELASTIC=1) with pipeline parallelism")
+    events = getattr(cfg, "kv_events_config", None)
+    if events is not None and getattr(events, "enable_kv_cache_events", False):
+        raise UnsupportedKVCache(
+            "elastic KV (VLLM_VMMKV_ELASTIC=1) with KV cache events: a released block's hash "
+            "is dropped without a BlockRemoved event consumers would trust"
+        )
+
+
+# -- the worker ------------------------------------------------------------------------------
+
+
+class ElasticWorker:
+    """A worker's applied resize requests: the last sequence number and its outcome."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.seq = 0
+        self.error: str | None = None
+
+    def apply(self, cache: Any, resize: tuple[int, int] | None) -> None:
+        """Collective when ``resize`` carries a new sequence number: every PCP rank gets the
+        same one in the same step. A refused resize (the group's error, every size unchanged)
+        is recorded for the stamp; one that left this rank's size changed re-raises."""
+        if resize is None or resize[0] <= self.seq:
+            return
+        seq, target = resize
+        self.seq, self.error = seq, None
+        before = cache.committed_blocks
+        if target == before:
+            return
+        try:
+            (cache.grow if target > before else cache.shrink)(target)
+        except Exception as exc:
+            if cache.committed_blocks != before:
+                raise
+            self.error = f"rank {cache.rank}: {type(exc).__name__}: {exc}"
+            log.warning("vmmkv: elastic resize %d -> %d refused: %s", before, target, self.error)
+
+    def stamp(self, cache: Any) -> tuple[int, int, str | None]:
+        return (self.seq, cache.committed_blocks, self.error)
+
+
+WORKER = ElasticWorker()
+
+
+def step_block_ids(so: Any) -> list[int]:
+    """Every block id a ``SchedulerOutput`` adds to the workers' block tables, zeroes or copies."""
+    ids = [i for r in so.scheduled_new_reqs for g in r.block_ids for i in g]
+    for new in so.scheduled_cached_reqs.new_block_ids:
+        if new:
+            ids += [i for g in new for i in g]
+    ids += so.new_block_ids_to_zero or ()
+    for pair in so.kv_cache_block_copies or ():
+        ids += pair
+    return ids
+
+
+def on_update_requests(cache: Any, so: Any) -> None:
+    """The worker's part of a step, before vLLM's ``update_requests``: apply the step's resize
+    request, then refuse any block id the step adds beyond the committed blocks."""
+    WORKER.apply(cache, getattr(so, RESIZE, None))
+    cache.check_blocks(step_block_ids(so))
+
+
+def stamp_output(out: Any, cache: Any) -> Any:
+    """The worker's output carrying this worker's stamp; an async output stamps the output it
+    yields later with the stamp of now (the step's). vLLM's shared empty output is copied."""
+    if out is None or cache is None:
+        return out
+    stamp = WORKER.stamp(cache)
+    get_output = getattr(out, "get_output", None)
+    if get_output is not None and not hasattr(out, "req_ids"):
+
+        def stamped_get_output():
+            return _stamped(get_output(), stamp)
+
+        out.get_output = stamped_get_output
+        return out
+    return _stamped(out, stamp)
+
+
+def _stamped(out: Any, stamp: tuple) -> Any:
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+    if out is EMPTY_MODEL_RUNNER_OUTPUT:
+        import copy
+
+        out = copy.copy(out)
+    setattr(out, STAMP, stamp)
+    return out
+
+
+def worker_resize(worker: Any, seq: int, target: int) -> tuple[int, int, str | None] | None:
+    """The idle release's ``collective_rpc`` body on every worker (``worker`` is vLLM's worker,
+    unused): apply ``(seq, target)``; returns this worker's stamp (None without a cache)."""
+    from ._patches import active_cache
+
+    cache = active_cache()
+    if cache is None:
+        return None
+    WORKER.apply(cache, (seq, target))
+    return WORKER.stamp(cache)
+
+
+def _update_requests(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def update_requests(self, scheduler_output):
+        from ._patches import active_cache
+
+        cache = active_cache()
+        if cache is not None:
+            on_update_requests(cache, scheduler_output)
+        return orig(self, scheduler_output)
+
+    return update_requests
+
+
+def _stamping(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def stamped(self, *args, **kwargs):
+        from ._patches import active_cache
+
+        return stamp_output(orig(self, *args, **kwargs), active_cache())
+
+    return stamped
+
+
+WORKER_SITES: tuple[tuple[str, str, Callable[..., Any], tuple[str, ...]], ...] = (
+    (
+        "vllm.v1.worker.gpu.model_runner", "GPUModelRunner.update_requests", _update_requests,
+        ("self", "scheduler_output"),
+    ),
+    (
+        "vllm.v1.worker.gpu.model_runner", "GPUModelRunner.execute_model", _stamping,
+        ("self", "scheduler_output", "intermediate_tensors", "dummy_run",
+         "skip_attn_for_dummy_run", "is_profile", "context_len", "valid_dummy_state_slots",
+         "randomize_inputs"),
+    ),
+    (
+        "vllm.v1.worker.gpu.model_runner", "GPUModelRunner.sample_tokens", _stamping,
+        ("self", "grammar_output"),
+    ),
+)  # fmt: skip
+
+
+# -- the engine core -------------------------------------------------------------------------
+
+
+def pool_of(scheduler: Any) -> ElasticPool | None:
+    return getattr(scheduler, "_vmmkv_elastic", None)
+
+
+def install_pool(scheduler: Any, chunk_bytes: int) -> ElasticPool:
+    """An :class:`ElasticPool` on the scheduler's (single) block pool; vLLM's whole-pool
+    questions (usage, prefix-cache reset) answered over the committed blocks."""
+    cfg = scheduler.vllm_config
+    check_elastic_config(cfg)
+    pool = scheduler.kv_cache_manager.block_pool
+    el = ElasticPool(pool, settings_for(cfg, scheduler.kv_cache_config, chunk_bytes))
+    reset = pool.reset_prefix_cache
+
+    def reset_prefix_cache():  # vLLM counts every block not in the queue as in use
+        el.queue.num_free_blocks += el.parked()
+        try:
+            return reset()
+        finally:
+            el.queue.num_free_blocks -= el.parked()
+
+    pool.reset_prefix_cache = reset_prefix_cache
+    pool.get_usage = el.usage
+    scheduler._vmmkv_elastic = el
+    log.info(
+        "vmmkv: elastic KV: %d of %d blocks committed at start (floor), watermark %d, "
+        "quantum %d, cached cap %d", el.limit, el.s.num_blocks, el.s.watermark, el.s.quantum,
+        el.s.cached_blocks,
+    )  # fmt: skip
+    return el
+
+
+def _scheduler_init(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def __init__(self, vllm_config, kv_cache_config, *args, **kwargs):
+        from ._cache import elastic_chunk_bytes
+
+        orig(self, vllm_config, kv_cache_config, *args, **kwargs)
+        if vllm_config.parallel_config.prefill_context_parallel_size > 1:
+            install_pool(self, elastic_chunk_bytes())
+
+    return __init__
+
+
+def _schedule(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def schedule(self, *args, **kwargs):
+        el = pool_of(self)
+        if el is not None:
+            el.before_schedule()
+        out = orig(self, *args, **kwargs)
+        if el is not None:
+            el.after_schedule(self, out)
+        return out
+
+    return schedule
+
+
+def _update_from_output(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def update_from_output(self, scheduler_output, model_runner_output):
+        el = pool_of(self)
+        if el is not None:
+            el.on_output(model_runner_output)
+        return orig(self, scheduler_output, model_runner_output)
+
+    return update_from_output
+
+
+def idle_release(engine: Any, el: ElasticPool) -> None:
+    """Release down to the floor on every worker through ``collective_rpc``; every worker must
+    report the same size (RuntimeError naming each worker's stamp otherwise)."""
+    resize = el.idle_release()
+    if resize is None:
+        return
+    stamps = [s for s in engine.collective_rpc(worker_resize, args=resize) if s is not None]
+    if any(s[:2] != (resize[0], resize[1]) for s in stamps):
+        raise RuntimeError(f"vmmkv: elastic idle release to {resize[1]} blocks: stamps {stamps}")
+
+
+def _process_input_queue(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def _process_input_queue(self):
+        el = pool_of(self.scheduler)
+        if el is not None and el.limit > el.s.floor and not self.has_work() and self.is_running():
+            try:
+                req = self.input_queue.get(timeout=el.s.idle_seconds)
+            except queue.Empty:
+                idle_release(self, el)
+            else:
+                self._handle_client_request(*req)
+        return orig(self)
+
+    return _process_input_queue
+
+
+ENGINE_SITES: tuple[tuple[str, str, Callable[..., Any], tuple[str, ...]], ...] = (
+    (
+        "vllm.v1.core.sched.scheduler", "Scheduler.__init__", _scheduler_init,
+        ("self", "vllm_config", "kv_cache_config", "structured_output_manager", "block_size",
+         "hash_block_size", "mm_registry", "include_finished_set", "log_stats"),
+    ),
+    (
+        "vllm.v1.core.sched.scheduler", "Scheduler.schedule", _schedule,
+        ("self", "throttle_prefills"),
+    ),
+    (
+        "vllm.v1.core.sched.scheduler", "Scheduler.update_from_output", _update_from_output,
+        ("self", "scheduler_output", "model_runner_output"),
+    ),
+    ("vllm.v1.engine.core", "EngineCoreProc._process_input_queue", _process_input_queue, ("self",)),
+)  # fmt: skip

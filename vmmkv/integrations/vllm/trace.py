@@ -1,0 +1,284 @@
+"""Seeded load traces through vLLM 0.33.0's own ``Scheduler``, ``KVCacheManager`` and
+``BlockPool`` on the CPU (no model: every scheduled request samples one fixed token), with or
+without elastic KV. For the elastic tests and ``benchmarks/bench_elastic.py``; needs vLLM.
+
+Traces (block size 64, DeepSeek-V3.2 cache specs):
+
+- ``"burst"``: 120 requests at step 0 (prompts 200-1500 tokens, outputs 50-400), steps 0-149;
+  then about 0.5 arrivals per step (prompts 100-800, outputs 50-300) to step 749 (steady); no
+  arrivals to step 999 (drain); then idle to step 1099. 30 % of the prompts start with one
+  shared 512-token prefix.
+- ``"square"``: a square wave of blocks in use, 10 periods of 100 steps, then idle: 100
+  requests of 15 blocks (about 1500 blocks) at the start of each high half, 13 (about 200) at
+  the start of each low half, each ending within its half (40 output tokens; 16384 tokens per
+  step, so the prefills take 6 steps).
+
+The engine's idle hook is emulated: after ``IDLE_STEPS`` steps without a request, the pool's
+``idle_release`` runs once (``on_idle`` receives its resize request). Async scheduling
+(``async_depth=2``: vLLM's ``AsyncScheduler``) schedules step k+1 before step k's output is
+processed, as ``EngineCore.step_with_batch_queue`` does.
+
+Local; each :class:`TraceRun` owns its scheduler.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._elastic import RESIZE, STAMP
+
+__all__ = ["IDLE_STEPS", "PHASES", "CountingCache", "TraceRun", "TraceStep"]
+
+BS = 64
+IDLE_STEPS = 20
+PHASES = {
+    "burst": (("burst", 150), ("steady", 600), ("drain", 250), ("idle", 100)),
+    "square": tuple((f"{h}{p}", 50) for p in range(10) for h in ("high", "low")) + (("idle", 60),),
+}
+
+
+class CountingCache:
+    """The workers' committed size without memory, for traces of the scheduler alone: what
+    ``ElasticWorker`` needs of a ``VllmKVCache`` (every grow succeeds)."""
+
+    rank = 0
+
+    def __init__(self, committed: int) -> None:
+        self.committed_blocks = committed
+
+    def grow(self, n: int) -> int:
+        self.committed_blocks = n
+        return n
+
+    shrink = grow
+
+    def check_blocks(self, block_ids: list[int]) -> None:
+        if block_ids and max(block_ids) >= self.committed_blocks:
+            raise AssertionError(f"block {max(block_ids)} >= {self.committed_blocks} committed")
+
+
+def counting_worker(run: TraceRun) -> Callable[[Any], Any]:
+    """An ``on_step`` for :meth:`TraceRun.run`: the plugin's worker step
+    (``_elastic_sites.ElasticWorker``) over a :class:`CountingCache` starting at the floor."""
+    from ._elastic_sites import ElasticWorker, step_block_ids
+
+    cache, worker = CountingCache(run.el.s.floor), ElasticWorker()
+
+    def on_step(so: Any) -> Any:
+        worker.apply(cache, getattr(so, RESIZE))
+        cache.check_blocks(step_block_ids(so))
+        return worker.stamp(cache)
+
+    run.on_idle_default = lambda resize: worker.apply(cache, resize)
+    return on_step
+
+
+@dataclass
+class TraceStep:
+    """One step of a trace, as the scheduler saw it after its output was processed."""
+
+    step: int
+    phase: str
+    in_use: int  # blocks with a reference (the null block aside)
+    cached_free: int  # free blocks holding a prefix-cache entry, committed
+    committed: int  # the blocks the pool may hand out (all of them without elastic KV)
+    scheduled: bool  # whether the scheduler ran this step
+
+
+@dataclass
+class TraceRun:
+    """A seeded trace through vLLM's scheduler. ``elastic``: install the elastic pool (through
+    the plugin's patched ``Scheduler.__init__``; the caller installs the engine sites);
+    ``order``: the elastic queue's order ("lowest" or vLLM's "lifo")."""
+
+    trace: str = "burst"
+    seed: int = 0
+    num_blocks: int = 2048
+    elastic: bool = True
+    async_depth: int = 1
+    world: int = 2
+    layers: int = 2
+    max_num_batched_tokens: int = 4096
+    max_num_seqs: int = 128
+    steps: list[TraceStep] = field(default_factory=list)
+    hit_tokens: int = 0
+    preemptions: int = 0
+    outputs: list[Any] = field(default_factory=list)
+
+    def build(self) -> Any:
+        from vllm.config import set_current_vllm_config
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import (
+            generate_scheduler_kv_cache_config,
+            get_request_block_hasher,
+            init_none_hash,
+        )
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        from .testing import build_kv_cache_config
+
+        cfg, kvc = build_kv_cache_config(
+            "BLNHC", num_blocks=self.num_blocks, num_layers=self.layers, pcp=self.world
+        )
+        self.worker_kv_cache_config = kvc
+        kvc = generate_scheduler_kv_cache_config([kvc])
+        cfg.cache_config.num_gpu_blocks = kvc.num_blocks
+        cfg.cache_config.enable_prefix_caching = True
+        for c in (cfg.model_config, cfg.scheduler_config):
+            c.max_model_len = 4096
+        cfg.scheduler_config.max_num_batched_tokens = (
+            16384 if self.trace == "square" else self.max_num_batched_tokens
+        )
+        cfg.scheduler_config.max_num_seqs = self.max_num_seqs
+        cfg.scheduler_config.async_scheduling = self.async_depth > 1
+        hf = get_hash_fn_by_name(cfg.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hf)
+        self._hasher = get_request_block_hasher(BS, hf)
+        cls = AsyncScheduler if self.async_depth > 1 else Scheduler
+        if not self.elastic:  # the same config without the pool: PCP 1 in the scheduler's eyes
+            cfg.parallel_config.prefill_context_parallel_size = 1
+        with set_current_vllm_config(cfg):
+            self.scheduler = cls(
+                vllm_config=cfg, kv_cache_config=kvc,
+                structured_output_manager=StructuredOutputManager(cfg), block_size=BS,
+                log_stats=False,
+            )  # fmt: skip
+        self.vllm_config = cfg
+        self.pool = self.scheduler.kv_cache_manager.block_pool
+        self.el = getattr(self.scheduler, "_vmmkv_elastic", None)
+        if self.elastic and self.el is None:
+            raise RuntimeError("elastic trace: the engine sites are not installed")
+        self._rng = random.Random(self.seed)
+        self._shared = [self._rng.randrange(500) for _ in range(512)]
+        self._n = 0
+        return self.scheduler
+
+    # -- requests ---------------------------------------------------------------------------
+    def _add(self, plen: int, out: int, shared: bool | None = None) -> str:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        rng = self._rng
+        toks = [rng.randrange(500) for _ in range(plen)]
+        if shared if shared is not None else rng.random() < 0.3:
+            toks = self._shared + toks
+        rid = f"r{self._n}"
+        self._n += 1
+        self.scheduler.add_request(
+            Request(
+                request_id=rid,
+                prompt_token_ids=toks,
+                sampling_params=SamplingParams(max_tokens=out, ignore_eos=True),
+                pooling_params=None,
+                block_hasher=self._hasher,
+            )  # fmt: skip
+        )
+        return rid
+
+    def _arrivals(self, phase: str, k: int) -> None:
+        rng = self._rng
+        if self.trace == "burst":
+            if phase == "burst" and k == 0:
+                for _ in range(120):
+                    self._add(rng.randrange(200, 1500), rng.randrange(50, 400))
+            elif phase == "steady":
+                p = rng.random()
+                while p > 0.67:  # about 0.5 arrivals per step, geometric
+                    self._add(rng.randrange(100, 800), rng.randrange(50, 300))
+                    p = rng.random()
+            return
+        if k == 0:  # each half period's requests end within it (prefill + 40 decodes)
+            for _ in range(100 if phase.startswith("high") else 13 if phase != "idle" else 0):
+                self._add(15 * BS - 8, 40, shared=False)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(
+        self,
+        on_step: Callable[[Any], Any] | None = None,
+        on_idle: Callable[[tuple[int, int]], None] | None = None,
+    ) -> list[TraceStep]:
+        """Run the trace. ``on_step(scheduler_output)`` (the workers' part) returns the stamp
+        the output rank puts on its output, or None; ``on_idle(resize)`` gets the idle
+        release's request. Returns the per-step records (also in ``self.steps``)."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        s = self.build() if not hasattr(self, "scheduler") else self.scheduler
+        if on_step is None and self.el is not None:
+            on_step = counting_worker(self)
+            on_idle = on_idle or self.on_idle_default
+        inflight: deque[tuple[Any, Any]] = deque()
+        idle = step = 0
+
+        def process(so: Any, stamp: Any) -> None:
+            ids = list(so.num_scheduled_tokens)
+            out = ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={r: j for j, r in enumerate(ids)},
+                sampled_token_ids=[[7] for _ in ids],
+            )  # fmt: skip
+            if stamp is not None:
+                setattr(out, STAMP, stamp)
+            s.update_from_output(so, out)
+
+        for phase, length in PHASES[self.trace]:
+            for k in range(length):
+                self._arrivals(phase, k)
+                busy = s.has_requests() or bool(inflight)
+                idle = 0 if busy else idle + 1
+                if idle == IDLE_STEPS and self.el is not None:
+                    resize = self.el.idle_release()
+                    if resize is not None and on_idle is not None:
+                        on_idle(resize)
+                ran = s.has_requests()
+                if ran:
+                    so = s.schedule()
+                    self.hit_tokens += sum(r.num_computed_tokens for r in so.scheduled_new_reqs)
+                    self.preemptions += len(so.preempted_req_ids or ())
+                    if self.el is not None:
+                        self._check_committed(so)
+                    inflight.append((so, on_step(so) if on_step is not None else None))
+                while inflight and (len(inflight) >= self.async_depth or not ran):
+                    process(*inflight.popleft())
+                self.steps.append(self._record(step, phase, ran))
+                step += 1
+        while inflight:
+            process(*inflight.popleft())
+        return self.steps
+
+    def _check_committed(self, so: Any) -> None:
+        from ._elastic_sites import step_block_ids
+
+        ids = step_block_ids(so)
+        if ids and max(ids) >= self.el.limit:
+            raise AssertionError(
+                f"step uses block {max(ids)} beyond the committed limit {self.el.limit}"
+            )
+        if getattr(so, RESIZE)[1] < self.el.limit:
+            raise AssertionError(f"target {getattr(so, RESIZE)} below the limit {self.el.limit}")
+
+    def _record(self, step: int, phase: str, ran: bool) -> TraceStep:
+        blocks = self.pool.blocks
+        limit = self.el.limit if self.el is not None else self.num_blocks
+        in_use = sum(1 for b in blocks if b.ref_cnt > 0 and not b.is_null)
+        cached = sum(1 for b in blocks[:limit] if b.ref_cnt == 0 and b.block_hash is not None)
+        return TraceStep(step, phase, in_use, cached, limit, ran)
+
+    # -- summaries --------------------------------------------------------------------------
+    def phase_means(self) -> dict[str, dict[str, float]]:
+        """Per phase: mean blocks in use, cached-free, committed; committed at its end."""
+        out: dict[str, dict[str, float]] = {}
+        for phase, _ in PHASES[self.trace]:
+            rows = [r for r in self.steps if r.phase == phase]
+            n = len(rows)
+            out[phase] = {
+                "in_use": sum(r.in_use for r in rows) / n,
+                "cached_free": sum(r.cached_free for r in rows) / n,
+                "committed": sum(r.committed for r in rows) / n,
+                "end": rows[-1].committed,
+            }
+        return out
