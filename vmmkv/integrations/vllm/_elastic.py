@@ -357,9 +357,9 @@ class ElasticPool:
         self._cap_cached()
         s = self.s
         free = self.queue.num_free_blocks
-        if self.hold:
+        if self.hold:  # a grow was refused: wait release_steps steps before the next
             self.hold -= 1
-        if self.pending is None and not self.hold and self.limit < s.num_blocks:
+        elif self.pending is None and self.limit < s.num_blocks:
             if free < s.watermark or self.starved:
                 self.seq += 1
                 self.target = s.round(self.limit + max(s.watermark, self.limit // 4))

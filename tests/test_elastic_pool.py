@@ -1,0 +1,258 @@
+"""Elastic KV's engine-core pieces without vLLM (``vmmkv.integrations.vllm._elastic``): the free
+queue's order and bookkeeping, the pool's two-phase grow, calm-gated release, cached cap and
+idle release, and the settings' knobs. A minimal stand-in for vLLM's ``BlockPool`` holds the
+blocks (id, ref count, hash) and evicts a hash as vLLM's ``_maybe_evict_cached_block`` does;
+``tests/test_vllm_elastic.py`` runs the same code inside vLLM's real scheduler."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from vmmkv.integrations.vllm._elastic import (
+    STAMP,
+    ElasticPool,
+    LowestIdFreeQueue,
+    elastic_enabled,
+    elastic_settings,
+)
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: object = None
+    is_null: bool = False
+
+
+class Pool:
+    """What ElasticPool uses of vLLM's BlockPool, with vLLM's semantics for handing out and
+    freeing (get_new_blocks / free_blocks / touch)."""
+
+    def __init__(self, n: int) -> None:
+        self.num_gpu_blocks = n
+        self.blocks = [Block(i) for i in range(n)]
+        self.blocks[0].is_null = True
+        self.free_block_queue = None  # the elastic queue replaces it
+
+    def get_num_free_blocks(self) -> int:
+        q = self.free_block_queue
+        return self.num_gpu_blocks - 1 if q is None else q.num_free_blocks
+
+    def _maybe_evict_cached_block(self, b: Block) -> bool:
+        had, b.block_hash = b.block_hash is not None, None
+        return had
+
+    def get_new_blocks(self, n: int) -> list[Block]:
+        out = self.free_block_queue.popleft_n(n)
+        for b in out:
+            self._maybe_evict_cached_block(b)
+            b.ref_cnt += 1
+        return out
+
+    def free_blocks(self, blocks: list[Block]) -> None:
+        plain, cached = [], []
+        for b in blocks:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                (plain if b.block_hash is None else cached).append(b)
+        self.free_block_queue.prepend_n(plain)
+        self.free_block_queue.append_n(cached)
+
+    def touch(self, blocks: list[Block]) -> None:
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.free_block_queue.remove(b)
+            b.ref_cnt += 1
+
+
+def _settings(n=256, **kw):
+    env = {
+        "VMMKV_ELASTIC_WATERMARK_BLOCKS": str(kw.pop("watermark", 16)),
+        "VMMKV_ELASTIC_FLOOR_BLOCKS": str(kw.pop("floor", 32)),
+        "VMMKV_ELASTIC_CACHED_BLOCKS": str(kw.pop("cached", 8)),
+        "VMMKV_ELASTIC_RELEASE_STEPS": str(kw.pop("steps", 3)),
+        **kw.pop("env", {}),
+    }
+    return elastic_settings(
+        n, 1000, 4000, block_size=64, max_num_batched_tokens=256, max_num_seqs=8,
+        async_scheduling=False, env=env,
+    )  # fmt: skip
+
+
+def _stamp(seq, committed, error=None):
+    return type("Out", (), {STAMP: (seq, committed, error)})()
+
+
+def test_the_queue_hands_out_the_lowest_free_id_cached_or_not_and_lifo_is_vllms_order():
+    blocks = [Block(i) for i in range(12)]
+    q = LowestIdFreeQueue(blocks, range(1, 12))
+    got = q.popleft_n(6)
+    assert [b.block_id for b in got] == [1, 2, 3, 4, 5, 6]
+    q.prepend_n([blocks[5], blocks[2]])  # freed without a hash
+    q.append_n([blocks[4], blocks[1]])  # freed with one (cached): oldest first in the LRU
+    assert q.num_free_blocks == 9 and list(q.lru) == [4, 1]
+    assert [q.popleft().block_id for _ in range(5)] == [1, 2, 4, 5, 7]
+    q.remove(blocks[9])
+    assert [b.block_id for b in q.get_all_free_blocks()] == [8, 10, 11]
+    assert not q.contains(9) and q.contains(8)
+    with pytest.raises(ValueError, match="cannot take 4 free blocks from 3"):
+        q.popleft_n(4)
+
+    lifo = LowestIdFreeQueue(blocks, range(1, 6), order="lifo")
+    assert [lifo.popleft().block_id for _ in range(3)] == [1, 2, 3]  # vLLM: id order at start
+    lifo.prepend_n([blocks[2], blocks[1]])  # vLLM prepends: blocks[0] of the list comes next
+    lifo.append_n([blocks[3]])
+    assert [b.block_id for b in lifo.popleft_n(4)] == [2, 1, 4, 5]
+    assert lifo.popleft().block_id == 3  # cached ones last
+
+
+def test_the_queue_stays_exact_through_random_churn_with_stale_entries_dropped():
+    """Random hand-outs, frees (cached or not), removals and demotions against a model."""
+    rng = random.Random(7)
+    blocks = [Block(i) for i in range(64)]
+    for order in ("lowest", "lifo"):
+        q = LowestIdFreeQueue(blocks, range(1, 64), order=order)
+        free, used = set(range(1, 64)), set()
+        for _ in range(4000):
+            op = rng.random()
+            if op < 0.4 and free:
+                got = q.popleft_n(rng.randint(1, min(4, len(free))))
+                ids = [b.block_id for b in got]
+                if order == "lowest":
+                    assert ids == sorted(free)[: len(ids)]
+                free -= set(ids)
+                used |= set(ids)
+            elif op < 0.8 and used:
+                b = blocks[rng.choice(sorted(used))]
+                (q.append_n if rng.random() < 0.5 else q.prepend_n)([b])
+                used.remove(b.block_id)
+                free.add(b.block_id)
+            elif free:
+                i = rng.choice(sorted(free))
+                if i in q.lru and rng.random() < 0.5:
+                    q.demote(blocks[i])
+                    continue
+                q.remove(blocks[i])
+                free.remove(i)
+                used.add(i)
+            assert q.num_free_blocks == len(free)
+            assert {b.block_id for b in q.get_all_free_blocks()} == free
+        assert len(q._uncached) <= 4 * 64 + 1 and len(q._cached) <= 4 * 64 + 1
+
+
+def test_settings_defaults_rounding_and_refused_knobs():
+    s = elastic_settings(
+        4096, 3_076_352, 64 << 20, block_size=64, max_num_batched_tokens=8192,
+        max_num_seqs=256, async_scheduling=True, env={},
+    )  # fmt: skip
+    assert s.quantum == 21  # 64 MiB over DeepSeek-V3.2's 3,076,352 B per block
+    assert s.watermark == 1024  # a quarter of the pool (3 steps of 384 blocks would be more)
+    assert s.floor == 2058 and s.floor % s.quantum == 0  # 2 x watermark, rounded up
+    assert s.round(1) == s.floor and s.round(2101) == 2121 and s.round(5000) == 4096
+    assert elastic_enabled({"VLLM_VMMKV_ELASTIC": "1"})
+    assert not elastic_enabled({})
+    with pytest.raises(ValueError, match="VLLM_VMMKV_ELASTIC must be"):
+        elastic_enabled({"VLLM_VMMKV_ELASTIC": "yes"})
+    for var, raw in (
+        ("VMMKV_ELASTIC_WATERMARK_BLOCKS", "0"),
+        ("VMMKV_ELASTIC_IDLE_S", "nan"),
+        ("VMMKV_ELASTIC_RELEASE_STEPS", "ten"),
+        ("VMMKV_ELASTIC_ORDER", "fifo"),
+    ):
+        with pytest.raises(ValueError, match=var):
+            _settings(env={var: raw})
+    with pytest.raises(ValueError, match=">= 2 blocks"):
+        elastic_settings(
+            1, 10, 10, block_size=64, max_num_batched_tokens=1, max_num_seqs=1,
+            async_scheduling=False, env={},
+        )  # fmt: skip
+
+
+def test_a_grow_is_handed_out_only_after_the_workers_confirm_it():
+    pool = Pool(256)
+    el = ElasticPool(pool, _settings())
+    assert el.limit == 32 and pool.get_num_free_blocks() == 31  # the floor, null block aside
+    got = pool.get_new_blocks(20)
+    el.before_schedule()  # 11 free < watermark 16: ask for limit + max(16, limit / 4)
+    assert el.pending == (1, 48) and el.resize_request() == (1, 48) and el.limit == 32
+    el.on_output(_stamp(0, 32))  # an earlier step's output: not the confirmation
+    el.before_schedule()  # no second request while one is pending
+    assert el.limit == 32 and el.seq == 1 and pool.get_num_free_blocks() == 11
+    el.on_output(_stamp(1, 48))
+    assert el.limit == 48 and el.pending is None and pool.get_num_free_blocks() == 27
+    assert max(b.block_id for b in pool.get_new_blocks(27)) == 47
+    pool.free_blocks(got)
+    assert el.counts["grows"] == 1
+
+
+def test_a_refused_grow_keeps_the_limit_and_waits_before_trying_again():
+    pool = Pool(256)
+    el = ElasticPool(pool, _settings(steps=3))
+    pool.get_new_blocks(20)
+    el.before_schedule()
+    el.on_output(_stamp(1, 32, "rank 1: RendezvousError: out of memory"))
+    assert el.limit == 32 and el.target == 32 and el.counts["refused"] == 1
+    assert "out of memory" in el.last_error
+    for _ in range(3):  # held for release_steps steps
+        el.before_schedule()
+        assert el.pending is None
+    el.before_schedule()
+    assert el.pending == (2, 48)
+    el.on_output(_stamp(2, 48))
+    assert el.limit == 48
+
+
+def test_the_tail_is_released_after_calm_steps_losing_its_hashes():
+    pool = Pool(256)
+    el = ElasticPool(pool, _settings(floor=16, steps=3, cached=100))
+    el.limit = 16
+    sizes, live = [], []
+    while el.limit < 128:  # every grow confirmed: limit + max(watermark, limit / 4), rounded
+        live += pool.get_new_blocks(pool.get_num_free_blocks())
+        el.before_schedule()
+        el.on_output(_stamp(el.seq, el.target))
+        sizes.append(el.limit)
+    assert sizes == [32, 48, 64, 80, 100, 128] and el.seq == 6
+    live += pool.get_new_blocks(pool.get_num_free_blocks())
+    held = [b for b in live if b.block_id < 10]  # keep the 9 lowest blocks in use
+    for b in live:
+        if b.block_id >= 10:
+            b.block_hash = ("h", b.block_id)  # cached when freed
+    pool.free_blocks([b for b in live if b.block_id >= 10])
+    assert len(el.queue.lru) == 118
+    for _ in range(2):
+        el.before_schedule()
+        assert el.limit == 128  # calm, not yet long enough
+    el.before_schedule()  # want = 10 + 2 x watermark 16 = 42, rounded to the quantum of 4
+    assert el.limit == 44 and el.resize_request() == (7, 44) and el.counts["releases"] == 1
+    parked = pool.blocks[44:]
+    assert all(b.block_hash is None for b in parked)
+    assert not any(el.queue.contains(b.block_id) for b in parked)
+    assert pool.get_num_free_blocks() == 44 - 1 - len(held)
+    assert el.counts["cached_dropped"] == (118 - 100) + (128 - 44)  # the cap, then the tail
+
+
+def test_the_cached_cap_drops_the_oldest_hashes_and_idle_goes_to_the_floor():
+    pool = Pool(256)
+    el = ElasticPool(pool, _settings(floor=32, cached=4))
+    got = pool.get_new_blocks(10)
+    for i, b in enumerate(got):
+        b.block_hash = ("h", i)
+    pool.free_blocks(got)  # freed in id order: ids 1.. are the oldest
+    el.before_schedule()
+    assert [b.block_id for b in el.queue.lru.values()] == [7, 8, 9, 10]
+    assert all(pool.blocks[i].block_hash is None for i in range(1, 7))
+    assert el.idle_release() is None  # already at the floor
+    el.limit = 32
+    el.queue.prepend_n(pool.blocks[32:64])
+    el.limit = 64
+    keep = pool.get_new_blocks(1)
+    assert keep[0].block_id == 1
+    assert el.idle_release() == (1, 32) and el.limit == 32
+    pool.free_blocks(keep)
+    assert pool.get_num_free_blocks() == 31
+    assert el.usage() == 0.0
