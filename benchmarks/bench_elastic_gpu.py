@@ -72,8 +72,11 @@ def parse_configs(text: str) -> list[tuple[str, int]]:
 
 
 def git_commit() -> str | None:
-    """``git rev-parse --short HEAD`` of this checkout (``+dirty`` with local changes), else
-    ``$GIT_COMMIT`` (a copy without ``.git``, e.g. on a device machine), else None."""
+    """``$GIT_COMMIT`` when set (the device machines run a copy whose ``.git`` may not be the
+    code's), else ``git rev-parse --short HEAD`` of this checkout (``+dirty`` with local
+    changes), else None."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
@@ -82,7 +85,7 @@ def git_commit() -> str | None:
                                capture_output=True, text=True, timeout=30).stdout  # fmt: skip
         return head.strip() + ("+dirty" if dirty.strip() else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("GIT_COMMIT") or None
+        return None
 
 
 class ElasticCache:
