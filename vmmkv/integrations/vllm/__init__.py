@@ -52,6 +52,16 @@ commits fewer blocks than ``num_blocks`` must keep vLLM's block ids below
 ``committed_blocks``; the zeroing and copy wrappers refuse larger ids before vLLM's kernels
 run.
 
+Elastic KV (``VLLM_VMMKV_ELASTIC=1``, with ``VLLM_USE_VMMKV=1``; block-major layouts only): the
+committed blocks follow load. In the engine-core process (``register`` runs there inside
+``EngineCore``'s constructor) the plugin installs ``_elastic_sites.ENGINE_SITES``: vLLM's block
+pool hands out only committed blocks, lowest id first, and the scheduler asks for grows (two
+phases: new blocks are handed out after a worker's output confirms them) and releases (in band,
+after calm steps; idle: through ``collective_rpc``) on every ``SchedulerOutput``. Each worker
+applies the request collectively at the top of ``update_requests`` (``WORKER_SITES``). The
+workers start at the floor both sides compute from the config. ``_elastic`` has the policy,
+docs/design.md "Elastic KV in vLLM" its measured reasons.
+
 Sleep mode (``Worker.sleep``/``wake_up``/``discard``, e.g. RL frameworks between rollouts): the
 plugin registers the sleep-mode backend ``vmmkv`` with vLLM's ``SleepModeBackendFactory``
 (select it with ``--sleep-mode-backend vmmkv``). It wraps vLLM's ``cumem`` backend, which keeps

@@ -6,7 +6,7 @@ Why in the engine core: only the scheduler knows which blocks are free, cached o
 every PCP worker receives its ``SchedulerOutput``s identically and in one order (vLLM's
 broadcast queue). So the decision is made here and rides on every ``SchedulerOutput`` as
 ``vmmkv_resize = (seq, target)``; each worker applies a new ``seq`` once, collectively, before
-vLLM zeroes or copies blocks (``_elastic_worker``). docs/design.md, "Elastic KV", has the
+vLLM zeroes or copies blocks (``_elastic_sites``). docs/design.md, "Elastic KV in vLLM", has the
 measurements behind each rule.
 
 - :class:`LowestIdFreeQueue` replaces vLLM's ``FreeKVCacheBlockQueue`` in the ``BlockPool``
@@ -69,15 +69,16 @@ KNOBS = {
     "order": "VMMKV_ELASTIC_ORDER",  # "lowest" (default) or "lifo" (vLLM's, for comparison)
 }
 ORDERS = ("lowest", "lifo")
-# Elastic mode's chunk: block-major layout, 64 MiB (docs/design.md, "Elastic KV": a 256-block
-# DSv3.2 grow costs one driver call per chunk and peer; 64 MiB keeps committed bytes within
-# half a chunk of the blocks' own and a wake of 100 GiB at 1600 chunks).
+# Elastic mode's chunk: 64 MiB in a block-major layout (docs/design.md, "Elastic KV in
+# vLLM"): a grow costs one driver call per chunk and peer; on one H200, 2 processes, a
+# +256-block DeepSeek-V3.2 grow took 21.6 ms at 64 MiB, 28.3 ms at 32 MiB, and committed bytes
+# stay within 0.4 % of the blocks' own at 1000 blocks.
 ELASTIC_CHUNK_MIB = 64
 CACHED_TOKENS = 16384  # default cap on cached-free blocks, in tokens (kvcached keeps 16000)
 RELEASE_STEPS = 10
 # A release must free at least limit / RELEASE_FRACTION (and release_min): a grow adds
 # limit / 4, so the overshoot of the last grow under steady load is not released and grown
-# again (hysteresis; docs/design.md, "Elastic KV").
+# again (hysteresis; docs/design.md, "Elastic KV in vLLM").
 RELEASE_FRACTION = 8
 IDLE_SECONDS = 5.0
 STAMP = "vmmkv_kv_blocks"  # (seq, committed blocks, error or None) on a ModelRunnerOutput
