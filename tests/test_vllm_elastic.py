@@ -15,6 +15,8 @@ determinism, and async scheduling (vLLM's ``AsyncScheduler``, a batch queue of 2
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.helpers import vllm_marks
@@ -169,3 +171,48 @@ def test_released_cached_blocks_lose_their_hash_and_reset_sees_parked_blocks(eng
     assert run.scheduler.reset_prefix_cache()
     assert not any(b.block_hash is not None for b in pool.blocks)
     assert pool.get_usage() == 0.0 and el.queue.num_free_blocks == el.limit - 1
+
+
+def test_what_elastic_mode_has_not_been_tested_with_is_refused_by_name(engine):
+    """Refused before anything is built: in the engine core (the pool) and in the worker (the
+    allocation: also a layer-major layout)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from vmmkv.integrations.vllm import _patches
+    from vmmkv.integrations.vllm._elastic_sites import check_elastic_config
+    from vmmkv.integrations.vllm._layout import UnsupportedKVCache
+    from vmmkv.integrations.vllm.testing import build_kv_cache_config
+
+    cfg, kvc = build_kv_cache_config("BLNHC", num_blocks=256, num_layers=2, pcp=2)
+    check_elastic_config(cfg)  # the plain PCP config passes
+    cases = {
+        "pipeline parallelism (2 stages)": ("parallel_config", "pipeline_parallel_size", 2),
+        "data parallelism (2 ranks)": ("parallel_config", "data_parallel_size", 2),
+        "speculative decoding": (None, "speculative_config", SimpleNamespace()),
+        "KV cache events": (None, "kv_events_config", SimpleNamespace(enable_kv_cache_events=1)),
+    }
+    for words, (part, name, value) in cases.items():
+        owner = getattr(cfg, part) if part else cfg
+        old = getattr(owner, name, None)
+        object.__setattr__(owner, name, value)
+        try:
+            with pytest.raises(UnsupportedKVCache, match=re.escape(f"tested with {words}")):
+                check_elastic_config(cfg)
+        finally:
+            object.__setattr__(owner, name, old)
+    with pytest.raises(UnsupportedKVCache, match="needs a block-major KV cache layout, got LBNHC"):
+        _patches._elastic_kwargs(cfg, kvc, KVCacheLayout.LBNHC)
+    got = _patches._elastic_kwargs(cfg, kvc, KVCacheLayout.BLNHC)
+    assert got == {"initial_blocks": 75, "chunk_bytes": int(1.5 * (1 << 20))}  # 64 -> 5 chunks
+    engine.delenv("VLLM_VMMKV_ELASTIC")
+    assert _patches._elastic_kwargs(cfg, kvc, KVCacheLayout.LBNHC) == {}
+
+
+def test_register_refuses_elastic_without_the_plugin(engine):
+    from vmmkv.integrations import vllm as integration
+
+    engine.delenv("VLLM_USE_VMMKV", raising=False)
+    with pytest.raises(ValueError, match="VLLM_VMMKV_ELASTIC=1 needs VLLM_USE_VMMKV=1"):
+        integration.register()

@@ -60,16 +60,26 @@ def settings_for(vllm_config: Any, kv_cache_config: Any, chunk_bytes: int):
 
 def check_elastic_config(cfg: Any) -> None:
     """Refuse what elastic mode has not been built or tested for (local, before any
-    collective): pipeline parallelism, KV events, and anything the plugin refuses anyway."""
+    collective; the plugin's own refusals run too): pipeline and data parallelism, speculative
+    decoding, KV cache events."""
     from ._layout import UnsupportedKVCache
 
-    if cfg.parallel_config.pipeline_parallel_size > 1:
-        raise UnsupportedKVCache("elastic KV (VLLM_VMMKV_ELASTIC=1) with pipeline parallelism")
+    pc = cfg.parallel_config
+    untested = []
+    if pc.pipeline_parallel_size > 1:
+        untested.append(f"pipeline parallelism ({pc.pipeline_parallel_size} stages)")
+    if pc.data_parallel_size > 1:
+        untested.append(f"data parallelism ({pc.data_parallel_size} ranks)")
+    if getattr(cfg, "speculative_config", None) is not None:
+        untested.append("speculative decoding (speculative_config)")
     events = getattr(cfg, "kv_events_config", None)
     if events is not None and getattr(events, "enable_kv_cache_events", False):
+        untested.append("KV cache events (a released block's hash is dropped without an event)")
+    if untested:
         raise UnsupportedKVCache(
-            "elastic KV (VLLM_VMMKV_ELASTIC=1) with KV cache events: a released block's hash "
-            "is dropped without a BlockRemoved event consumers would trust"
+            "elastic KV (VLLM_VMMKV_ELASTIC=1) has not been tested with "
+            + "; ".join(untested)
+            + ": run without VLLM_VMMKV_ELASTIC=1"
         )
 
 
