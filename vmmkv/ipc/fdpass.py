@@ -126,7 +126,8 @@ def exchange_fds(
     cause here (the rendezvous does, ``transports._FdTransport``) makes that peer adopt it
     instead. Raises ``FdExchangeError`` on timeout, refusal, a lost peer or a local socket
     failure; ``ValueError``/``TypeError`` on bad input before any socket exists;
-    ``RuntimeError`` off Linux. See the module docstring for ownership and the wire format.
+    ``RuntimeError`` off Linux. See the module docstring for ownership, ``vmmkv.ipc.fdwire``
+    for the wire format.
     """
     if not sys.platform.startswith("linux"):
         raise RuntimeError(
