@@ -4,14 +4,15 @@ Local, no torch; driven by the exchange's ``selectors`` loop in the calling thre
 
 Contract:
 - ``_Receiver`` owns its listener, every accepted connection and every fd received: the fds of a
-  complete message sit in ``received`` until the exchange hands them to its caller
-  (``close(keep_received=True)``), or are closed by ``close``. Fds of a connection that is
-  refused or dropped are closed at once.
+  complete message sit in ``received`` until the exchange hands them to its caller, else
+  ``close_received`` closes them. Fds of a connection that is refused or dropped are closed at
+  once.
 - A refusal (a stranger's pid or uid, a bad header, a forged rank, a second message from one
   rank) closes that connection and logs why (one WARNING per pid and exchange); the real
-  sender may still connect. The exchange fails only on a local socket error, an ``accept``
-  failure, fds lost to ``MSG_CTRUNC`` or a name another process holds: these raise the
-  exchange's own error (``error``, with the exchange's whole state).
+  sender may still connect. The receiver ends the exchange only with the exchange's own error
+  (``error``, built from the whole exchange's state) when it cannot go on: a name another
+  process holds, an ``accept`` failure, fds lost to ``MSG_CTRUNC``; a local socket error
+  propagates as ``OSError``, which the exchange reports.
 """
 
 from __future__ import annotations

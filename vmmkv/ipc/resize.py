@@ -254,7 +254,7 @@ class Resizer:
         self._lock = lock
         self.layout: _Prefix | _Segments = _Prefix(region)
         self.table: torch.Tensor | None = None  # the bound table, made by commit_initial
-        self.broken = ""  # set when a failed shrink left the mappings inconsistent
+        self.broken = ""  # why resizes are refused: a failed shrink or rollback left mappings
 
     @property
     def rank(self) -> int:
