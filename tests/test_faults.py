@@ -78,7 +78,7 @@ POINTS = {
     "rendezvous-before-exchange": ("rendezvous", "vmmkv.ipc.fdpass", "exchange_fds", False),
     "rendezvous-after-exchange": ("rendezvous", "vmmkv.alloc:PeerRegion", "map_fd", False),
     "grow-after-commit": ("grow", "vmmkv.alloc:VirtualRegion", "commit", True),
-    "grow-during-exchange": ("grow", "vmmkv.ipc.fdpass:_Exchange", "_on_ack", True),
+    "grow-during-exchange": ("grow", "vmmkv.ipc.fdsend:_Sender", "_on_ack", True),
     "grow-after-mapping": ("grow", "vmmkv.ipc.peers:PeerMap", "exchange_new", True),
     "shrink": ("shrink", "vmmkv.alloc:PeerRegion", "unmap_from", False),
     "close": ("close", "vmmkv.alloc:VirtualRegion", "close", False),
@@ -386,12 +386,12 @@ def _gives_up_with_messages_unread(rank, world, settle_delay):
     starts ``settle_delay`` late. Returns (error, elapsed) of the cache's creation."""
     import torch.distributed as dist
 
-    from vmmkv.ipc import GroupError, fdpass
+    from vmmkv.ipc import GroupError, fdpass, fdrecv
     from vmmkv.ipc.comm import StoreComm
 
     device = _device("host", rank, world)
-    exchange = fdpass._Exchange
-    real = {name: getattr(exchange, name) for name in ("_on_incoming", "_poll_peers")}
+    exchange, receiver = fdpass._Exchange, fdrecv._Receiver
+    real = {"_on_incoming": receiver._on_incoming, "_poll_peers": exchange._poll_peers}
     undo = []
     if rank == 1:
         unread = set()
@@ -400,12 +400,13 @@ def _gives_up_with_messages_unread(rank, world, settle_delay):
             unread.add(conn.pid)  # leave the message in the socket: a close then resets it
 
         def poll_peers(self):
-            if len(unread) == world - 1 and all(o.state == "done" for o in self.outgoing.values()):
+            outgoing = self.sender.outgoing.values()
+            if len(unread) == world - 1 and all(o.state == "done" for o in outgoing):
                 undo.append(delay_at(StoreComm, "agree", settle_delay))
                 raise self._error("lost a peer (the test declares rank 2 lost)", lost=[2])
             real["_poll_peers"](self)
 
-        exchange._on_incoming, exchange._poll_peers = on_incoming, poll_peers
+        receiver._on_incoming, exchange._poll_peers = on_incoming, poll_peers
     dist.barrier()
     t0 = time.monotonic()
     error = None
@@ -414,8 +415,7 @@ def _gives_up_with_messages_unread(rank, world, settle_delay):
     except GroupError as exc:
         error = f"{type(exc).__name__}: {exc}"
     elapsed = time.monotonic() - t0
-    for name, fn in real.items():
-        setattr(exchange, name, fn)
+    receiver._on_incoming, exchange._poll_peers = real["_on_incoming"], real["_poll_peers"]
     for fn in undo:
         fn()
     dist.barrier()  # rank 0 hosts the store: it outlives rank 1's late agreement

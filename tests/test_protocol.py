@@ -259,12 +259,10 @@ def test_an_export_failure_on_one_rank_fails_every_rank_fast_naming_it(world):
 
 
 def _socket_fails(rank, world):
-    from vmmkv.ipc import fdpass
-
     g = _gran()
     sr = _region(timeout=10.0)
     if rank == 1:
-        real = fdpass.socket.socket
+        real = socket.socket
         calls = {"n": 0}
 
         class Flaky(real):
@@ -274,10 +272,10 @@ def _socket_fails(rank, world):
                     raise OSError(errno.EMFILE, "Too many open files (injected)")
                 super().__init__(*a, **k)
 
-        fdpass.socket.socket = Flaky
+        socket.socket = Flaky
     first = _outcome(lambda: sr.resize(8 * g))
     if rank == 1:
-        fdpass.socket.socket = real
+        socket.socket = real
     second = _outcome(lambda: sr.resize(8 * g))
     sr.close()
     return first, second
@@ -305,7 +303,7 @@ def test_exchange_fds_reports_a_local_socket_failure_as_fd_exchange_error(monkey
                 raise OSError(errno.EMFILE, "Too many open files")
             super().__init__(*a, **k)
 
-    monkeypatch.setattr(fdpass.socket, "socket", Flaky)
+    monkeypatch.setattr(socket, "socket", Flaky)
     fd = os.memfd_create("x")
     try:
         with pytest.raises(fdpass.FdExchangeError, match="failed locally.*Too many open files"):

@@ -1,5 +1,5 @@
 """The errors of the rendezvous and of the resize protocol (``vmmkv.ipc.peers``,
-``vmmkv.ipc.symmetric``), all :class:`vmmkv.ipc.comm.GroupError` s.
+``vmmkv.ipc.symmetric``, ``vmmkv.ipc.resize``), all :class:`vmmkv.ipc.comm.GroupError` s.
 
 Each is the agreed outcome of a collective step, raised on every rank of the group, except
 :class:`ExchangeLost` and :class:`PeerAborted`: a transport raises those on one rank during an

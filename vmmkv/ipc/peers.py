@@ -29,7 +29,7 @@ one outcome on every rank, see ``vmmkv.ipc.comm``):
    exchange, makes every rank roll back what this call created and raise; then every rank
    removes what the exchange's by-value exports left (``release_values``), whatever happened.
 
-Resize helpers (ipc-internal, used by ``vmmkv.ipc.symmetric`` between its collective points):
+Resize helpers (ipc-internal, used by ``vmmkv.ipc.resize`` between its collective points):
 ``PeerMap.exchange_new(chunks, ...)`` passes and maps a grow's new chunks (any chunk set);
 ``unmap_peers_from(offset)`` (prefix) and ``unmap_peers_outside(ranges)`` (chunk set: keep the
 chunks overlapping ``ranges``) drop peers' chunks, trying every peer and raising the first error.
@@ -237,7 +237,7 @@ class PeerMap:
             return self._region.chunks()
         return self._peers[rank].chunks()
 
-    # -- ipc-internal: used by vmmkv.ipc.symmetric ----------------------------------------
+    # -- ipc-internal: used by vmmkv.ipc.resize -------------------------------------------
     def exchange_new(
         self, chunks: list[Chunk], nonce: str, local_error: Exception | None, deadline: float
     ) -> None:

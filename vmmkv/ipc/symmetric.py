@@ -53,221 +53,31 @@ Contract:
   (some ranks may have unmapped their peers' chunks).
 
 Ownership: a ``SymmetricRegion`` owns its ``VirtualRegion`` and its ``PeerMap``; ``close`` unmaps
-peers' memory first, then releases the own region.
+peers' memory first, then releases the own region. The sizing (the layout, ``committed_table``,
+the resize protocol and its fd budget) lives in a ``Resizer`` (``vmmkv.ipc.resize``) that the
+region composes: it borrows the region, the group's ``StoreComm``, the lock and the ``PeerMap``,
+and closes none of them.
 """
 
 from __future__ import annotations
 
-import bisect
-import logging
-import secrets
 import threading
-import time
 from typing import Any
 
 import torch
 
 from .._util import require_int, run_all
-from ..alloc import Chunk, VirtualRegion
-from ..alloc.region import _resolve_device, check_device, covering_chunks
-from . import fdbudget
-from .comm import GroupError, PeerTimeoutError, StoreComm
-from .errors import ConfigMismatch, RendezvousError, as_rendezvous_error
-from .peers import BY_VALUE_HANDLES, PeerMap, exchange_then_agree, gather_requests, map_peers
+from ..alloc import VirtualRegion
+from ..alloc.region import _resolve_device, check_device
+from .comm import PeerTimeoutError, StoreComm
+from .errors import ConfigMismatch, RendezvousError
+from .peers import BY_VALUE_HANDLES, PeerMap, gather_requests, map_peers
 from .placement import choose_handle_type
+from .resize import Resizer
 
 __all__ = ["PEER_MODES", "RendezvousTypeError", "RendezvousValueError", "SymmetricRegion"]
 
-log = logging.getLogger(__name__)
-
 PEER_MODES = ("require", "auto", "off")
-
-
-# --------------------------------------------------------------------------------------------
-# how a size maps onto the region: a committed prefix (bytes) or a block layout (blocks)
-# --------------------------------------------------------------------------------------------
-
-
-class _Prefix:
-    """The committed prefix: sizes in bytes, one bound (the committed size, chunk-rounded)."""
-
-    unit = "bytes"
-
-    def __init__(self, region: VirtualRegion) -> None:
-        self._region = region
-        self.limit = region.capacity_bytes
-
-    def current(self) -> int:
-        return self._region.committed_bytes
-
-    def rounded(self, nbytes: int) -> int:
-        return self._region.round_up(nbytes)
-
-    def commit(self, nbytes: int) -> list[Chunk]:
-        return self._region.commit(nbytes)
-
-    def decommit(self, nbytes: int) -> None:
-        self._region.decommit(nbytes)
-
-    def unmap_peers(self, peers: PeerMap, nbytes: int) -> None:
-        peers.unmap_peers_from(self._region.round_up(nbytes))
-
-    def bounds(self, nbytes: int) -> list[int]:
-        return [self._region.round_up(nbytes)]
-
-    def ranges(self, nbytes: int) -> list[tuple[int, int]]:
-        return [(0, self.rounded(nbytes))]
-
-    def moved(self, nbytes: int) -> None:
-        pass  # the size is the region's own committed size
-
-
-def _new_chunks(layout: _Prefix | _Segments, size: int) -> int:
-    """How many chunks ``layout.commit(size)`` would add (pure geometry, no driver call)."""
-    region = layout._region
-    have = {c.offset for c in region.chunks()}
-    want = covering_chunks(layout.ranges(size), region.chunk_bytes, region.capacity_bytes)
-    return sum(c.offset not in have for c in want)
-
-
-class _Segments:
-    """A block layout: sizes in blocks, one bound per segment (``offset_i + n * block_i``)."""
-
-    unit = "blocks"
-
-    def __init__(
-        self, region: VirtualRegion, segments: tuple[tuple[int, int], ...], max_blocks: int
-    ) -> None:
-        self._region = region
-        self.segments = segments
-        self.max_blocks = self.limit = max_blocks
-        self.blocks = 0
-        self._by_start = sorted(
-            (off, off + max_blocks * block, i) for i, (off, block) in enumerate(segments)
-        )
-
-    def current(self) -> int:
-        return self.blocks
-
-    def rounded(self, blocks: int) -> int:
-        return blocks
-
-    def ranges(self, blocks: int) -> list[tuple[int, int]]:
-        return [(off, off + blocks * block) for off, block in self.segments]
-
-    def commit(self, blocks: int) -> list[Chunk]:
-        """Commit the chunks of ``blocks`` blocks per segment; the new blocks read zero. Fresh
-        chunks are zero already; new blocks in chunks that stayed committed (a segment's tail
-        chunk after a shrink, a chunk shared with a neighbour) still hold old bytes: they are
-        zeroed first (beyond every bound, so nothing writes there) and synchronized before the
-        agreement lets any peer write into them. A grow that then fails leaves them zero."""
-        chunk = self._region.chunk_bytes
-        old = {c.offset for c in self._region.chunks()}
-        stale = []
-        for off, block in self.segments:
-            lo, hi = off + self.blocks * block, off + blocks * block
-            stale += [
-                (max(lo, c), min(hi, c + chunk))
-                for c in range(lo - lo % chunk, hi, chunk)
-                if c in old
-            ]
-        if stale:
-            whole = self._region.tensor()
-            for lo, hi in stale:
-                whole[lo:hi].zero_()
-            del whole
-            self._region.synchronize()
-        return self._region.commit_ranges(self.ranges(blocks))
-
-    def decommit(self, blocks: int) -> None:
-        self._region.decommit_outside(self.ranges(blocks))
-
-    def unmap_peers(self, peers: PeerMap, blocks: int) -> None:
-        peers.unmap_peers_outside(self.ranges(blocks))
-
-    def bounds(self, blocks: int) -> list[int]:
-        return [off + blocks * block for off, block in self.segments]
-
-    def moved(self, blocks: int) -> None:
-        self.blocks = blocks
-
-    def containing(self, start: int, end: int) -> int | None:
-        """The index of the segment that contains ``[start, end)``, or None."""
-        k = bisect.bisect_right(self._by_start, start, key=lambda t: t[0]) - 1
-        if k < 0:
-            return None
-        seg_start, seg_end, index = self._by_start[k]
-        return index if start >= seg_start and max(start, end) <= seg_end else None
-
-    def describe(self, limit: int = 6) -> str:
-        shown = ", ".join(
-            f"#{i} [{off}, {off + self.max_blocks * block}) of {block}-byte blocks"
-            for i, (off, block) in enumerate(self.segments[:limit])
-        )
-        more = len(self.segments) - limit
-        return f"{len(self.segments)} segments of {self.max_blocks} blocks: {shown}" + (
-            f", ... {more} more" if more > 0 else ""
-        )
-
-
-def _check_layout(segments: Any, max_blocks: Any, capacity: int) -> tuple[tuple[int, int], ...]:
-    """The block layout as a tuple of ``(offset_bytes, block_bytes)``, in the caller's order;
-    TypeError/ValueError naming the segment, the value got and what was expected."""
-    require_int("max_blocks", max_blocks, lo=1)
-    if isinstance(segments, (str, bytes)) or not hasattr(segments, "__iter__"):
-        raise TypeError(
-            "segments must be a sequence of (offset_bytes, block_bytes) pairs, got "
-            f"{type(segments).__name__}"
-        )
-    out = []
-    for i, seg in enumerate(segments):
-        if not isinstance(seg, (tuple, list)) or len(seg) != 2:
-            raise TypeError(
-                f"segments[{i}] must be an (offset_bytes, block_bytes) pair, got {seg!r}"
-            )
-        off, block = seg
-        require_int(f"segments[{i}] offset_bytes", off, lo=0)
-        require_int(f"segments[{i}] block_bytes", block, lo=1)
-        end = off + max_blocks * block
-        if end > capacity:
-            raise ValueError(
-                f"segments[{i}] = ({off}, {block}) spans [{off}, {end}) with max_blocks="
-                f"{max_blocks}, beyond the capacity {capacity}"
-            )
-        out.append((off, block))
-    if not out:
-        raise ValueError("segments must hold at least one (offset_bytes, block_bytes) pair")
-    spans = sorted((off, off + max_blocks * block, i) for i, (off, block) in enumerate(out))
-    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:], strict=False):
-        if start_b < end_a:
-            raise ValueError(
-                f"segments[{a}] = {out[a]} and segments[{b}] = {out[b]} overlap with max_blocks="
-                f"{max_blocks} (segment {a} ends at {end_a}, segment {b} starts at {start_b})"
-            )
-    return tuple(out)
-
-
-def _layout_differences(layouts: list[Any]) -> str:
-    """Which ranks passed which layout: ranks grouped by layout, each group with its segment
-    count, max_blocks and its first segment that differs from rank 0's."""
-    groups: dict[str, list[int]] = {}
-    for rank, layout in enumerate(layouts):
-        groups.setdefault(repr(layout), []).append(rank)
-    first = layouts[0]
-    parts = []
-    for ranks in groups.values():
-        max_blocks, segs = layouts[ranks[0]]
-        diff = next(
-            (i for i, (a, b) in enumerate(zip(segs, first[1], strict=False)) if a != b),
-            None if len(segs) == len(first[1]) else min(len(segs), len(first[1])),
-        )
-        at = ""
-        if diff is not None and ranks[0] != 0:
-            theirs = tuple(segs[diff]) if diff < len(segs) else None
-            ours = tuple(first[1][diff]) if diff < len(first[1]) else None
-            at = f", first differing segment #{diff}: {theirs} (rank 0: {ours})"
-        parts.append(f"ranks {ranks} have {len(segs)} segments, max_blocks={max_blocks}{at}")
-    return "; ".join(parts)
 
 
 class RendezvousValueError(RendezvousError, ValueError):
@@ -354,7 +164,6 @@ class SymmetricRegion:
                 pass
         handle_type = choose_handle_type(self._comm, be, ordinal, handle_type)
         self._closed = False
-        self._broken = ""  # set when a failed shrink left the mappings inconsistent
         self._lock = threading.Lock()
         self.peers: PeerMap | None = None
         self.why_not_mapped = "peer mapping off" if peers == "off" else ""
@@ -369,21 +178,13 @@ class SymmetricRegion:
                 capacity_bytes, device, chunk_bytes=chunk_bytes, backend=backend,
                 handle_type=handle_type,
             )  # fmt: skip
-            self._layout: _Prefix | _Segments = _Prefix(self.region)
-            # Every chunk of the capacity may be committed later: refuse now, before anything
-            # is committed, a hard open-file limit that could never hold a full grow.
-            grid = -(-self.region.capacity_bytes // self.region.chunk_bytes)
+            self._resizer = Resizer(self._comm, self.region, self._lock)
             fd_world = 1 if peers == "off" or handle_type in BY_VALUE_HANDLES else self.world_size
-            self._check_fds("setting up", grid, world=fd_world, keep=False)
-            initial = _new_chunks(self._layout, initial_bytes)
-            self._check_fds("the initial commit", initial, world=fd_world)
-            self.region.commit(initial_bytes)
-            # Local device tables before the last agreement (nothing local happens after it).
+            # The initial commit and the bound table, then the local table: every local step
+            # comes before the last agreement (nothing local happens after it).
+            self._resizer.commit_initial(initial_bytes, world=fd_world)
             self.local_table = torch.tensor(
                 [self.region.base_ptr], dtype=torch.int64, device=self.region.device
-            )
-            self.committed_table = torch.full(
-                (1,), self.region.committed_bytes, dtype=torch.int64, device=self.region.device
             )
         except Exception as exc:
             error = exc
@@ -399,19 +200,6 @@ class SymmetricRegion:
             if self.region is not None:
                 self.region.close()
             raise
-
-    def _check_fds(self, what: str, chunks: int, *, world: int, keep: bool = True) -> None:
-        """Before a step commits or exchanges ``chunks`` chunks (``vmmkv.ipc.fdbudget``): raise
-        ``FdBudgetError`` when its exchange rounds and the fds its chunks keep (host backend:
-        one memfd each) cannot fit under the hard limit; with ``keep`` (the step commits them now)
-        also make room under the soft limit for the fds kept."""
-        kept = chunks if self.region.keeps_fds else 0
-        fdbudget.exchange_round(
-            rank=self.rank, world=world, device=self.region.device, what=what, chunks=chunks,
-            kept=kept,
-        )  # fmt: skip
-        if keep:
-            fdbudget.keep_fds(rank=self.rank, device=self.region.device, what=what, count=kept)
 
     def _map(self, reqs: list[dict[str, Any]], mode: str) -> PeerMap | None:
         try:
@@ -466,6 +254,12 @@ class SymmetricRegion:
         return self.region.capacity_bytes
 
     @property
+    def committed_table(self) -> torch.Tensor:
+        """Device int64: the kernels' bound, ``[1]`` (the committed size) or, with a block
+        layout, ``[len(segments)]`` (see the module docstring); a block layout replaces it."""
+        return self._resizer.table
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -513,7 +307,7 @@ class SymmetricRegion:
     def _committed_prefix(self, what: str) -> int:
         """The committed prefix's size in bytes (> 0), or ValueError naming ``what``."""
         self._check_open()
-        if isinstance(self._layout, _Segments):
+        if self._resizer.block_layout is not None:
             raise ValueError(
                 f"rank {self.rank} ({self.device}): {what}: the region has a block layout, so "
                 f"its committed memory is not a prefix ({self.describe_committed()}); pass "
@@ -539,19 +333,11 @@ class SymmetricRegion:
 
     def describe_committed(self) -> str:
         """What is committed, in words (for error messages)."""
-        layout = self._layout
-        total = self.region.committed_bytes
-        if isinstance(layout, _Segments):
-            return (
-                f"with a block layout, {layout.blocks} of {layout.max_blocks} blocks of each of "
-                f"its {len(layout.segments)} segments are committed ({total} bytes in chunks of "
-                f"{self.chunk_bytes})"
-            )
-        return f"the committed prefix is {total} of {self.capacity_bytes} bytes"
+        return self._resizer.describe_committed()
 
     def how_to_commit(self) -> str:
         """The calls that commit memory here, in words (for error messages)."""
-        if isinstance(self._layout, _Segments):
+        if self._resizer.block_layout is not None:
             return "grow_blocks(n) with the block layout"
         return "grow(nbytes), or initial_bytes= at construction"
 
@@ -575,19 +361,19 @@ class SymmetricRegion:
     @property
     def segments(self) -> tuple[tuple[int, int], ...] | None:
         """The block layout's ``(offset_bytes, block_bytes)`` segments, or None (prefix)."""
-        layout = self._layout
-        return layout.segments if isinstance(layout, _Segments) else None
+        layout = self._resizer.block_layout
+        return None if layout is None else layout.segments
 
     @property
     def max_blocks(self) -> int | None:
-        layout = self._layout
-        return layout.max_blocks if isinstance(layout, _Segments) else None
+        layout = self._resizer.block_layout
+        return None if layout is None else layout.max_blocks
 
     @property
     def committed_blocks(self) -> int | None:
         """Blocks every segment holds (the kernels' bound), or None without a block layout."""
-        layout = self._layout
-        return layout.blocks if isinstance(layout, _Segments) else None
+        layout = self._resizer.block_layout
+        return None if layout is None else layout.blocks
 
     def set_block_layout(self, segments: Any, max_blocks: int, *, refuse: str = "") -> None:
         """Collective: from now on the region is sized by blocks (see the module docstring).
@@ -601,50 +387,7 @@ class SymmetricRegion:
         :class:`ConfigMismatch` on every rank naming the ranks. On success ``committed_table``
         is replaced by a table of ``len(segments)`` bounds (``offset_i``: zero blocks)."""
         self._check_open()
-        checked: tuple[tuple[int, int], ...] = ()
-        table = None
-        problem, kind = "", type(None)
-        try:
-            checked = _check_layout(segments, max_blocks, self.capacity_bytes)
-        except (TypeError, ValueError) as exc:
-            problem, kind = str(exc), type(exc)
-        if not problem:
-            state = self._layout_refused(refuse)
-            if state:
-                problem, kind = f"refused: {state}", RuntimeError
-        if not problem:
-            try:  # local setup before the step that settles the outcome
-                table = torch.tensor(
-                    [off for off, _ in checked], dtype=torch.int64, device=self.device
-                )
-            except Exception as exc:
-                problem, kind = f"creating the bound table failed: {exc!r}", RuntimeError
-        with self._lock:
-            request = (None if problem else [max_blocks, [list(seg) for seg in checked]], problem)
-            reqs = self._gather(request, "block layout")
-            self._raise_problems(reqs, problem, kind, "set_block_layout rejected")
-            layouts = [layout for layout, _ in reqs]
-            if any(layout != layouts[0] for layout in layouts):
-                raise ConfigMismatch(
-                    f"set_block_layout (rank {self.rank} of {self.world_size}): the layout must "
-                    f"be identical on every rank: {_layout_differences(layouts)}"
-                )
-            self._layout = _Segments(self.region, checked, max_blocks)
-            self.committed_table = table
-
-    def _layout_refused(self, refuse: str) -> str:
-        if refuse:
-            return refuse
-        if isinstance(self._layout, _Segments):
-            return "a block layout is already set (it is set once)"
-        if self.region.committed_bytes:
-            return (
-                f"{self.region.committed_bytes} bytes are committed; a block layout is set "
-                "while nothing is (initial_bytes=0, before any grow)"
-            )
-        if self._broken:
-            return f"unusable after {self._broken}; close it"
-        return ""
+        self._resizer.set_block_layout(segments, max_blocks, refuse)
 
     def bound_for(self, start: int, end: int, what: str = "view") -> torch.Tensor:
         """The device int64 tensor of 1 element that bounds the region bytes ``[start, end)``:
@@ -652,16 +395,7 @@ class SymmetricRegion:
         that contains them (a view of the table, updated in place by every resize). Raises
         ValueError naming ``what`` and the segments when no single segment contains them."""
         self._check_open()
-        layout = self._layout
-        if not isinstance(layout, _Segments):
-            return self.committed_table
-        i = layout.containing(start, end)
-        if i is None:
-            raise ValueError(
-                f"{what}: region bytes [{start}, {end}) lie inside no single segment of the "
-                f"block layout ({layout.describe()}); a view must stay inside one segment"
-            )
-        return self.committed_table[i : i + 1]
+        return self._resizer.bound_for(start, end, what)
 
     # -- collective resize -----------------------------------------------------------------
     def resize(self, committed_bytes: int, *, direction: str | None = None) -> int:
@@ -684,156 +418,7 @@ class SymmetricRegion:
 
     def _resize(self, size: Any, direction: str | None, *, blocks: bool) -> int:
         self._check_open()
-        problem, kind = self._resize_problem(size, direction, blocks)
-        with self._lock:
-            # A fresh nonce per exchange names its sockets: unpredictable before this step.
-            request = (None if problem else size, problem, secrets.token_hex(16))
-            reqs = self._gather(request, "resize request")
-            self._raise_problems(reqs, problem, kind, "resize rejected")
-            sizes = [size for size, _, _ in reqs]
-            if any(size != sizes[0] for size in sizes):
-                raise RendezvousError(
-                    f"resize: the target size ({self._layout.unit}) must be identical on all "
-                    "ranks, got " + ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
-                )
-            layout = self._layout
-            current = layout.current()
-            if layout.rounded(size) > current:
-                self._grow(current, size, reqs[0][2])
-            elif layout.rounded(size) < current:
-                self._shrink(size)
-            return layout.current()
-
-    def _gather(self, request: Any, what: str) -> list[Any]:
-        try:
-            return self._comm.all_gather(request, what)
-        except GroupError as exc:
-            raise as_rendezvous_error(exc) from None
-
-    def _raise_problems(self, reqs: list[Any], problem: str, kind: type, what: str) -> None:
-        """Every rank raises when any request carries a problem: this rank's own with ``kind``,
-        the others' as RendezvousError naming them."""
-        problems = {r: req[1] for r, req in enumerate(reqs) if req[1]}
-        if problems:
-            msg = f"{what}: " + "; ".join(f"rank {r}: {p}" for r, p in problems.items())
-            raise (kind if problem else RendezvousError)(msg)
-
-    def _resize_problem(self, size: Any, direction: str | None, blocks: bool) -> tuple[str, type]:
-        """('', None) when this rank's resize request is valid, else (reason, exception type)."""
-        layout = self._layout
-        name = "blocks" if blocks else "committed_bytes"
-        if blocks != isinstance(layout, _Segments):
-            why = (
-                "no block layout is set: resize by bytes (resize; ReplicatedKVCache.grow/shrink)"
-                if blocks
-                else "a block layout is set: resize by blocks (resize_blocks; "
-                "ReplicatedKVCache.grow_blocks/shrink_blocks), not by a byte prefix"
-            )
-            return why, RuntimeError
-        if isinstance(size, bool) or not isinstance(size, int):
-            return f"{name} must be an int, got {type(size).__name__}", TypeError
-        if not 0 <= size <= layout.limit:
-            return f"{name}={size} outside [0, {layout.limit}]", ValueError
-        if direction not in (None, "grow", "shrink"):
-            return f"direction must be None, 'grow' or 'shrink', got {direction!r}", ValueError
-        current = layout.current()
-        if direction == "grow" and size < current:
-            return f"grow to {size} is below the committed {current}; use shrink", ValueError
-        if direction == "shrink" and size > current:
-            return f"shrink to {size} is above the committed {current}; use grow", ValueError
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return "refused during CUDA stream capture (resize before or after)", RuntimeError
-        if self._broken:
-            return f"unusable after {self._broken}; close it", RuntimeError
-        return "", type(None)
-
-    def _grow(self, current: int, size: int, nonce: str) -> None:
-        layout = self._layout
-        what = f"grow to {size} {layout.unit}"
-        deadline = time.monotonic() + self.timeout
-        added: list[Chunk] = []
-        error: Exception | None = None
-        bounds = None
-        try:
-            # The new bounds are built before the agreement: after it, nothing that can fail
-            # on one rank alone may stand between the agreement and the bounds' device write.
-            bounds = self._bounds_tensor(layout, size)
-            world = 1 if self.peers is None or self.peers.by_value else self.world_size
-            self._check_fds(what, _new_chunks(layout, size), world=world)
-            added = layout.commit(size)
-        except Exception as exc:
-            error = exc
-        try:
-            if self.peers is None:
-                self._comm.agree(error, f"{what} (local commit)")
-            else:
-                peers = self.peers
-                exchange_then_agree(
-                    self._comm,
-                    f"{what} (peer mapping)",
-                    lambda err: peers.exchange_new(added, nonce, err, deadline),
-                    error,
-                    deadline,
-                    finish=lambda: peers.finish_exchange(nonce),
-                )
-        except GroupError as exc:
-            self._release_local(current)
-            raise as_rendezvous_error(exc) from error
-        self._set_bounds(layout, size, bounds)
-
-    def _release_local(self, current: int) -> None:
-        """Roll a failed grow back to ``current``: peers' new chunks first, then our own. Errors
-        are logged, not raised: the grow's own error is the one the caller raises."""
-        layout = self._layout
-        steps = [lambda: layout.decommit(current)]
-        if self.peers is not None:
-            peers = self.peers
-            steps.insert(0, lambda: layout.unmap_peers(peers, current))
-        try:
-            run_all(steps)
-        except Exception as exc:
-            # Chunks that stayed mapped stay on the books, but the next grow would find them
-            # in its way: refuse further resizes, as after a failed shrink.
-            self._broken = f"a failed grow rollback ({exc})"
-            log.error("rank %d: rolling back a failed grow: %s", self.rank, exc)
-
-    def _shrink(self, size: int) -> None:
-        # Kernels stop writing past the new bounds from here on. If anything below fails, the
-        # bounds stay lowered (writes beyond them are skipped and counted, never faulting) and
-        # the object refuses further resizes: some ranks may have unmapped their peers' chunks.
-        layout = self._layout
-        self._set_bounds(layout, size)
-        try:
-            self.region.synchronize()
-            self._comm.barrier("shrink: all ranks idle")
-            error = None
-            try:
-                if self.peers is not None:
-                    layout.unmap_peers(self.peers, size)
-            except Exception as exc:
-                error = exc
-            self._comm.agree(error, "shrink: peers unmapped")
-            layout.decommit(size)
-        except BaseException as exc:
-            self._broken = f"a failed shrink to {layout.rounded(size)} {layout.unit} ({exc})"
-            if isinstance(exc, GroupError):
-                raise as_rendezvous_error(exc) from exc
-            raise
-
-    @staticmethod
-    def _bounds_tensor(layout: _Prefix | _Segments, size: int) -> torch.Tensor:
-        return torch.tensor(layout.bounds(size), dtype=torch.int64)
-
-    def _set_bounds(
-        self, layout: _Prefix | _Segments, size: int, bounds: torch.Tensor | None = None
-    ) -> None:
-        """Every element of ``committed_table`` in one device write, then a synchronize."""
-        if bounds is None:
-            bounds = self._bounds_tensor(layout, size)
-        self.committed_table.copy_(bounds)
-        layout.moved(size)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        return self._resizer.resize(size, direction, blocks=blocks, peers=self.peers)
 
     # -- teardown --------------------------------------------------------------------------
     def close(self) -> None:
