@@ -84,8 +84,6 @@ from typing import Any
 
 from ._patches import (
     SUPPORTED_VLLM,
-    UnsupportedVLLM,
-    active_cache,
     check_vllm_version,
     install,
     install_when_worker_starts,
@@ -95,6 +93,7 @@ from ._patches import (
     vllm_indexer_kind,
     vllm_mla_kind,
 )
+from ._state import UnsupportedVLLM, active_cache
 
 __all__ = [
     "ENV",
