@@ -30,7 +30,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import fd_count, fds_not_sockets, map_all_chunks, random_bytes, rank_device
+from tests.helpers import (
+    fd_count,
+    fds_not_sockets,
+    layer_buffers,
+    map_all_chunks,
+    random_bytes,
+    rank_device,
+)
 from tests.test_alloc_unmap import _fail_map_at, _fail_unmap_at, _mapped_offsets
 from vmmkv.alloc import Chunk, UnmapError, VirtualRegion
 from vmmkv.alloc.host import HostError
@@ -340,8 +347,6 @@ class _Replica:
     a grow adds a chunk) after the reference inserts of every rank's tokens."""
 
     def __init__(self, cache, setup):
-        from vmmkv.ops.formats import get_format
-
         self.cache, self.setup, self.rank = cache, setup, cache.rank
         self.world = cache.world_size
         sr = cache.region
@@ -363,13 +368,7 @@ class _Replica:
         self.blocks = 0
         self.model = torch.zeros(setup.capacity, dtype=torch.uint8)
         self.errors = 0
-        dev = cache.device
-        self.inputs = [
-            torch.zeros(TOKENS, width, dtype=dtype, device=dev)
-            for kind in ("fp8_ds_mla", "indexer_k")
-            for _, dtype, width in get_format(kind).inputs
-        ]
-        self.slots = torch.full((TOKENS,), -1, dtype=torch.int64, device=dev)
+        self.inputs, self.slots = layer_buffers(TOKENS, cache.device)
 
     def bind(self):
         self.bound = [
