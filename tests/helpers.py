@@ -722,6 +722,21 @@ def cpu_layer_targets(
 VLLM_LAYOUTS = ("LBHNC", "LBNHC", "BLHNC", "BLNHC")
 
 
+def vllm_world_fixture(rank_fn, world: int, timeout: float):
+    """A module-scoped fixture whose value is every rank's result of ``rank_fn(rank, world,
+    port)``, run once on ``world`` spawned ranks that join vLLM's groups themselves (on a free
+    ``port``; ``run_world(..., init_group=False)``). Assign it to the fixture's name."""
+    import pytest
+
+    from vmmkv.testing.spawn import free_port, run_world
+
+    @pytest.fixture(scope="module")
+    def ranks():
+        return run_world(rank_fn, world, args=(free_port(),), init_group=False, timeout=timeout)
+
+    return ranks
+
+
 def vllm_marks() -> list:
     """A vLLM test file's ``pytestmark``: the ``vllm`` marker, and a clean skip where vllm is
     not installed."""
