@@ -10,9 +10,11 @@ Contract:
   ``BarrierCtrl`` in csrc/barrier.cuh), then one diagnostic record per lane (``BarrierDiag``).
   The kernels reach it through ``_diag_dev_ptr``, packed once into every lane's
   ``BarrierArgs``, so captured graphs replay unchanged.
-- Local and thread-safe: no call here is collective, and none makes a CUDA call except the
-  page's allocation and free. ``abort``, ``check``, ``broken`` and ``read_diagnostic`` read or
-  write host memory only, so they are capture-safe, and ``read_diagnostic`` works after a trap.
+- Local: no call here is collective, and none makes a CUDA call except the page's allocation
+  and free. ``abort``, ``check``, ``broken`` and ``read_diagnostic`` read or write host memory
+  only, so they are capture-safe, and ``read_diagnostic`` works after a trap. The watchdog
+  thread and the owner's threads share the object: the page lock keeps the watchdog's reads
+  and ``close()``'s free apart, and ``abort`` may be called from any thread.
 - Liveness: a wait never traps by default. ``timeout_s`` is the HOST timeout: a wait longer
   than that is aborted by the watchdog. After ``diag_after_s`` (default ``min(10,
   timeout_s)``) the kernel writes a diagnostic record for its lane (rank, lane, missing peer,
