@@ -39,7 +39,7 @@ namespace vmmkv {
 
 enum : int { kDiagMagic = 0x564d4d42 };  // "VMMB": a record was written here
 
-// What a lane's record says (BarrierDiag::state); mirrored by vmmkv/ops/barrier.py.
+// What a lane's record says (BarrierDiag::state); mirrored by vmmkv/ops/barrier_control.py.
 enum : int {
     kDiagWaiting = 1,  // still waiting for missing_peer after diag_ns
     kDiagPassed = 2,   // the wait that wrote kDiagWaiting ended normally after waited_ns
@@ -64,8 +64,8 @@ enum : unsigned {
     kCheckEvery = 1024,  // spins between reads of the timer and the abort word (a power of two)
 };
 
-// One lane's record in the host-mapped control page; mirrored by vmmkv/ops/barrier.py. A
-// seqlock: the writer (the CTA that claimed lane_state[lane][kLaneClaim]) makes `seq` odd,
+// One lane's record in the host-mapped control page; mirrored by vmmkv/ops/barrier_control.py.
+// A seqlock: the writer (the CTA that claimed lane_state[lane][kLaneClaim]) makes `seq` odd,
 // writes the fields, then makes it even; the host copies the record between two equal even
 // reads of `seq`.
 struct BarrierDiag {
@@ -82,7 +82,8 @@ struct BarrierDiag {
     int magic;      // kDiagMagic
     int reserved[3];
 };
-static_assert(sizeof(BarrierDiag) == 64, "BarrierDiag layout must match vmmkv/ops/barrier.py");
+static_assert(sizeof(BarrierDiag) == 64,
+              "BarrierDiag layout must match vmmkv/ops/barrier_control.py");
 
 // The host-mapped control page of one DeviceBarrier: 64 bytes, then one record per lane.
 struct BarrierCtrl {

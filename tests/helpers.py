@@ -316,6 +316,20 @@ def settled_device_memory(ordinals, ceiling: dict[int, int], timeout: float = 15
 # --------------------------------------------------------------------------------------------
 
 
+def layer_buffers(tokens: int, device) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Static inputs of one ``fp8_ds_mla`` + ``indexer_k`` layer store on ``device``: zeroed
+    ``[tokens, width]`` tensors in the order ``get_format(kind).inputs`` lists them (MLA first),
+    and int64 slots of -1 (``tokens``), for a step to fill and a captured graph to read."""
+    from vmmkv.ops.formats import get_format
+
+    inputs = [
+        torch.zeros(tokens, width, dtype=dtype, device=device)
+        for kind in ("fp8_ds_mla", "indexer_k")
+        for _, dtype, width in get_format(kind).inputs
+    ]
+    return inputs, torch.full((tokens,), -1, dtype=torch.int64, device=device)
+
+
 class KVStep:
     """``layers`` layer-interleaved KV layers (``vmmkv.testing.kv``) in one buffer allocated
     from ``cache`` at its region's base, bound to the cache; static device inputs of
@@ -323,7 +337,6 @@ class KVStep:
     every layer then runs the cache's barrier. ``expected`` is the pure-torch oracle."""
 
     def __init__(self, cache, layers: int, max_tokens: int) -> None:
-        from vmmkv.ops.formats import get_format
         from vmmkv.testing.kv import BLOCK_SIZE, block_stride, interleaved_views
 
         self.cache, self.layers, self.max_tokens = cache, layers, max_tokens
@@ -338,13 +351,7 @@ class KVStep:
             (cache.bind(f"mla.{i}", m, "fp8_ds_mla"), cache.bind(f"idx.{i}", x, "indexer_k"))
             for i, (m, x) in enumerate(interleaved_views(self.buf, layers, self.num_blocks))
         ]
-        dev = cache.device
-        self.inputs = [
-            torch.zeros(max_tokens, width, dtype=dtype, device=dev)
-            for kind in ("fp8_ds_mla", "indexer_k")
-            for _, dtype, width in get_format(kind).inputs
-        ]
-        self.slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=dev)
+        self.inputs, self.slots = layer_buffers(max_tokens, cache.device)
 
     def blocks(self, committed_bytes: int | None = None) -> int:
         """How many whole blocks lie in the committed prefix (default: the cache's now)."""
@@ -713,6 +720,21 @@ def cpu_layer_targets(
 
 # vLLM's KV block layouts the plugin supports (each test names them: the spec, not the code's list)
 VLLM_LAYOUTS = ("LBHNC", "LBNHC", "BLHNC", "BLNHC")
+
+
+def vllm_world_fixture(rank_fn, world: int, timeout: float):
+    """A module-scoped fixture whose value is every rank's result of ``rank_fn(rank, world,
+    port)``, run once on ``world`` spawned ranks that join vLLM's groups themselves (on a free
+    ``port``; ``run_world(..., init_group=False)``). Assign it to the fixture's name."""
+    import pytest
+
+    from vmmkv.testing.spawn import free_port, run_world
+
+    @pytest.fixture(scope="module")
+    def ranks():
+        return run_world(rank_fn, world, args=(free_port(),), init_group=False, timeout=timeout)
+
+    return ranks
 
 
 def vllm_marks() -> list:

@@ -46,6 +46,22 @@ def _fail_unmap_at(region, ptrs: set[int]):
     return lambda: setattr(backend, "unmap", real)
 
 
+def _fail_map_at(region, ptr: int):
+    """Make the region's backend fail to map at ``ptr`` (the handle released, nothing mapped,
+    as with a real failed map); returns a function that removes the fault."""
+    backend = region._backend
+    real = backend.map
+
+    def flaky(p, size, handle, *, exportable=False):
+        if p == ptr:
+            backend.release(handle)
+            raise HostError(12, "injected map failure")
+        return real(p, size, handle, exportable=exportable)
+
+    backend.map = flaky
+    return lambda: setattr(backend, "map", real)
+
+
 def test_a_decommit_whose_unmap_fails_in_the_middle_leaves_a_contiguous_prefix():
     g = _g()
     with VirtualRegion(8 * g, "cpu", backend="host", chunk_bytes=g) as r:
@@ -111,21 +127,12 @@ def test_a_failed_commit_whose_rollback_also_fails_records_what_stays_mapped():
     before = fd_count()
     with VirtualRegion(8 * g, "cpu", backend="host", chunk_bytes=g) as r:
         r.commit(2 * g)
-        backend = r._backend
-        real_map = backend.map
-
-        def map_fails_at_5(ptr, size, handle, *, exportable=False):
-            if ptr == r.base_ptr + 5 * g:
-                backend.release(handle)
-                raise HostError(12, "injected map failure")
-            return real_map(ptr, size, handle, exportable=exportable)
-
-        backend.map = map_fails_at_5
+        heal_map = _fail_map_at(r, r.base_ptr + 5 * g)
         heal = _fail_unmap_at(r, {r.base_ptr + 3 * g})
         with pytest.raises(HostError, match="injected map failure"):  # the commit's own error
             r.commit(8 * g)
         heal()
-        backend.map = real_map
+        heal_map()
         # chunk 4 was rolled back; 2 and 3 stay mapped, recorded as committed
         assert [c.offset // g for c in r.chunks()] == [0, 1, 2, 3]
         assert r.committed_bytes == 4 * g

@@ -205,24 +205,25 @@ def test_barrier_args_layout_matches_the_device_struct():
 
 def test_the_control_page_and_record_layouts_match_what_the_host_reads():
     from vmmkv.ops import barrier as B
+    from vmmkv.ops import barrier_control as C
 
     record = ["seq", "state", "lane", "rank", "missing_peer", "epoch", "observed", "world",
               "waited_ns", "diag_ns", "magic"]  # fmt: skip
     sizes = [4] * 8 + [8, 8, 4]
     header = ["abort", "busy_lane", "busy_epoch", "busy_found", "diag"]
     diag = packed_layout(record, sizes)
-    assert diag.pop("sizeof") <= B._DIAG_BYTES
-    assert struct_layout("BarrierDiag", "barrier.cuh", record) == {**diag, "sizeof": B._DIAG_BYTES}
+    assert diag.pop("sizeof") <= C._DIAG_BYTES
+    assert struct_layout("BarrierDiag", "barrier.cuh", record) == {**diag, "sizeof": C._DIAG_BYTES}
     ctrl = struct_layout("BarrierCtrl", "barrier.cuh", header)
     del ctrl["sizeof"]  # the records array follows the header
     assert ctrl == {"abort": 0, "busy_lane": 4, "busy_epoch": 8, "busy_found": 12, "diag": 64}
     _, headers = build.read_source("kv_store.cu")
     source = '#include "barrier.cuh"\n'
-    source += f"static_assert(vmmkv::kDiagMagic == {B._DIAG_MAGIC});\n"
+    source += f"static_assert(vmmkv::kDiagMagic == {C._DIAG_MAGIC});\n"
     source += f"static_assert(vmmkv::kFlagTrap == {B._FLAG_TRAP});\n"
-    source += f"static_assert(vmmkv::kAbortByHost == {B._ABORT_BY_HOST});\n"
+    source += f"static_assert(vmmkv::kAbortByHost == {C._ABORT_BY_HOST});\n"
     source += f"static_assert(vmmkv::kLaneStateWords == {B._LANE_STATE_WORDS});\n"
-    for value, name in B._STATES.items():
+    for value, name in C._STATES.items():
         source += f"static_assert(vmmkv::kDiag{name.capitalize()} == {value});\n"
     build._nvrtc_compile("layout.cu", source, headers, build.compile_options("sm_90", None))
 
@@ -937,9 +938,9 @@ def _page_barrier(lanes=2, timeout_s=5.0, liveness=None):
     """A DeviceBarrier's host state over a zeroed ctypes page (no CUDA)."""
     import threading
 
-    from vmmkv.ops import barrier as B
+    from vmmkv.ops import barrier_control as C
 
-    page = ctypes.create_string_buffer(B._CTRL_HEADER_BYTES + B._DIAG_BYTES * lanes)
+    page = ctypes.create_string_buffer(C._CTRL_HEADER_BYTES + C._DIAG_BYTES * lanes)
     bar = _cpu_barrier(lanes=lanes, rank=1, world=3)
     bar.device, bar.timeout_s, bar.trap, bar.diag_after_s = "cuda:5", timeout_s, False, 1.0
     bar._host_ptr = ctypes.addressof(page)
@@ -952,13 +953,13 @@ def _page_barrier(lanes=2, timeout_s=5.0, liveness=None):
 
 
 def _write_record(bar, lane, seq, state, peer, epoch, waited_ns, observed=0):
-    from vmmkv.ops import barrier as B
+    from vmmkv.ops import barrier_control as C
 
-    w = (ctypes.c_int32 * 16).from_address(bar._host_ptr + B._CTRL_HEADER_BYTES + 64 * lane)
+    w = (ctypes.c_int32 * 16).from_address(bar._host_ptr + C._CTRL_HEADER_BYTES + 64 * lane)
     w[1:8] = [state, lane, bar.rank, peer, epoch, observed, bar.world]
     w[8], w[9] = waited_ns & 0xFFFFFFFF, waited_ns >> 32
     w[10], w[11] = 10**9, 0
-    w[12] = B._DIAG_MAGIC
+    w[12] = C._DIAG_MAGIC
     w[0] = seq
 
 

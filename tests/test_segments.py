@@ -30,8 +30,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import fd_count, fds_not_sockets, map_all_chunks, random_bytes, rank_device
-from tests.test_alloc_unmap import _fail_unmap_at, _mapped_offsets
+from tests.helpers import (
+    fd_count,
+    fds_not_sockets,
+    layer_buffers,
+    map_all_chunks,
+    random_bytes,
+    rank_device,
+)
+from tests.test_alloc_unmap import _fail_map_at, _fail_unmap_at, _mapped_offsets
 from vmmkv.alloc import Chunk, UnmapError, VirtualRegion
 from vmmkv.alloc.host import HostError
 from vmmkv.alloc.region import covering_chunks
@@ -109,19 +116,10 @@ def test_a_commit_of_ranges_whose_map_fails_unmaps_what_it_mapped_and_keeps_the_
         r.commit_ranges([(0, g), (6 * g, 7 * g)])
         data = random_bytes(g, 3)
         r.tensor()[6 * g : 7 * g].copy_(data)
-        backend = r._backend
-        real_map = backend.map
-
-        def map_fails_at_9(ptr, size, handle, *, exportable=False):
-            if ptr == r.base_ptr + 9 * g:
-                backend.release(handle)
-                raise HostError(12, "injected map failure")
-            return real_map(ptr, size, handle, exportable=exportable)
-
-        backend.map = map_fails_at_9
+        heal_map = _fail_map_at(r, r.base_ptr + 9 * g)
         with pytest.raises(HostError, match="injected map failure"):
             r.commit_ranges([(2 * g, 4 * g), (8 * g, 10 * g)])  # maps 2, 3, 8, then fails at 9
-        backend.map = real_map
+        heal_map()
         assert _chunk_offsets(r) == [0, 6 * g]
         assert _mapped_offsets(r.base_ptr, 12 * g, g) == {0, 6}
         assert torch.equal(r.tensor()[6 * g : 7 * g], data)
@@ -160,21 +158,12 @@ def test_a_failed_commit_of_ranges_whose_rollback_fails_keeps_the_unremovable_ch
     before = fd_count()
     with VirtualRegion(12 * g, "cpu", backend="host", chunk_bytes=g) as r:
         r.commit_ranges([(4 * g, 5 * g)])
-        backend = r._backend
-        real_map = backend.map
-
-        def map_fails_at_10(ptr, size, handle, *, exportable=False):
-            if ptr == r.base_ptr + 10 * g:
-                backend.release(handle)
-                raise HostError(12, "injected map failure")
-            return real_map(ptr, size, handle, exportable=exportable)
-
-        backend.map = map_fails_at_10
+        heal_map = _fail_map_at(r, r.base_ptr + 10 * g)
         heal = _fail_unmap_at(r, {r.base_ptr + 2 * g})
         with pytest.raises(HostError, match="injected map failure"):
             r.commit_ranges([(g, 3 * g), (7 * g, 8 * g), (10 * g, 11 * g)])  # 1, 2, 7, then 10
         heal()
-        backend.map = real_map
+        heal_map()
         # 7 was rolled back, 2 could not be and 1 was never tried: both stay, on the books
         assert _chunk_offsets(r) == [g, 2 * g, 4 * g]
         assert _mapped_offsets(r.base_ptr, 12 * g, g) == {1, 2, 4}
@@ -358,8 +347,6 @@ class _Replica:
     a grow adds a chunk) after the reference inserts of every rank's tokens."""
 
     def __init__(self, cache, setup):
-        from vmmkv.ops.formats import get_format
-
         self.cache, self.setup, self.rank = cache, setup, cache.rank
         self.world = cache.world_size
         sr = cache.region
@@ -381,13 +368,7 @@ class _Replica:
         self.blocks = 0
         self.model = torch.zeros(setup.capacity, dtype=torch.uint8)
         self.errors = 0
-        dev = cache.device
-        self.inputs = [
-            torch.zeros(TOKENS, width, dtype=dtype, device=dev)
-            for kind in ("fp8_ds_mla", "indexer_k")
-            for _, dtype, width in get_format(kind).inputs
-        ]
-        self.slots = torch.full((TOKENS,), -1, dtype=torch.int64, device=dev)
+        self.inputs, self.slots = layer_buffers(TOKENS, cache.device)
 
     def bind(self):
         self.bound = [

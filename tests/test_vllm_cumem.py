@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import vllm_marks
-from vmmkv.testing.spawn import free_port, run_world
+from tests.helpers import vllm_marks, vllm_world_fixture
 
 pytestmark = vllm_marks()
 
@@ -217,103 +216,98 @@ def _cumem_rank(rank, world, port):
     from vmmkv.integrations import vllm as integration
     from vmmkv.integrations.vllm import testing
 
-    ps = testing.join_vllm_groups(testing.vllm_config(LAYOUT, pcp=world), rank, world, port)
-    cfg, config = testing.build_kv_cache_config(LAYOUT, NUM_BLOCKS, pcp=world)
-    pcp = ps.get_pcp_group()
-    routing = _TorchPools()
-    _driver_stand_ins()
-    routing.install()
-    allocator = cumem.CuMemAllocator.get_instance()
-    real_instance = dalloc.get_mem_allocator_instance
-    dalloc.get_mem_allocator_instance = lambda: allocator  # the platform lookup (CUDA only)
-    out = {}
-    try:
-        with set_current_vllm_config(cfg), integration.patched(), routing.mode():
-            with allocator.use_memory_pool(tag="weights"):
-                weights = torch.arange(64, dtype=torch.int64)
-            # Worker.initialize_from_config: runtime pool around, kv_cache pool for allocation
-            with allocator.use_memory_pool(tag="runtime"):
-                outer = list(routing.entries)
-                attn_utils.init_kv_cache(
-                    {}, config, torch.device("cpu"), [BS], cfg,
-                    kv_cache_allocation_context=allocator.use_memory_pool(tag="kv_cache"),
-                )  # fmt: skip
-                out["entries after allocation"] = routing.entries == outer and len(outer) == 1
-                after = torch.zeros(8, dtype=torch.int64)
-                out["routed after allocation"] = _in_pool(allocator, after)
-            with allocator.use_memory_pool(tag="kv_cache"):
-                control = torch.arange(16, dtype=torch.int64)
-            out["uses"] = sorted(set(routing.uses.values()))
-            vc = integration.active_cache()
-            tables = _tables(vc)
-            good = {k: t.clone() for k, t in tables.items()}
-            want_control, want_weights = control.clone(), weights.clone()
-            out["in pool"] = {k: _in_pool(allocator, t) for k, t in tables.items()}
-            out["control in pool"] = _in_pool(allocator, control)
+    with testing.vllm_groups(testing.vllm_config(LAYOUT, pcp=world), rank, world, port) as ps:
+        cfg, config = testing.build_kv_cache_config(LAYOUT, NUM_BLOCKS, pcp=world)
+        pcp = ps.get_pcp_group()
+        routing = _TorchPools()
+        _driver_stand_ins()
+        routing.install()
+        allocator = cumem.CuMemAllocator.get_instance()
+        real_instance = dalloc.get_mem_allocator_instance
+        dalloc.get_mem_allocator_instance = lambda: allocator  # the platform lookup (CUDA only)
+        out = {}
+        try:
+            with set_current_vllm_config(cfg), integration.patched(), routing.mode():
+                with allocator.use_memory_pool(tag="weights"):
+                    weights = torch.arange(64, dtype=torch.int64)
+                # Worker.initialize_from_config: runtime pool around, kv_cache pool for allocation
+                with allocator.use_memory_pool(tag="runtime"):
+                    outer = list(routing.entries)
+                    attn_utils.init_kv_cache(
+                        {}, config, torch.device("cpu"), [BS], cfg,
+                        kv_cache_allocation_context=allocator.use_memory_pool(tag="kv_cache"),
+                    )  # fmt: skip
+                    out["entries after allocation"] = routing.entries == outer and len(outer) == 1
+                    after = torch.zeros(8, dtype=torch.int64)
+                    out["routed after allocation"] = _in_pool(allocator, after)
+                with allocator.use_memory_pool(tag="kv_cache"):
+                    control = torch.arange(16, dtype=torch.int64)
+                out["uses"] = sorted(set(routing.uses.values()))
+                vc = integration.active_cache()
+                tables = _tables(vc)
+                good = {k: t.clone() for k, t in tables.items()}
+                want_control, want_weights = control.clone(), weights.clone()
+                out["in pool"] = {k: _in_pool(allocator, t) for k, t in tables.items()}
+                out["control in pool"] = _in_pool(allocator, control)
 
-            def unchanged():
-                return sorted(k for k, t in tables.items() if torch.equal(t, good[k]))
+                def unchanged():
+                    return sorted(k for k, t in tables.items() if torch.equal(t, good[k]))
 
-            # vLLM's default backend, as LLM.sleep() reaches it with the allocator on
-            cfg.model_config.sleep_mode_backend = "cumem"
-            cumem_backend = SleepModeBackendFactory.create_backend(cfg.model_config)
-            cumem_backend.suspend(1)
-            cumem_backend.resume(None)
-            out["cumem backend"] = type(cumem_backend).__name__
-            out["cumem: unchanged"] = unchanged()
-            out["cumem: control poisoned"] = bool((control.view(torch.uint8) == POISON).all())
-            out["cumem: weights kept"] = torch.equal(weights, want_weights)
-            control.copy_(want_control)
-            for k, t in tables.items():  # a failure above must not spill into the next run
-                t.copy_(good[k])
-            dist.barrier(group=pcp.cpu_group)
+                # vLLM's default backend, as LLM.sleep() reaches it with the allocator on
+                cfg.model_config.sleep_mode_backend = "cumem"
+                cumem_backend = SleepModeBackendFactory.create_backend(cfg.model_config)
+                cumem_backend.suspend(1)
+                cumem_backend.resume(None)
+                out["cumem backend"] = type(cumem_backend).__name__
+                out["cumem: unchanged"] = unchanged()
+                out["cumem: control poisoned"] = bool((control.view(torch.uint8) == POISON).all())
+                out["cumem: weights kept"] = torch.equal(weights, want_weights)
+                control.copy_(want_control)
+                for k, t in tables.items():  # a failure above must not spill into the next run
+                    t.copy_(good[k])
+                dist.barrier(group=pcp.cpu_group)
 
-            # the plugin's backend: the KV released and restored, the tables kept
-            cfg.model_config.sleep_mode_backend = "vmmkv"
-            backend = SleepModeBackendFactory.create_backend(cfg.model_config)
-            blocks = vc.committed_blocks
-            backend.suspend(1)
-            out["vmmkv: asleep blocks"] = vc.committed_blocks
-            backend.resume(["weights"])
-            backend.resume(["kv_cache"])
-            out["vmmkv backend"] = type(backend).__name__
-            out["vmmkv: blocks"] = (blocks, vc.committed_blocks)
-            out["vmmkv: unchanged"] = unchanged()
-            out["vmmkv: weights kept"] = torch.equal(weights, want_weights)
-            out["tables"] = sorted(tables)
-            dist.barrier(group=pcp.cpu_group)
+                # the plugin's backend: the KV released and restored, the tables kept
+                cfg.model_config.sleep_mode_backend = "vmmkv"
+                backend = SleepModeBackendFactory.create_backend(cfg.model_config)
+                blocks = vc.committed_blocks
+                backend.suspend(1)
+                out["vmmkv: asleep blocks"] = vc.committed_blocks
+                backend.resume(["weights"])
+                backend.resume(["kv_cache"])
+                out["vmmkv backend"] = type(backend).__name__
+                out["vmmkv: blocks"] = (blocks, vc.committed_blocks)
+                out["vmmkv: unchanged"] = unchanged()
+                out["vmmkv: weights kept"] = torch.equal(weights, want_weights)
+                out["tables"] = sorted(tables)
+                dist.barrier(group=pcp.cpu_group)
 
-            # a pool of CuMem's allocator that its pool list does not hold routes this thread:
-            # the escape cannot see it, the tables land in CuMem, and the allocation is refused
-            unlisted = torch.cuda.memory.MemPool(
-                cumem.get_pluggable_allocator(
-                    allocator.python_malloc_callback, allocator.python_free_callback
-                )._allocator
-            )
-            allocator.current_tag = "kv_cache"
-            try:
-                with torch.cuda.memory.use_mem_pool(unlisted):
-                    attn_utils.allocate_kv_cache(
-                        config, torch.device("cpu"), KVCacheLayout[LAYOUT], [BS]
-                    )
-                out["unlisted pool"] = ""
-            except RuntimeError as exc:
-                out["unlisted pool"] = str(exc)
-            finally:
-                allocator.current_tag = allocator.default_tag
-            out["active after unlisted pool"] = integration.active_cache() is not None
-            dist.barrier(group=pcp.cpu_group)
-        dist.barrier(group=ps.get_world_group().cpu_group)  # rank 0 hosts the store: last out
-    finally:
-        dalloc.get_mem_allocator_instance = real_instance
-        ps.destroy_model_parallel()
-        ps.destroy_distributed_environment()
+                # a pool of CuMem's allocator that its pool list does not hold routes this thread:
+                # the escape cannot see it, the tables land in CuMem, and the allocation is refused
+                unlisted = torch.cuda.memory.MemPool(
+                    cumem.get_pluggable_allocator(
+                        allocator.python_malloc_callback, allocator.python_free_callback
+                    )._allocator
+                )
+                allocator.current_tag = "kv_cache"
+                try:
+                    with torch.cuda.memory.use_mem_pool(unlisted):
+                        attn_utils.allocate_kv_cache(
+                            config, torch.device("cpu"), KVCacheLayout[LAYOUT], [BS]
+                        )
+                    out["unlisted pool"] = ""
+                except RuntimeError as exc:
+                    out["unlisted pool"] = str(exc)
+                finally:
+                    allocator.current_tag = allocator.default_tag
+                out["active after unlisted pool"] = integration.active_cache() is not None
+                dist.barrier(group=pcp.cpu_group)
+        finally:
+            dalloc.get_mem_allocator_instance = real_instance
     return out
 
 
-@pytest.fixture(scope="module")
-def cumem_run():
-    return run_world(_cumem_rank, 2, args=(free_port(),), init_group=False, timeout=400)
+cumem_run = vllm_world_fixture(_cumem_rank, 2, timeout=400)
 
 
 @pytest.mark.timeout(450)

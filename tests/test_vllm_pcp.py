@@ -274,11 +274,10 @@ def _scenario(rank, world, port, tp, runs, dcps):
 
     pcp_size = world // tp
     cfg = testing.vllm_config("LBNHC", NUM_BLOCKS, tp=tp, pcp=pcp_size)
-    ps = testing.join_vllm_groups(cfg, rank, world, port)
-    pcp, tpg = ps.get_pcp_group(), ps.get_tp_group()
-    prank = pcp.rank_in_group
-    out = {"pcp_ranks": pcp.ranks, "tp_ranks": tpg.ranks, "runs": {}}
-    try:
+    with testing.vllm_groups(cfg, rank, world, port) as ps:
+        pcp, tpg = ps.get_pcp_group(), ps.get_tp_group()
+        prank = pcp.rank_in_group
+        out = {"pcp_ranks": pcp.ranks, "tp_ranks": tpg.ranks, "runs": {}}
         out["refused"] = _refusal(pcp_size, tp)
         for layout, direct in runs:
             os.environ["VMMKV_DIRECT"] = "1" if direct else "0"
@@ -333,11 +332,6 @@ def _scenario(rank, world, port, tp, runs, dcps):
                     dist.barrier(group=pcp.cpu_group)  # compared before the next step stores
                 rep["closed_by_shutdown"] = _shutdown_closes(vc)
             out["runs"][f"{layout}/{'direct' if direct else 'gather'}"] = rep
-        # rank 0 hosts the store every group uses: it tears down only after every group is done
-        dist.barrier(group=ps.get_world_group().cpu_group)
-    finally:
-        ps.destroy_model_parallel()
-        ps.destroy_distributed_environment()
     return out
 
 

@@ -60,35 +60,32 @@ def _scale(rank, world, port, nofile, chunk_mib):
 
     threading.Thread(target=sample, daemon=True).start()
     cfg = testing.vllm_config("LBNHC", BLOCKS, LAYERS, pcp=world)
-    ps = testing.join_vllm_groups(cfg, rank, world, port)
     out = {}
     try:
-        cpu, lay = torch.device("cpu"), KVCacheLayout.LBNHC
-        _, prof = testing.build_profiling_kv_cache_config(
-            "LBNHC", PROFILE_BLOCKS, LAYERS, pcp=world
-        )
-        _, config = testing.build_kv_cache_config("LBNHC", BLOCKS, LAYERS, pcp=world)
-        with set_current_vllm_config(cfg), integration.patched():
-            views = attn_utils.allocate_kv_cache(prof, cpu, lay, [BS])
-            del views  # vLLM's teardown of the profiling state
-            views = attn_utils.allocate_kv_cache(config, cpu, lay, [BS])
-            vc = integration.active_cache()
-            out["chunks"] = -(-vc.cache.capacity_bytes // vc.cache.region.chunk_bytes)
-            out["views"] = len(views)
-            for step, call in (("start", None), ("sleep", lambda: vc.shrink(0)),
-                               ("wake", lambda: vc.grow(vc.num_blocks))):  # fmt: skip
-                if call is not None:
-                    dist.barrier(group=ps.get_pcp_group().cpu_group)
-                    call()
-                out[step] = {"blocks": vc.committed_blocks, "peak_fds": peak[0], **_mapped(vc)}
-                peak[0] = 0
-            del views
-            vc.close()
-        dist.barrier(group=ps.get_world_group().cpu_group)
+        with testing.vllm_groups(cfg, rank, world, port) as ps:
+            cpu, lay = torch.device("cpu"), KVCacheLayout.LBNHC
+            _, prof = testing.build_profiling_kv_cache_config(
+                "LBNHC", PROFILE_BLOCKS, LAYERS, pcp=world
+            )
+            _, config = testing.build_kv_cache_config("LBNHC", BLOCKS, LAYERS, pcp=world)
+            with set_current_vllm_config(cfg), integration.patched():
+                views = attn_utils.allocate_kv_cache(prof, cpu, lay, [BS])
+                del views  # vLLM's teardown of the profiling state
+                views = attn_utils.allocate_kv_cache(config, cpu, lay, [BS])
+                vc = integration.active_cache()
+                out["chunks"] = -(-vc.cache.capacity_bytes // vc.cache.region.chunk_bytes)
+                out["views"] = len(views)
+                for step, call in (("start", None), ("sleep", lambda: vc.shrink(0)),
+                                   ("wake", lambda: vc.grow(vc.num_blocks))):  # fmt: skip
+                    if call is not None:
+                        dist.barrier(group=ps.get_pcp_group().cpu_group)
+                        call()
+                    out[step] = {"blocks": vc.committed_blocks, "peak_fds": peak[0], **_mapped(vc)}
+                    peak[0] = 0
+                del views
+                vc.close()
     finally:
         stop.set()
-        ps.destroy_model_parallel()
-        ps.destroy_distributed_environment()
     return out
 
 

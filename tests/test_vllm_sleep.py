@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import vllm_marks
-from vmmkv.testing.spawn import free_port, run_world
+from tests.helpers import vllm_marks, vllm_world_fixture
 
 pytestmark = vllm_marks()
 
@@ -266,118 +265,116 @@ def _sleep_rank(rank, world, port):
     from vmmkv.integrations import vllm as integration
     from vmmkv.integrations.vllm import testing
 
-    ps = testing.join_vllm_groups(testing.vllm_config(LAYOUT, pcp=world), rank, world, port)
-    out = {"no cache": _without_vmmkv_cache(), "refusal": _refusal()}
-    cfg, config = testing.build_kv_cache_config(LAYOUT, NUM_BLOCKS, pcp=world)
-    size = config.kv_cache_tensors[0].size
-    pcp = ps.get_pcp_group()
-    prank = pcp.rank_in_group
-    real_allocator = dalloc.get_mem_allocator_instance
-    try:
-        with set_current_vllm_config(cfg), integration.patched(), _HostAccelerator():
-            from vmmkv.integrations.vllm._sleep import VmmkvSleepModeBackend
+    with testing.vllm_groups(testing.vllm_config(LAYOUT, pcp=world), rank, world, port) as ps:
+        out = {"no cache": _without_vmmkv_cache(), "refusal": _refusal()}
+        cfg, config = testing.build_kv_cache_config(LAYOUT, NUM_BLOCKS, pcp=world)
+        size = config.kv_cache_tensors[0].size
+        pcp = ps.get_pcp_group()
+        prank = pcp.rank_in_group
+        real_allocator = dalloc.get_mem_allocator_instance
+        try:
+            with set_current_vllm_config(cfg), integration.patched(), _HostAccelerator():
+                from vmmkv.integrations.vllm._sleep import VmmkvSleepModeBackend
 
-            out["registered"] = SleepModeBackendFactory.get_backend_class("vmmkv") is (
-                VmmkvSleepModeBackend
-            )
-            # sleep mode on with vLLM's own backend: refused at allocation, before any collective
-            cfg.model_config.enable_sleep_mode, cfg.model_config.sleep_mode_backend = True, "cumem"
-            try:
-                attn_utils.allocate_kv_cache(
+                out["registered"] = SleepModeBackendFactory.get_backend_class("vmmkv") is (
+                    VmmkvSleepModeBackend
+                )
+                # sleep mode on with vLLM's own backend: refused at allocation, before any collective
+                cfg.model_config.enable_sleep_mode, cfg.model_config.sleep_mode_backend = (
+                    True,
+                    "cumem",
+                )
+                try:
+                    attn_utils.allocate_kv_cache(
+                        config, torch.device("cpu"), KVCacheLayout[LAYOUT], [BS]
+                    )
+                    out["refused at allocation"] = ""
+                except integration.UnsupportedKVCache as exc:
+                    out["refused at allocation"] = str(exc)
+                cfg.model_config.enable_sleep_mode = False  # vLLM refuses sleep mode on the CPU
+                out["active after refusal"] = integration.active_cache() is not None
+                views = attn_utils.allocate_kv_cache(
                     config, torch.device("cpu"), KVCacheLayout[LAYOUT], [BS]
                 )
-                out["refused at allocation"] = ""
-            except integration.UnsupportedKVCache as exc:
-                out["refused at allocation"] = str(exc)
-            cfg.model_config.enable_sleep_mode = False  # vLLM refuses sleep mode on the CPU
-            out["active after refusal"] = integration.active_cache() is not None
-            views = attn_utils.allocate_kv_cache(
-                config, torch.device("cpu"), KVCacheLayout[LAYOUT], [BS]
-            )
-            vc = integration.active_cache()
-            vc.shrink(COMMITTED)
-            plain = worker_utils.allocate_kv_cache(
-                config, torch.device("cpu"), KVCacheLayout[LAYOUT], [BS]
-            )
-            want = torch.empty(0, dtype=torch.uint8).set_(
-                next(iter(plain.values())).untyped_storage(), 0, (size,), (1,)
-            )
-            rec = _RecordingAllocator(vc)
-            dalloc.get_mem_allocator_instance = lambda: rec
+                vc = integration.active_cache()
+                vc.shrink(COMMITTED)
+                plain = worker_utils.allocate_kv_cache(
+                    config, torch.device("cpu"), KVCacheLayout[LAYOUT], [BS]
+                )
+                want = torch.empty(0, dtype=torch.uint8).set_(
+                    next(iter(plain.values())).untyped_storage(), 0, (size,), (1,)
+                )
+                rec = _RecordingAllocator(vc)
+                dalloc.get_mem_allocator_instance = lambda: rec
 
-            out["before"] = _snapshot(vc, views, world)
-            _store(vc, 0, prank, world)
-            _reference(plain, vc, 0, world)
-            out["before"]["equal"] = _equal(vc, want, COMMITTED)
+                out["before"] = _snapshot(vc, views, world)
+                _store(vc, 0, prank, world)
+                _reference(plain, vc, 0, world)
+                out["before"]["equal"] = _equal(vc, want, COMMITTED)
 
-            # 0. today: vLLM's own backend (cumem) leaves the KV memory as it is
-            kept = [seg.clone() for seg in _segments(vc, COMMITTED)]
-            cfg.model_config.sleep_mode_backend = "cumem"
-            plain_worker = _worker(cfg)
-            plain_worker.sleep(level=1)
-            out["cumem asleep"] = _snapshot(vc, views, world, plain_worker.sleep_mode_backend)
-            out["cumem asleep"]["kept"] = all(
-                torch.equal(a, b) for a, b in zip(_segments(vc, COMMITTED), kept, strict=True)
-            )
-            plain_worker.wake_up()
-            out["cumem backend"] = type(plain_worker.sleep_mode_backend).__name__
-            out["calls 0"], rec.calls = rec.calls, []
-            dist.barrier(group=pcp.cpu_group)
+                # 0. today: vLLM's own backend (cumem) leaves the KV memory as it is
+                kept = [seg.clone() for seg in _segments(vc, COMMITTED)]
+                cfg.model_config.sleep_mode_backend = "cumem"
+                plain_worker = _worker(cfg)
+                plain_worker.sleep(level=1)
+                out["cumem asleep"] = _snapshot(vc, views, world, plain_worker.sleep_mode_backend)
+                out["cumem asleep"]["kept"] = all(
+                    torch.equal(a, b) for a, b in zip(_segments(vc, COMMITTED), kept, strict=True)
+                )
+                plain_worker.wake_up()
+                out["cumem backend"] = type(plain_worker.sleep_mode_backend).__name__
+                out["calls 0"], rec.calls = rec.calls, []
+                dist.barrier(group=pcp.cpu_group)
 
-            cfg.model_config.sleep_mode_backend = "vmmkv"  # --sleep-mode-backend vmmkv
-            worker = _worker(cfg)
+                cfg.model_config.sleep_mode_backend = "vmmkv"  # --sleep-mode-backend vmmkv
+                worker = _worker(cfg)
 
-            def awake(key, seed, calls):
-                """After a wake: the snapshot, blocks zeroed, then a store equal to the
-                reference, and the inner backend's calls since the last check."""
-                out[key] = _snapshot(vc, views, world, backend)
-                out[key]["zeroed"] = _zeroed(vc)
-                dist.barrier(group=pcp.cpu_group)  # checked before a peer publishes again
-                _store(vc, seed, prank, world)
-                _reference(plain, vc, seed, world)
-                out[key]["equal"] = _equal(vc, want, COMMITTED)
-                out[calls], rec.calls = rec.calls, []
+                def awake(key, seed, calls):
+                    """After a wake: the snapshot, blocks zeroed, then a store equal to the
+                    reference, and the inner backend's calls since the last check."""
+                    out[key] = _snapshot(vc, views, world, backend)
+                    out[key]["zeroed"] = _zeroed(vc)
+                    dist.barrier(group=pcp.cpu_group)  # checked before a peer publishes again
+                    _store(vc, seed, prank, world)
+                    _reference(plain, vc, seed, world)
+                    out[key]["equal"] = _equal(vc, want, COMMITTED)
+                    out[calls], rec.calls = rec.calls, []
 
-            # 1. sleep(1), wake weights only, wake kv_cache
-            _poison(vc)
-            dist.barrier(group=pcp.cpu_group)
-            worker.sleep(level=1)
-            backend = worker.sleep_mode_backend
-            out["backend"] = (type(backend).__name__, type(backend.inner).__name__)
-            out["asleep"] = _snapshot(vc, views, world, backend)
-            skipped = vc.stats()["out_of_range_slots"]
-            _store(vc, 5, prank, world, layers=[0])  # nothing to write into: skipped, counted
-            out["asleep"]["skipped"] = vc.stats()["out_of_range_slots"] - skipped
-            worker.wake_up(["weights"])
-            out["weights awake"] = _snapshot(vc, views, world, backend)
-            worker.wake_up(["kv_cache"])
-            awake("kv awake", 10, "calls 1")
+                # 1. sleep(1), wake weights only, wake kv_cache
+                _poison(vc)
+                dist.barrier(group=pcp.cpu_group)
+                worker.sleep(level=1)
+                backend = worker.sleep_mode_backend
+                out["backend"] = (type(backend).__name__, type(backend.inner).__name__)
+                out["asleep"] = _snapshot(vc, views, world, backend)
+                skipped = vc.stats()["out_of_range_slots"]
+                _store(vc, 5, prank, world, layers=[0])  # nothing to write into: skipped, counted
+                out["asleep"]["skipped"] = vc.stats()["out_of_range_slots"] - skipped
+                worker.wake_up(["weights"])
+                out["weights awake"] = _snapshot(vc, views, world, backend)
+                worker.wake_up(["kv_cache"])
+                awake("kv awake", 10, "calls 1")
 
-            # 2. sleep(2), wake with no tags
-            _poison(vc)
-            worker.sleep(level=2)
-            out["asleep 2"] = _snapshot(vc, views, world, backend)
-            worker.wake_up()
-            awake("awake 2", 20, "calls 2")
+                # 2. sleep(2), wake with no tags
+                _poison(vc)
+                worker.sleep(level=2)
+                out["asleep 2"] = _snapshot(vc, views, world, backend)
+                worker.wake_up()
+                awake("awake 2", 20, "calls 2")
 
-            # 3. discard kv_cache, wake kv_cache
-            _poison(vc)
-            worker.discard(("kv_cache",))
-            out["discarded"] = _snapshot(vc, views, world, backend)
-            worker.wake_up(["kv_cache"])
-            awake("awake 3", 30, "calls 3")
-            dist.barrier(group=pcp.cpu_group)
-        dist.barrier(group=ps.get_world_group().cpu_group)  # rank 0 hosts the store: last out
-    finally:
-        dalloc.get_mem_allocator_instance = real_allocator
-        ps.destroy_model_parallel()
-        ps.destroy_distributed_environment()
+                # 3. discard kv_cache, wake kv_cache
+                _poison(vc)
+                worker.discard(("kv_cache",))
+                out["discarded"] = _snapshot(vc, views, world, backend)
+                worker.wake_up(["kv_cache"])
+                awake("awake 3", 30, "calls 3")
+                dist.barrier(group=pcp.cpu_group)
+        finally:
+            dalloc.get_mem_allocator_instance = real_allocator
     return out
 
 
-@pytest.fixture(scope="module")
-def sleep_run():
-    return run_world(_sleep_rank, 2, args=(free_port(),), init_group=False, timeout=560)
+sleep_run = vllm_world_fixture(_sleep_rank, 2, timeout=560)
 
 
 def _released(snap):

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import vllm_marks
-from vmmkv.testing.spawn import free_port, run_world
+from tests.helpers import vllm_marks, vllm_world_fixture
 
 pytestmark = vllm_marks()
 
@@ -249,21 +248,14 @@ def _zero_and_grow(rank, world, port):
 
     from vmmkv.integrations.vllm import testing
 
-    ps = testing.join_vllm_groups(testing.vllm_config("LBNHC", pcp=world), rank, world, port)
-    store = dist.distributed_c10d._get_default_store()
-    try:
+    with testing.vllm_groups(testing.vllm_config("LBNHC", pcp=world), rank, world, port) as ps:
+        store = dist.distributed_c10d._get_default_store()
         out = {v: _zero_race(rank, world, ps, store, v) for v in ("without", "with the fix")}
         out.update({f"growth {lay}": _growth(rank, world, ps, lay) for lay in ("LBNHC", "BLNHC")})
-        dist.barrier(group=ps.get_world_group().cpu_group)  # rank 0 hosts the store: last out
-    finally:
-        ps.destroy_model_parallel()
-        ps.destroy_distributed_environment()
     return out
 
 
-@pytest.fixture(scope="module")
-def zero_and_grow():
-    return run_world(_zero_and_grow, 2, args=(free_port(),), init_group=False, timeout=560)
+zero_and_grow = vllm_world_fixture(_zero_and_grow, 2, timeout=560)
 
 
 @pytest.mark.timeout(600)

@@ -7,7 +7,8 @@ custom ops (namespace ``vmmkv``) and the pure-torch reference of the KV byte for
 - ``reference``: quantizers and inserters (the test oracle and the host backend's store path).
 - ``build``: NVRTC build and on-disk cubin cache; ``compile_all(arch)`` needs no GPU.
 - ``kv``: ``KVTarget`` and the fused stores into every replica.
-- ``barrier``: ``DeviceBarrier``, the system-scope barrier among ranks.
+- ``barrier``: ``DeviceBarrier``, the system-scope barrier among ranks (its host side, the
+  control page and the watchdog: ``barrier_control``).
 - ``prepared``: ``prepare(targets) -> PreparedStore``, the per-binding fast path: ``store`` and
   ``publish`` (stores + barrier in one launch).
 Importing this package registers the custom ops; it needs no GPU.

@@ -324,29 +324,24 @@ STORE_LAYER_UE8M0_MXFP8_BARRIER = Kernel(
     "vmmkv_store_layer_ue8m0_mxfp8_barrier", STORE_LAYER_BARRIER.layout
 )
 
-# The kernel of each store call (its targets' kinds, vmmkv.ops.formats.STORE_KINDS): STORES
-# stores, PUBLISHES stores and then runs the barrier in the same launch. Each scale rule has
-# its own compile-time kernel variant (csrc/kv_store.cu), so the kinds pick it once, here.
-STORES: dict[tuple[str, ...], Kernel] = {
-    ("fp8_ds_mla",): STORE_DS_MLA,
-    ("indexer_k",): STORE_INDEXER_K,
-    ("rows",): PUBLISH_ROWS,
-    ("fp8_ds_mla", "indexer_k"): STORE_LAYER,
-    ("indexer_k_mxfp8",): STORE_INDEXER_K_MXFP8,
-    ("fp8_ds_mla", "indexer_k_mxfp8"): STORE_LAYER_MXFP8,
-    ("fp8_ds_mla_ue8m0",): STORE_DS_MLA_UE8M0,
-    ("fp8_ds_mla_ue8m0", "indexer_k"): STORE_LAYER_UE8M0,
-    ("fp8_ds_mla_ue8m0", "indexer_k_mxfp8"): STORE_LAYER_UE8M0_MXFP8,
+# The kernels of each store call (its targets' kinds, vmmkv.ops.formats.STORE_KINDS): the one
+# that stores (STORES), and the one that stores and then runs the barrier in the same launch
+# (PUBLISHES). Each scale rule has its own compile-time kernel variant (csrc/kv_store.cu), so
+# the kinds pick it once, here.
+_STORE_AND_PUBLISH: dict[tuple[str, ...], tuple[Kernel, Kernel]] = {
+    ("fp8_ds_mla",): (STORE_DS_MLA, STORE_DS_MLA_BARRIER),
+    ("indexer_k",): (STORE_INDEXER_K, STORE_INDEXER_K_BARRIER),
+    ("rows",): (PUBLISH_ROWS, PUBLISH_ROWS_BARRIER),
+    ("fp8_ds_mla", "indexer_k"): (STORE_LAYER, STORE_LAYER_BARRIER),
+    ("indexer_k_mxfp8",): (STORE_INDEXER_K_MXFP8, STORE_INDEXER_K_MXFP8_BARRIER),
+    ("fp8_ds_mla", "indexer_k_mxfp8"): (STORE_LAYER_MXFP8, STORE_LAYER_MXFP8_BARRIER),
+    ("fp8_ds_mla_ue8m0",): (STORE_DS_MLA_UE8M0, STORE_DS_MLA_UE8M0_BARRIER),
+    ("fp8_ds_mla_ue8m0", "indexer_k"): (STORE_LAYER_UE8M0, STORE_LAYER_UE8M0_BARRIER),
+    ("fp8_ds_mla_ue8m0", "indexer_k_mxfp8"): (
+        STORE_LAYER_UE8M0_MXFP8,
+        STORE_LAYER_UE8M0_MXFP8_BARRIER,
+    ),
 }
-PUBLISHES: dict[tuple[str, ...], Kernel] = {
-    ("fp8_ds_mla",): STORE_DS_MLA_BARRIER,
-    ("indexer_k",): STORE_INDEXER_K_BARRIER,
-    ("rows",): PUBLISH_ROWS_BARRIER,
-    ("fp8_ds_mla", "indexer_k"): STORE_LAYER_BARRIER,
-    ("indexer_k_mxfp8",): STORE_INDEXER_K_MXFP8_BARRIER,
-    ("fp8_ds_mla", "indexer_k_mxfp8"): STORE_LAYER_MXFP8_BARRIER,
-    ("fp8_ds_mla_ue8m0",): STORE_DS_MLA_UE8M0_BARRIER,
-    ("fp8_ds_mla_ue8m0", "indexer_k"): STORE_LAYER_UE8M0_BARRIER,
-    ("fp8_ds_mla_ue8m0", "indexer_k_mxfp8"): STORE_LAYER_UE8M0_MXFP8_BARRIER,
-}
+STORES: dict[tuple[str, ...], Kernel] = {k: s for k, (s, _) in _STORE_AND_PUBLISH.items()}
+PUBLISHES: dict[tuple[str, ...], Kernel] = {k: p for k, (_, p) in _STORE_AND_PUBLISH.items()}
 assert list(STORES) == list(PUBLISHES) == list(STORE_KINDS)

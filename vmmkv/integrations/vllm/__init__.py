@@ -95,8 +95,6 @@ from typing import Any
 
 from ._patches import (
     SUPPORTED_VLLM,
-    UnsupportedVLLM,
-    active_cache,
     check_vllm_version,
     install,
     install_engine,
@@ -107,6 +105,7 @@ from ._patches import (
     vllm_indexer_kind,
     vllm_mla_kind,
 )
+from ._state import UnsupportedVLLM, active_cache
 
 __all__ = [
     "ENV",

@@ -172,7 +172,7 @@ def _stamped(out: Any, stamp: tuple) -> Any:
 def worker_resize(worker: Any, seq: int, target: int) -> tuple[int, int, str | None] | None:
     """The idle release's ``collective_rpc`` body on every worker (``worker`` is vLLM's worker,
     unused): apply ``(seq, target)``; returns this worker's stamp (None without a cache)."""
-    from ._patches import active_cache
+    from ._state import active_cache
 
     cache = active_cache()
     if cache is None:
@@ -183,7 +183,7 @@ def worker_resize(worker: Any, seq: int, target: int) -> tuple[int, int, str | N
 
 def _update_requests(orig: Callable[..., Any]) -> Callable[..., Any]:
     def update_requests(self, scheduler_output):
-        from ._patches import active_cache
+        from ._state import active_cache
 
         cache = active_cache()
         if cache is not None:
@@ -195,7 +195,7 @@ def _update_requests(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 def _stamping(orig: Callable[..., Any]) -> Callable[..., Any]:
     def stamped(self, *args, **kwargs):
-        from ._patches import active_cache
+        from ._state import active_cache
 
         return stamp_output(orig(self, *args, **kwargs), active_cache())
 

@@ -32,6 +32,9 @@ and nothing is patched. :func:`install_when_worker_starts` (what ``register()`` 
 installation until the process imports MRV2's model runner module, so vLLM's API server and
 engine-core processes never import vLLM modules on vmmkv's behalf.
 
+The patches, the active cache and the pending records live in ``_state`` (the sleep-mode
+backend reads the active cache there); this module writes them.
+
 Local, not thread-safe: install/uninstall from one thread, like vLLM's worker.
 """
 
@@ -45,17 +48,15 @@ import inspect
 import logging
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ...ops.formats import FORMATS, INDEXER_DIM
+from ._state import _STATE, UnsupportedVLLM, _Patch, _Pending
 
 __all__ = [
     "SUPPORTED_VLLM",
-    "UnsupportedVLLM",
-    "active_cache",
     "check_vllm_version",
     "install",
     "install_engine",
@@ -76,11 +77,6 @@ MX_INDEXER_KIND = "indexer_k_mxfp8"
 SUPPORTED_VLLM = "==0.33.0"
 # The module whose import marks a process that runs an MRV2 GPU worker.
 WORKER_MODULE = "vllm.v1.worker.gpu.model_runner"
-
-
-class UnsupportedVLLM(RuntimeError):
-    """The installed vLLM is not the release vmmkv's plugin is written for, or one of the sites
-    it patches moved or changed its parameters (nothing was patched)."""
 
 
 def check_vllm_version(version: str | None = None) -> str:
@@ -110,37 +106,6 @@ def check_vllm_version(version: str | None = None) -> str:
             "vllm==0.33.0 (pip install 'vmmkv[vllm]') or unset VLLM_USE_VMMKV"
         )
     return version
-
-
-@dataclass
-class _Pending:
-    plan: Any  # StorePlan
-    rows: torch.Tensor  # the first input the replaced gather returned
-
-
-@dataclass
-class _Patch:
-    owner: Any
-    name: str
-    original: Any
-    replacement: Any
-
-
-class _State:
-    def __init__(self) -> None:
-        self.patches: list[_Patch] = []
-        self.engine_patches: list[_Patch] = []  # elastic mode's, in the engine core
-        self.active: Any = None  # the process's VllmKVCache, once allocated
-        self.pending: dict[str, _Pending] = {}
-        self.hook: Any = None  # the import hook of install_when_worker_starts, until it fires
-
-
-_STATE = _State()
-
-
-def active_cache() -> Any:
-    """The :class:`VllmKVCache` the plugin allocated in this process, or None."""
-    return _STATE.active
 
 
 def installed() -> bool:

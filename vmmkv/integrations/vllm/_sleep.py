@@ -77,7 +77,7 @@ from vllm.device_allocator.sleep_mode_backend import (
     SleepModeBackendFactory,
 )
 
-from ._patches import active_cache
+from ._state import UnsupportedVLLM, active_cache
 
 __all__ = [
     "INNER_ENV",
@@ -251,8 +251,6 @@ class OutsideCuMemPools:
 
 def _check_signature(fn: Any, params: tuple[str, ...], what: str) -> None:
     """UnsupportedVLLM unless ``fn`` takes the named parameters (vLLM 0.33.0's signatures)."""
-    from ._patches import UnsupportedVLLM
-
     try:
         names = tuple(inspect.signature(fn).parameters)
     except (TypeError, ValueError) as exc:

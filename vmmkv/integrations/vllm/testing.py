@@ -8,19 +8,23 @@ MLA spec with the arguments ``MLAAttention.get_kv_cache_spec`` passes, since bui
 attention module needs a CUDA backend), ``customize_attention_spec`` with each layer's backend,
 then ``get_global_kv_cache_groups`` and ``get_kv_cache_configs`` with ``num_gpu_blocks_override``.
 The model config is a real ``ModelConfig`` from a ``config.json`` written to a temporary
-directory (transformers' ``DeepseekV32Config`` with small sizes).
+directory (transformers' ``DeepseekV32Config`` with small sizes). :func:`vllm_groups` runs a
+block inside vLLM's own distributed setup (gloo) and tears it down (collective).
 
-Local; writes one config.json per process (in a fresh temporary directory).
+``join_vllm_groups`` and ``vllm_groups`` are collective over the ranks that join; the rest is
+local. Writes one config.json per process (in a fresh temporary directory).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,6 +40,7 @@ __all__ = [
     "mla_layer",
     "model_config",
     "vllm_config",
+    "vllm_groups",
 ]
 
 log = logging.getLogger(__name__)
@@ -197,3 +202,20 @@ def join_vllm_groups(cfg: Any, rank: int, world: int, port: int) -> Any:
             pc.tensor_parallel_size, 1, pc.prefill_context_parallel_size, 1, backend="gloo"
         )
     return ps
+
+
+@contextlib.contextmanager
+def vllm_groups(cfg: Any, rank: int, world: int, port: int) -> Iterator[Any]:
+    """:func:`join_vllm_groups` for the block (yields vLLM's ``parallel_state``), then the
+    teardown: when the block succeeded, a barrier over the world group (rank 0 hosts the store
+    every group uses: it tears down only after every rank is done); always
+    ``destroy_model_parallel`` and ``destroy_distributed_environment``. Collective."""
+    import torch.distributed as dist
+
+    ps = join_vllm_groups(cfg, rank, world, port)
+    try:
+        yield ps
+        dist.barrier(group=ps.get_world_group().cpu_group)
+    finally:
+        ps.destroy_model_parallel()
+        ps.destroy_distributed_environment()

@@ -1,0 +1,53 @@
+"""The vLLM plugin's per-process state and its version error, shared by the patched call sites
+(``_patches``, which writes the state), the sleep-mode backend (``_sleep``) and elastic mode's
+worker sites (``_elastic_sites``), which read the active cache. Both import this module; neither imports the other's names back.
+
+Imports no vLLM module. Local, not thread-safe: vLLM's worker installs, allocates and sleeps
+from one thread. ``_patches.close_active`` closes the active cache; nothing here closes
+anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["UnsupportedVLLM", "active_cache"]
+
+
+class UnsupportedVLLM(RuntimeError):
+    """The installed vLLM is not the release vmmkv's plugin is written for, or one of the sites
+    it patches moved or changed its parameters (nothing was patched)."""
+
+
+@dataclass
+class _Pending:
+    plan: Any  # StorePlan
+    rows: torch.Tensor  # the first input the replaced gather returned
+
+
+@dataclass
+class _Patch:
+    owner: Any
+    name: str
+    original: Any
+    replacement: Any
+
+
+class _State:
+    def __init__(self) -> None:
+        self.patches: list[_Patch] = []
+        self.engine_patches: list[_Patch] = []  # elastic mode's, in the engine core
+        self.active: Any = None  # the process's VllmKVCache, once allocated
+        self.pending: dict[str, _Pending] = {}
+        self.hook: Any = None  # the import hook of install_when_worker_starts, until it fires
+
+
+_STATE = _State()
+
+
+def active_cache() -> Any:
+    """The :class:`VllmKVCache` the plugin allocated in this process, or None."""
+    return _STATE.active
