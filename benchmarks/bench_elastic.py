@@ -68,10 +68,7 @@ def traces(seeds: list[int]) -> tuple[list[dict], dict]:
 
 
 def host_cost(running: int, steps: int) -> list[dict]:
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    from vmmkv.integrations.vllm import _elastic_sites
-    from vmmkv.integrations.vllm.trace import TraceRun, counting_worker
+    from vmmkv.integrations.vllm.trace import TraceRun, counting_worker, model_output
 
     os.environ["VMMKV_ELASTIC_ORDER"] = "lowest"
     rows = []
@@ -104,14 +101,7 @@ def host_cost(running: int, steps: int) -> list[dict]:
             t0 = time.perf_counter_ns()
             so = s.schedule()
             stamp = worker(so)
-            ids = list(so.num_scheduled_tokens)
-            out = ModelRunnerOutput(
-                req_ids=ids, req_id_to_index={r: j for j, r in enumerate(ids)},
-                sampled_token_ids=[[7] for _ in ids],
-            )  # fmt: skip
-            if stamp is not None:
-                setattr(out, _elastic_sites.STAMP, stamp)
-            s.update_from_output(so, out)
+            s.update_from_output(so, model_output(so, stamp))
             per_step.append(time.perf_counter_ns() - t0)
         decode = per_step[steps // 4 :]  # after the prefills and warm-up
         assert len(s.running) == running, f"{len(s.running)} running, wanted {running}"

@@ -13,6 +13,13 @@ Traces (block size 64, DeepSeek-V3.2 cache specs):
   the start of each low half, each ending within its half (40 output tokens; 16384 tokens per
   step, so the prefills take 6 steps).
 
+- ``"ranks"``: a short trace for the multi-rank tests (``max_num_batched_tokens`` and
+  ``max_num_seqs`` as given): 16 requests at step 0 (prompts 200-800 tokens, outputs 60-160),
+  steps 0-29; about 0.4 arrivals per step (prompts 60-500, outputs 4-32) to step 79; then no
+  arrivals but right after each of the first two idle releases (the step after it): 1 short
+  request and 5 of 300-600 tokens after the first, 2 (one with the shared prefix) after the
+  second; to step 309. 30 % of the other prompts start with the shared 512-token prefix.
+
 The engine's idle hook is emulated: after ``IDLE_STEPS`` steps without a request, the pool's
 ``idle_release`` runs once (``on_idle`` receives its resize request). Async scheduling
 (``async_depth=2``: vLLM's ``AsyncScheduler``) schedules step k+1 before step k's output is
@@ -31,14 +38,30 @@ from typing import Any
 
 from ._elastic import RESIZE, STAMP
 
-__all__ = ["IDLE_STEPS", "PHASES", "CountingCache", "TraceRun", "TraceStep"]
+__all__ = ["IDLE_STEPS", "PHASES", "CountingCache", "TraceRun", "TraceStep", "model_output"]
 
 BS = 64
 IDLE_STEPS = 20
 PHASES = {
     "burst": (("burst", 150), ("steady", 600), ("drain", 250), ("idle", 100)),
     "square": tuple((f"{h}{p}", 50) for p in range(10) for h in ("high", "low")) + (("idle", 60),),
+    "ranks": (("burst", 30), ("steady", 50), ("drain", 230)),
 }
+
+
+def model_output(so: Any, stamp: Any = None) -> Any:
+    """The output rank's ``ModelRunnerOutput`` for ``so``: one fixed sampled token per scheduled
+    request, with the worker's elastic stamp when given."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ids = list(so.num_scheduled_tokens)
+    out = ModelRunnerOutput(
+        req_ids=ids, req_id_to_index={r: j for j, r in enumerate(ids)},
+        sampled_token_ids=[[7] for _ in ids],
+    )  # fmt: skip
+    if stamp is not None:
+        setattr(out, STAMP, stamp)
+    return out
 
 
 class CountingCache:
@@ -108,6 +131,7 @@ class TraceRun:
     hit_tokens: int = 0
     preemptions: int = 0
     outputs: list[Any] = field(default_factory=list)
+    idle_releases: list[int] = field(default_factory=list)  # steps of the idle releases
 
     def build(self) -> Any:
         from vllm.config import set_current_vllm_config
@@ -183,6 +207,9 @@ class TraceRun:
 
     def _arrivals(self, phase: str, k: int) -> None:
         rng = self._rng
+        if self.trace == "ranks":
+            self._ranks_arrivals(phase, k)
+            return
         if self.trace == "burst":
             if phase == "burst" and k == 0:
                 for _ in range(120):
@@ -197,6 +224,23 @@ class TraceRun:
             for _ in range(100 if phase.startswith("high") else 13 if phase != "idle" else 0):
                 self._add(15 * BS - 8, 40, shared=False)
 
+    def _ranks_arrivals(self, phase: str, k: int) -> None:
+        rng, released = self._rng, self.idle_releases
+        if phase == "burst" and k == 0:
+            for _ in range(16):
+                self._add(rng.randrange(200, 800), rng.randrange(60, 160))
+        elif phase == "steady":
+            while rng.random() > 0.7:  # about 0.4 arrivals per step, geometric
+                self._add(rng.randrange(60, 500), rng.randrange(4, 32))
+        elif released and released[-1] == len(self.steps) - 1 and len(released) <= 2:
+            if len(released) == 1:  # right after the first idle release
+                self._add(100, 8, shared=False)
+                for _ in range(5):
+                    self._add(rng.randrange(300, 600), rng.randrange(8, 24), shared=False)
+            else:
+                self._add(200, 8, shared=True)
+                self._add(rng.randrange(100, 300), 8, shared=False)
+
     # -- the loop ---------------------------------------------------------------------------
     def run(
         self,
@@ -206,7 +250,6 @@ class TraceRun:
         """Run the trace. ``on_step(scheduler_output)`` (the workers' part) returns the stamp
         the output rank puts on its output, or None; ``on_idle(resize)`` gets the idle
         release's request. Returns the per-step records (also in ``self.steps``)."""
-        from vllm.v1.outputs import ModelRunnerOutput
 
         s = self.build() if not hasattr(self, "scheduler") else self.scheduler
         if on_step is None and self.el is not None:
@@ -216,14 +259,7 @@ class TraceRun:
         idle = step = 0
 
         def process(so: Any, stamp: Any) -> None:
-            ids = list(so.num_scheduled_tokens)
-            out = ModelRunnerOutput(
-                req_ids=ids, req_id_to_index={r: j for j, r in enumerate(ids)},
-                sampled_token_ids=[[7] for _ in ids],
-            )  # fmt: skip
-            if stamp is not None:
-                setattr(out, STAMP, stamp)
-            s.update_from_output(so, out)
+            s.update_from_output(so, model_output(so, stamp))
 
         for phase, length in PHASES[self.trace]:
             for k in range(length):
@@ -232,8 +268,10 @@ class TraceRun:
                 idle = 0 if busy else idle + 1
                 if idle == IDLE_STEPS and self.el is not None:
                     resize = self.el.idle_release()
-                    if resize is not None and on_idle is not None:
-                        on_idle(resize)
+                    if resize is not None:
+                        self.idle_releases.append(step)
+                        if on_idle is not None:
+                            on_idle(resize)
                 ran = s.has_requests()
                 if ran:
                     so = s.schedule()
