@@ -1164,6 +1164,33 @@ def test_stores_before_the_barrier_are_visible_to_the_peer_after_it(dev):
 
 
 @requires_gpu
+def test_a_barrier_collected_during_a_graph_capture_leaves_the_capture_valid(dev):
+    """A barrier dropped without close() (here: in a reference cycle, so only the cyclic
+    collector frees it) and collected while a stream captures: its page is queued, not freed
+    under the capture (cuMemFreeHost there invalidates it), and the next barrier frees it."""
+    import gc
+
+    from vmmkv.ops import barrier_control
+
+    gc.collect()  # earlier tests' garbage goes outside the capture
+    sigs, bars, streams = _two_ranks(dev, lanes=1)  # (construction frees what it queued)
+    pages = {b._host_ptr for b in bars}
+    bars[0].cycle = bars[0]
+    bars.clear()
+    x = torch.zeros(4, device=dev)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        x.add_(1)
+        gc.collect()  # the barrier in the cycle goes here
+    assert pages <= {p for p, _ in barrier_control._dropped}
+    g.replay()
+    torch.cuda.synchronize()
+    assert x.tolist() == [1.0] * 4
+    _two_ranks(dev, lanes=1)  # construction frees the queued pages
+    assert not barrier_control._dropped
+
+
+@requires_gpu
 def test_barrier_lanes_interleave_eagerly_and_in_captured_graphs(dev):
     sigs, bars, streams = _two_ranks(dev, lanes=2)
     for r in (0, 1):  # load the kernels before capture

@@ -34,12 +34,15 @@ Contract:
 - ``close()`` frees the control page (idempotent, local, skipped while the interpreter
   finalizes); the owner calls it when no barrier launched by this object can still run (the
   cache synchronizes first; after an abort every wait returns, so that synchronize returns).
-  The page is also freed when the object is garbage collected, but not at interpreter exit: the
-  watchdog thread may still read it then, and the process exit returns it.
+  A barrier garbage collected without ``close()`` queues its page, freed by the next barrier's
+  construction or any ``close()``: the collector may run while another stream captures a CUDA
+  graph, and a free then would invalidate that capture. Not at interpreter exit: the watchdog
+  thread may still read the page then, and the process exit returns it.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import math
@@ -140,12 +143,30 @@ def _free_host(host_ptr: int, ordinal: int) -> None:
         driver.call(driver.cu.cuMemFreeHost, host_ptr, device=ordinal)
 
 
+# Control pages of barriers dropped without close(), freed at the next safe point. The garbage
+# collector runs whenever Python allocates, on any thread, e.g. while another stream captures a
+# CUDA graph: a cuMemFreeHost then is refused and invalidates that capture (seen on an H200:
+# a dropped barrier's cycle collected inside torch.cuda.graph). So a collected barrier only
+# queues its page; the next barrier's construction or any close() frees the queue (neither is
+# capture-safe anyway), and the process exit returns what is left.
+_dropped: collections.deque[tuple[int, int]] = collections.deque()  # appends and pops: atomic
+
+
 def _free_host_at_gc(host_ptr: int, ordinal: int) -> None:
-    # garbage collection has nobody to raise to (e.g. the context died after a barrier trap)
-    try:
-        _free_host(host_ptr, ordinal)
-    except driver.CudaError as exc:
-        _log.warning("vmmkv DeviceBarrier: freeing its control page failed: %s", exc)
+    _dropped.append((host_ptr, ordinal))  # no lock: the collector may run inside any lock
+
+
+def _free_dropped() -> None:
+    while True:
+        try:
+            host_ptr, ordinal = _dropped.popleft()
+        except IndexError:
+            return
+        # nobody to raise to for another object's page (e.g. the context died after a trap)
+        try:
+            _free_host(host_ptr, ordinal)
+        except driver.CudaError as exc:
+            _log.warning("vmmkv DeviceBarrier: freeing a dropped control page failed: %s", exc)
 
 
 # A full memory barrier between the host's reads of a record (the device writes it as a
@@ -193,6 +214,7 @@ class BarrierControl:
                 DEFAULT_DIAG_AFTER_S if diag_after_s is None else float(diag_after_s),
             )
         )
+        _free_dropped()
         flags = driver.cu.CU_MEMHOSTALLOC_DEVICEMAP | driver.cu.CU_MEMHOSTALLOC_PORTABLE
         nbytes = _CTRL_HEADER_BYTES + _DIAG_BYTES * lanes
         with driver.primary_context(ordinal):
@@ -392,6 +414,7 @@ class BarrierControl:
             self._closed = True
             self._blocked = True
         _watchdog.discard(self)
+        _free_dropped()
         if self._free.detach() is not None:
             _free_host(self._host_ptr, self.ordinal)
 
