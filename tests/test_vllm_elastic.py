@@ -216,3 +216,100 @@ def test_register_refuses_elastic_without_the_plugin(engine):
     engine.delenv("VLLM_USE_VMMKV", raising=False)
     with pytest.raises(ValueError, match="VLLM_VMMKV_ELASTIC=1 needs VLLM_USE_VMMKV=1"):
         integration.register()
+
+
+def test_worker_outputs_carry_the_steps_stamp_through_copies_async_outputs_and_pickle(engine):
+    """``stamp_output`` as the patched ``execute_model``/``sample_tokens`` apply it: vLLM's shared
+    empty output is copied, never stamped itself; an async output yields the stamp of its step
+    even when a later step resized first; the stamp survives pickling (vLLM's worker queue)."""
+    import pickle
+
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput
+
+    from vmmkv.integrations.vllm._elastic import STAMP
+    from vmmkv.integrations.vllm._elastic_sites import WORKER, stamp_output
+    from vmmkv.integrations.vllm.trace import CountingCache, model_output
+
+    cache = CountingCache(64)
+    WORKER.reset()
+    try:
+        WORKER.apply(cache, (1, 80))
+        out = stamp_output(EMPTY_MODEL_RUNNER_OUTPUT, cache)
+        assert out is not EMPTY_MODEL_RUNNER_OUTPUT and getattr(out, STAMP) == (1, 80, None)
+        assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, STAMP)
+        plain = model_output(type("SO", (), {"num_scheduled_tokens": {"a": 1}})())
+        assert stamp_output(plain, cache) is plain and getattr(plain, STAMP) == (1, 80, None)
+        assert getattr(pickle.loads(pickle.dumps(plain)), STAMP) == (1, 80, None)
+
+        class Later(AsyncModelRunnerOutput):
+            def get_output(self):
+                return model_output(type("SO", (), {"num_scheduled_tokens": {"b": 1}})())
+
+            def get_kv_connector_output(self):
+                return None
+
+        pending = stamp_output(Later(), cache)
+        WORKER.apply(cache, (2, 96))  # the next step resizes before this output is read
+        assert getattr(pending.get_output(), STAMP) == (1, 80, None)
+        assert stamp_output(None, cache) is None and stamp_output(plain, None) is plain
+    finally:
+        WORKER.reset()
+
+
+def test_the_idle_hook_releases_through_collective_rpc_unless_a_request_arrives(engine):
+    """The patched ``EngineCoreProc._process_input_queue`` on an engine whose workers are the
+    plugin's ``worker_resize`` over the process's active cache (one worker here)."""
+    import dataclasses
+    import queue
+
+    from vmmkv.integrations.vllm import _elastic_sites as sites
+    from vmmkv.integrations.vllm._state import _STATE
+    from vmmkv.integrations.vllm.trace import CountingCache, TraceRun
+
+    run = TraceRun(num_blocks=N)
+    run.build()
+    el = run.el
+    el.s = dataclasses.replace(el.s, idle_seconds=0.05)
+    el.queue.prepend_n(run.pool.blocks[el.limit : 600])  # as if grown to 600
+    el.limit = 600
+    cache = CountingCache(600)
+
+    class Engine:
+        scheduler = run.scheduler
+        input_queue: queue.Queue = queue.Queue()
+        handled: list = []
+        rpcs: list = []
+
+        def has_work(self):
+            return False
+
+        def is_running(self):
+            return True
+
+        def _handle_client_request(self, *req):
+            self.handled.append(req)
+
+        def collective_rpc(self, method, args=()):
+            self.rpcs.append(args)
+            return [method(None, *args)]
+
+    hook = sites._process_input_queue(lambda self: "vllm's loop")
+    eng = Engine()
+    sites.WORKER.reset()
+    _STATE.active = cache
+    try:
+        eng.input_queue.put(("ADD", "r1"))  # a request arrives during the wait: no release
+        assert hook(eng) == "vllm's loop"
+        assert eng.handled == [("ADD", "r1")] and eng.rpcs == [] and el.limit == 600
+        assert hook(eng) == "vllm's loop"  # idle: released down to the floor on every worker
+        assert eng.rpcs == [(1, el.s.floor)] and el.limit == el.s.floor
+        assert cache.committed_blocks == el.s.floor
+        assert hook(eng) == "vllm's loop" and len(eng.rpcs) == 1  # at the floor: no wait
+        el.queue.prepend_n(run.pool.blocks[el.limit : 600])
+        el.limit = 600
+        eng.collective_rpc = lambda method, args=(): [(args[0], 600, "refused")]
+        with pytest.raises(RuntimeError, match="idle release to 75 blocks"):
+            sites.idle_release(eng, el)
+    finally:
+        _STATE.active = None
+        sites.WORKER.reset()
