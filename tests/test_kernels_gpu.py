@@ -1175,19 +1175,24 @@ def test_a_barrier_collected_during_a_graph_capture_leaves_the_capture_valid(dev
     gc.collect()  # earlier tests' garbage goes outside the capture
     sigs, bars, streams = _two_ranks(dev, lanes=1)  # (construction frees what it queued)
     pages = {b._host_ptr for b in bars}
-    bars[0].cycle = bars[0]
-    bars.clear()
-    x = torch.zeros(4, device=dev)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        x.add_(1)
-        gc.collect()  # the barrier in the cycle goes here
-    assert pages <= {p for p, _ in barrier_control._dropped}
+    gc.disable()  # the collection below is the one inside the capture
+    try:
+        bars[0].cycle = bars[0]
+        bars.clear()
+        x = torch.zeros(4, device=dev)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            x.add_(1)
+            gc.collect()  # the barrier in the cycle goes here
+    finally:
+        gc.enable()
     g.replay()
     torch.cuda.synchronize()
     assert x.tolist() == [1.0] * 4
-    _two_ranks(dev, lanes=1)  # construction frees the queued pages
-    assert not barrier_control._dropped
+    assert pages <= {p for p, _ in barrier_control._dropped}
+    kept = _two_ranks(dev, lanes=1)  # construction frees the queued pages
+    assert not pages & {p for p, _ in barrier_control._dropped}
+    del kept
 
 
 @requires_gpu
