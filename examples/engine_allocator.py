@@ -78,6 +78,7 @@ def engine_rank(rank: int, world: int, port: int, cuda: bool) -> None:
             print("engine example:", "OK" if all(flags) else f"FAILED (per rank: {flags})")
         if not all(flags):
             raise SystemExit(1)
+        dist.barrier()  # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
 
