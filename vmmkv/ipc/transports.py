@@ -66,16 +66,19 @@ class _Transport:
         self.comm, self.region, self.nonce, self.pids = comm, region, nonce, pids
         self.deadline, self.liveness = deadline, liveness
 
-    def timeout(self) -> float:
-        """Seconds the exchange may still take. It ends ``min(1 s, timeout / 4)`` before the
-        step's ``deadline`` (the agreement's, ``peers.exchange_then_agree``): a rank still
-        exchanging (a peer that never sent) then settles the step naming the peers it lost
-        while the ranks that finished their exchange still wait in the agreement; with one
-        deadline for both, those ranks could settle first and name the late rank as missing
-        too. Without a deadline: the group's timeout."""
+    def timeout(self, round_no: int = 0) -> float:
+        """Seconds round ``round_no`` of the exchange may still take. Round r ends
+        ``min(1 s, timeout / 4) / (r + 1)`` before the step's ``deadline`` (the agreement's,
+        ``peers.exchange_then_agree``): a rank still exchanging (a peer that never sent) then
+        settles the step naming the peers it lost while the ranks that finished their exchange
+        still wait in the agreement; with one deadline for both, those ranks could settle first
+        and name the late rank as missing too. A rank that lost a peer in round r is still in
+        round r while the others wait for it in round r + 1: the later round ends later, so the
+        rank that lost the peer settles first and the others adopt its cause. Without a
+        deadline: the group's timeout."""
         if self.deadline is None:
             return self.comm.timeout
-        grace = min(1.0, self.comm.timeout / 4)
+        grace = min(1.0, self.comm.timeout / 4) / (round_no + 1)
         return max(_MIN_EXCHANGE_S, self.deadline - grace - time.monotonic())
 
     def round_size(self, count: int) -> int:
@@ -141,7 +144,7 @@ class _FdTransport(_Transport):
                 outgoing={p: (body, handles) for p in others},
                 expect_from=others,
                 pids=self.pids,
-                timeout=self.timeout(),
+                timeout=self.timeout(round_no),
                 cancel=self.comm.pending_abort,  # a peer that gave up releases us at once
                 liveness=self.liveness,  # a peer whose process is gone, at once too
                 on_error=self._give_up,
@@ -194,7 +197,9 @@ class _ValueTransport(_Transport):
     ) -> dict[int, tuple[bytes, list[Any]]]:
         mine = [body.decode(), [h.hex() for h in handles]]
         try:
-            got = self.comm.all_gather(mine, "by-value handle exchange", timeout=self.timeout())
+            got = self.comm.all_gather(
+                mine, "by-value handle exchange", timeout=self.timeout(round_no)
+            )
         except PeerTimeoutError as exc:
             raise ExchangeLost(str(exc), exc.missing) from None
         except GroupError as exc:
