@@ -223,3 +223,32 @@ def test_a_rank_exiting_with_an_open_cache_neither_hangs_nor_leaks_into_the_surv
     assert res["victim_maps_after"] == 0, res
     # the live cache held more than the baseline (the release check can fail)
     assert res["live"]["memfd_maps"] > res["baseline"]["memfd_maps"], res
+
+
+def _held_at_exit(rank, world, what):
+    """A cache, or only a view of it, held at interpreter exit by a vmmkv module global (where
+    the vLLM plugin keeps its active cache): vLLM's layers keep their KV views until the worker
+    exits, and the last collection may clear the module dict that held the DLPack deleter
+    before the views die."""
+    import torch.distributed as dist
+
+    from vmmkv import ReplicatedKVCache
+    from vmmkv.integrations.vllm._state import _STATE
+
+    cache = ReplicatedKVCache(dist.group.WORLD, 1 << 20, "cpu", initial_bytes=1 << 20,
+                              backend="host", timeout=20)  # fmt: skip
+    view = cache.allocate(4096)
+    view.fill_(rank + 1)
+    _STATE.active = view if what == "view" else cache
+    dist.barrier()
+    return int(view.sum())
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("what", ["view", "cache"])
+def test_a_view_alive_in_a_vmmkv_module_global_at_exit_does_not_crash_the_interpreter(what):
+    from vmmkv.testing.spawn import run_world_raw
+
+    runs = run_world_raw(_held_at_exit, WORLD, args=(what,), timeout=120)
+    assert [(r.ok, r.exitcode) for r in runs] == [(True, 0)] * WORLD, runs
+    assert [r.value for r in runs] == [4096 * (r + 1) for r in range(WORLD)], runs

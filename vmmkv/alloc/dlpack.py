@@ -102,6 +102,11 @@ def _deleter(managed: ctypes._Pointer) -> None:
             pass
 
 
+# The thunk must outlive every view: the interpreter's last collection at exit clears module
+# dicts in no fixed order, and a view freed after this module's (a vLLM layer or a module global
+# holding it) would make torch call freed code. One reference that nothing ever drops.
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_deleter))
+
 _capsule_new = ctypes.pythonapi.PyCapsule_New
 _capsule_new.restype = ctypes.py_object
 _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
