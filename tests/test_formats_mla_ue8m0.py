@@ -123,14 +123,17 @@ def test_every_store_kind_has_its_own_kernel_named_by_its_kinds_suffixes():
     assert launch.PUBLISHES[(U, "indexer_k")].layout == launch.STORE_LAYER_BARRIER.layout
 
 
-@pytest.mark.parametrize("version", ["0.33.0", "0.33", "0.33.1", "0.33.0rc1", "0.33.1.dev7+gab12"])
-def test_mla_kind_for_names_the_ue8m0_kind_for_vllm_0_33(version):
+@pytest.mark.parametrize(
+    "version",
+    ["0.33.0", "0.33", "0.33.1", "0.33.0rc1", "0.33.1.dev7+gab12", "0.34.0", "0.34.0+cu130"],
+)
+def test_mla_kind_for_names_the_ue8m0_kind_for_vllm_0_33_and_0_34(version):
     assert mla_kind_for(version) == U
 
 
-@pytest.mark.parametrize("version", ["0.32.1", "0.34.0", "1.33.0", "0.330.0", "v0.33.0", ""])
+@pytest.mark.parametrize("version", ["0.32.1", "0.35.0", "1.33.0", "0.330.0", "v0.33.0", ""])
 def test_mla_kind_for_refuses_a_release_whose_writer_was_not_established(version):
-    with pytest.raises(ValueError, match="not established .*known: 0.33.x.*pass the kind"):
+    with pytest.raises(ValueError, match="not established .*known: 0.33.x, 0.34.x.*pass the"):
         mla_kind_for(version)
 
 

@@ -165,7 +165,7 @@ def indexer_kind_for(capability: tuple[int, int]) -> str:
 
 # The vLLM releases whose fp8_ds_mla writers were read (SASS and Triton source) and the kind each
 # one's bytes are: see mla_kind_for.
-_MLA_KIND_OF_VLLM = {(0, 33): "fp8_ds_mla_ue8m0"}
+_MLA_KIND_OF_VLLM = {(0, 33): "fp8_ds_mla_ue8m0", (0, 34): "fp8_ds_mla_ue8m0"}
 
 
 def mla_kind_for(vllm_version: str) -> str:
@@ -179,8 +179,16 @@ def mla_kind_for(vllm_version: str) -> str:
     non-PCP path rounds the same way (vLLM PR 49435 made this the contract of every
     fp8_ds_mla writer). ``"fp8_ds_mla"`` (raw ``amax / 448``, FLT_MIN floor) is the rule of the
     older C++ source, from before that change; which release first shipped the rounding was
-    not established, so any version other than 0.33.x raises ValueError rather than guess:
-    bind the kind you checked explicitly. Local, reads nothing."""
+    not established, so any version other than 0.33.x and 0.34.x raises ValueError rather
+    than guess: bind the kind you checked explicitly.
+
+    0.34.x: the same kind. Established from the 0.34.0 wheel the same way: the kernel's
+    quantization (sm_90 and sm_100 SASS) is 0.33's instruction for instruction; its one new
+    ``bool`` parameter gates the warp that writes the RoPE bytes, and the host launcher sets
+    it to ``row bytes == 656`` (x86 disassembly of ``concat_and_cache_mla``: no Python
+    argument reaches it; a 528-byte row without RoPE is new in 0.34). DeepSeek-V3.2's rows are
+    656 bytes, so its PCP inserts write every byte 0.33 wrote. Not yet compared with vLLM's
+    kernel on a GPU. Local, reads nothing."""
     if not isinstance(vllm_version, str):
         raise TypeError(f"vllm_version must be a str, got {type(vllm_version).__name__}")
     m = re.match(r"(\d+)\.(\d+)(?:\.|$|[a-z+])", vllm_version)
