@@ -110,6 +110,26 @@ def test_the_queue_hands_out_the_lowest_free_id_cached_or_not_and_lifo_is_vllms_
     assert lifo.popleft().block_id == 3  # cached ones last
 
 
+def test_cached_blocks_freed_to_the_front_keep_their_hash_and_are_evicted_first():
+    """vLLM 0.34's BlockPool.free_blocks(evict_first=True) prepends blocks that keep their hash
+    (another tier holds their contents): they join the age order at its front, a prefix hit
+    still finds them, and none is handed out as an uncached block."""
+    blocks = [Block(i) for i in range(10)]
+    q = LowestIdFreeQueue(blocks, range(1, 10))
+    got = q.popleft_n(6)
+    for b in got:
+        b.block_hash = ("h", b.block_id)
+    q.append_n([blocks[1], blocks[2]])  # ordinary cached frees: oldest first
+    q.prepend_n([blocks[5], blocks[4], blocks[6]])  # evict_first: 5 before 4 before 6
+    assert list(q.lru) == [5, 4, 6, 1, 2] and q.num_free_blocks == 8
+    q.remove(blocks[4])  # a prefix hit on a block freed to the front
+    assert list(q.lru) == [5, 6, 1, 2] and q.num_free_blocks == 7
+    blocks[5].block_hash = None  # the cached cap dropped its hash
+    q.demote(blocks[5])
+    assert list(q.lru) == [6, 1, 2]
+    assert [q.popleft().block_id for _ in range(7)] == [1, 2, 5, 6, 7, 8, 9]
+
+
 def test_the_queue_stays_exact_through_random_churn_with_stale_entries_dropped():
     """Random hand-outs, frees (cached or not), removals and demotions against a model."""
     rng = random.Random(7)

@@ -253,7 +253,16 @@ class LowestIdFreeQueue:
         self.num_free_blocks += len(blocks)
 
     def prepend_n(self, blocks: list[Any]) -> None:
-        for b in reversed(blocks) if self.lifo else blocks:  # lifo: blocks[0] is next
+        # vLLM frees cached blocks here too when another tier holds their contents
+        # (BlockPool.free_blocks(evict_first=True)): they keep their hash, so they join the age
+        # order at its front (blocks[0] evicted first), never the uncached set
+        uncached = [b for b in blocks if b.block_hash is None]
+        for b in reversed([b for b in blocks if b.block_hash is not None]):
+            self.lru[b.block_id] = b
+            self.lru.move_to_end(b.block_id, last=False)
+            if not self.lifo:
+                self._push(self._cached, b.block_id)
+        for b in reversed(uncached) if self.lifo else uncached:  # lifo: blocks[0] is next
             self._low.add(b.block_id)
             self._push(self._uncached, b.block_id)
         self.num_free_blocks += len(blocks)
