@@ -256,7 +256,7 @@ def _cumem_rank(rank, world, port):
                 # vLLM's default backend, as LLM.sleep() reaches it with the allocator on
                 cfg.model_config.sleep_mode_backend = "cumem"
                 cumem_backend = SleepModeBackendFactory.create_backend(cfg.model_config)
-                cumem_backend.suspend(1)
+                cumem_backend.suspend(())
                 cumem_backend.resume(None)
                 out["cumem backend"] = type(cumem_backend).__name__
                 out["cumem: unchanged"] = unchanged()
@@ -271,7 +271,7 @@ def _cumem_rank(rank, world, port):
                 cfg.model_config.sleep_mode_backend = "vmmkv"
                 backend = SleepModeBackendFactory.create_backend(cfg.model_config)
                 blocks = vc.committed_blocks
-                backend.suspend(1)
+                backend.suspend(())
                 out["vmmkv: asleep blocks"] = vc.committed_blocks
                 backend.resume(["weights"])
                 backend.resume(["kv_cache"])

@@ -29,7 +29,7 @@ What runs through vLLM's own code:
   runs ``_elastic_sites.worker_resize`` (the body of the engine's ``collective_rpc``).
 - **Sleep and wake** at the second idle release: the scheduler's ``reset_prefix_cache`` (what
   ``EngineCore.sleep`` does first), then on every rank the plugin's ``VmmkvSleepModeBackend``
-  ``suspend(1)`` and ``resume()`` around vLLM's own ``CuMemBackend``.
+  ``suspend(())`` and ``resume()`` around vLLM's own ``CuMemBackend``.
 
 Stood in for, and why:
 
@@ -38,9 +38,10 @@ Stood in for, and why:
 - ``CuMemAllocator`` behind vLLM's ``CuMemBackend`` (CUDA only): a recording stand-in
   (``tests.test_vllm_sleep._RecordingAllocator``).
 - The model: no forward; the scheduler samples one fixed token per request (``TraceRun``).
-- Zeroing of new blocks: vLLM zeroes them only for Mamba or mixed-precision caches; the async
-  run turns vLLM's own zeroing on (``KVCacheConfig.needs_kv_cache_zeroing`` while the scheduler
-  is built), the sync run keeps vLLM's default (off: handed-out blocks keep their old bytes).
+- Zeroing of new blocks: vLLM zeroes them for Mamba or mixed-precision caches, which
+  DeepSeek-V3.2's MLA + indexer pair is (``KVCacheConfig.needs_kv_cache_zeroing``, on by
+  default); the async run keeps it on, the sync run turns it off while the scheduler is built
+  (handed-out blocks keep their old bytes, as for a cache of one precision).
 - A refused grow: rank 1's host backend fails its second chunk creation during its second grow
   (an out-of-memory at commit, as ``tests/test_segments.py`` injects it).
 
@@ -180,9 +181,8 @@ class _Rank:
         for rid in set(so.finished_req_ids) | set(so.preempted_req_ids or ()):
             for d in (self.tables, self.prefill_len, self.computed):
                 d.pop(rid, None)
-        # add_requests (MRV2 sends resumed requests as new ones, with every block id)
-        if so.scheduled_cached_reqs.resumed_req_ids:
-            raise AssertionError("MRV2's scheduler output carries resumed_req_ids")
+        # add_requests (vLLM sends resumed requests as new ones, with every block id: its
+        # CachedRequestData has no resumed field)
         for r in so.scheduled_new_reqs:
             (ids,) = r.block_ids
             self.tables[r.req_id] = list(ids)
@@ -314,7 +314,7 @@ class _Rank:
         return stamp
 
     def sleep(self, n: int) -> None:
-        """The vmmkv sleep-mode backend's suspend(1) and resume() around vLLM's CuMemBackend
+        """The vmmkv sleep-mode backend.s suspend(()) and resume() around vLLM's CuMemBackend
         (its CUDA allocator recorded instead); the blocks come back zeroed."""
         import vllm.device_allocator as dalloc
 
@@ -328,7 +328,7 @@ class _Rank:
         try:
             blocks, own = vc.committed_blocks, _mapped(vc)["own"]
             backend = VmmkvSleepModeBackend()
-            backend.suspend(level=1)
+            backend.suspend(())
             asleep = {"blocks": vc.committed_blocks, **_mapped(vc)}
             backend.resume(None)
         finally:
@@ -368,8 +368,13 @@ def _scheduler(world: int, async_depth: int, zeroing: bool):
     run = TraceRun(trace="ranks", seed=0, num_blocks=NUM_BLOCKS, async_depth=async_depth,
                    world=world, layers=LAYERS, max_num_batched_tokens=TOKENS,
                    max_num_seqs=SEQS)  # fmt: skip
-    zero = property(lambda self: True) if zeroing else KVCacheConfig.needs_kv_cache_zeroing
-    with mock.patch.object(KVCacheConfig, "needs_kv_cache_zeroing", zero):
+    post_init = KVCacheConfig.__post_init__
+
+    def resolved(self):  # vLLM resolves the field here (on for these mixed-precision caches)
+        post_init(self)
+        self.needs_kv_cache_zeroing = zeroing
+
+    with mock.patch.object(KVCacheConfig, "__post_init__", resolved):
         run.build()
     return run
 

@@ -5,12 +5,14 @@ PCP cases of ``pcp_store_plan``."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 from tests.helpers import VLLM_LAYOUTS, vllm_marks
+from vmmkv import __version__
 
 pytestmark = vllm_marks()
 
@@ -59,21 +61,21 @@ def test_vllms_plugin_loader_finds_the_entry_point_and_it_patches_only_in_a_work
 def test_a_vllm_release_other_than_the_supported_one_is_refused_naming_vmmkv_and_both_releases():
     from vmmkv.integrations.vllm import SUPPORTED_VLLM, UnsupportedVLLM, check_vllm_version
 
-    assert SUPPORTED_VLLM == "==0.33.0"
-    assert check_vllm_version() == "0.33.0"  # the installed one
-    assert check_vllm_version("0.33.0+cu130") == "0.33.0+cu130"
-    for other in ("0.33.1", "0.34.0", "0.32.9", "not-a-version"):
+    assert SUPPORTED_VLLM == "==0.34.0"
+    assert check_vllm_version() == "0.34.0"  # the installed one
+    assert check_vllm_version("0.34.0+cu130") == "0.34.0+cu130"
+    for other in ("0.33.0", "0.34.1", "0.35.0", "not-a-version"):
         with pytest.raises(
             UnsupportedVLLM,
-            match=rf"vmmkv 0\.1\.0's vLLM plugin supports "
-            rf"vllm==0\.33\.0 only .* the installed vLLM is {other}",
+            match=rf"vmmkv {re.escape(__version__)}'s vLLM plugin supports "
+            rf"vllm==0\.34\.0 only .* the installed vLLM is {other}.*vmmkv's tag v0\.1\.0",
         ):
             check_vllm_version(other)
     # through register(), as vLLM's loader calls it in every process (metadata of another vLLM)
     code = (
         "import importlib.metadata as md\n"
         "real = md.version\n"
-        "md.version = lambda n: '0.34.0' if n == 'vllm' else real(n)\n"
+        "md.version = lambda n: '0.33.0' if n == 'vllm' else real(n)\n"
         "from vmmkv.integrations import vllm as v\n"
         "try:\n"
         "    v.register()\n"
@@ -81,8 +83,8 @@ def test_a_vllm_release_other_than_the_supported_one_is_refused_naming_vmmkv_and
         "    print('refused:', exc)\n"
     )
     out = _python(code, VLLM_USE_VMMKV="1")
-    assert out.startswith("refused: vmmkv 0.1.0's vLLM plugin supports vllm==0.33.0 only"), out
-    assert "the installed vLLM is 0.34.0" in out, out
+    assert out.startswith(f"refused: vmmkv {__version__}'s vLLM plugin supports vllm==0.34.0 only")
+    assert "the installed vLLM is 0.33.0" in out, out
 
 
 def test_a_moved_or_changed_site_is_refused_at_install_naming_it_and_nothing_is_patched():
@@ -102,7 +104,7 @@ def test_a_moved_or_changed_site_is_refused_at_install_naming_it_and_nothing_is_
         ops.indexer_k_quant_and_cache = real_op
     msg = str(info.value)
     assert "vllm._custom_ops.indexer_k_quant_and_cache: missing (AttributeError" in msg, msg
-    assert "nothing was patched" in msg and "vllm==0.33.0" in msg, msg
+    assert "nothing was patched" in msg and "vllm==0.34.0" in msg, msg
     assert not integration.installed() and attn_utils.allocate_kv_cache is real_alloc
 
     def changed(kv_cache_config, device, layout, kernel_block_sizes=None, *, extra=None):
@@ -120,7 +122,7 @@ def test_a_moved_or_changed_site_is_refused_at_install_naming_it_and_nothing_is_
         assert attn_utils.allocate_kv_cache is changed and not integration.installed()
     finally:
         attn_utils.allocate_kv_cache = real_alloc
-    assert len(_patches._SITES) == 9
+    assert len(_patches._SITES) == 13
 
 
 @pytest.mark.timeout(120)
@@ -147,7 +149,8 @@ def test_patched_replaces_every_call_site_and_unregister_restores_vllms_objects(
     from vllm.model_executor.layers import sparse_attn_indexer as sai
     from vllm.model_executor.layers.attention import mla_attention
     from vllm.models.deepseek_v32 import attention as v32
-    from vllm.v1.worker import gpu_model_runner, utils
+    from vllm.v1.worker import extensible_kv_cache as ekc
+    from vllm.v1.worker import utils
     from vllm.v1.worker.gpu import attn_utils
     from vllm.v1.worker.gpu import model_runner as mrv2
 
@@ -163,19 +166,21 @@ def test_patched_replaces_every_call_site_and_unregister_restores_vllms_objects(
         (utils.KVBlockZeroer, "zero_block_ids"),
         (mrv2, "copy_kv_cache_blocks_inplace"),
         (mrv2.GPUModelRunner, "shutdown"),
+        (mla_attention.MLAAttention, "_gather_pcp_cache_inputs"),
+        (ekc, "ExtensibleTensor"),
+        (ekc.ExtensibleKVCache, "__init__"),
+        (ekc, "_release_for_weight_update"),
     ]
     before = [getattr(owner, name) for owner, name in sites]
     with integration.patched():
         with integration.patched():  # idempotent
             now = [getattr(owner, name) for owner, name in sites]
             assert all(a is not b for a, b in zip(before, now, strict=True))
-            assert all(f.__module__.endswith("_patches") for f in now)
+            assert all(f.__module__.endswith(("_patches", "_extensible")) for f in now)
             assert integration.original(ops, "concat_and_cache_mla") is before[4]
     assert [getattr(owner, name) for owner, name in sites] == before
     assert not integration.installed() and integration.active_cache() is None
     assert utils.allocate_kv_cache is before[0]  # vLLM's own function is never touched
-    # PCP runs on MRV2 only in 0.33 (the v1 runner refuses it): its sites stay vLLM's
-    assert gpu_model_runner.allocate_kv_cache is utils.allocate_kv_cache
 
 
 @pytest.mark.parametrize("layout", VLLM_LAYOUTS)

@@ -213,6 +213,7 @@ class ReplicatedKVCache:
     )
     lanes = property(lambda self: self._stores.lanes)
     region = property(lambda self: self._sr, doc="The SymmetricRegion under the cache.")
+    closed = property(lambda self: self._closed, doc="True once close() ran.")
     path = property(lambda self: self._stores.default.name, doc="'direct' or 'gather'.")
     _path = property(lambda self: self._stores.default)  # the path object (tests, diagnostics)
     _gather = property(lambda self: self._stores.gather)
@@ -238,7 +239,7 @@ class ReplicatedKVCache:
     # -- memory ----------------------------------------------------------------------------
     def allocate(self, nbytes: int, device: Any = None, *, reserve: bool = False) -> torch.Tensor:
         """1-D int8 view of the next ``nbytes`` of the region (256-byte aligned): an engine's
-        ``(nbytes, device)`` allocation hook (vLLM 0.33.0 has none; ``vmmkv.integrations.vllm``
+        ``(nbytes, device)`` allocation hook (``vmmkv.integrations.vllm``
         replaces its ``allocate_kv_cache`` and calls this). Local.
 
         The view lies in committed memory: ValueError (naming the rank, the device, the bytes

@@ -348,6 +348,12 @@ class SymmetricRegion:
         self._check_open()
         self._comm.agree(error, what)
 
+    def all_gather(self, obj: Any, what: str) -> list[Any]:
+        """Collective: every rank's ``obj`` (JSON-serializable) in rank order, bounded by this
+        object's timeout (an engine's decision taken per rank, agreed before anyone acts)."""
+        self._check_open()
+        return self._comm.all_gather(obj, what)
+
     def host_barrier(self, what: str = "host barrier") -> None:
         """Collective host barrier bounded by this object's timeout (not the group's)."""
         self._check_open()

@@ -1,4 +1,4 @@
-"""vmmkv as the KV-cache memory of vLLM 0.33.0 under prefill context parallelism (PCP).
+"""vmmkv as the KV-cache memory of vLLM 0.34.0 under prefill context parallelism (PCP).
 
 A ``vllm.general_plugins`` entry point (``vmmkv = vmmkv.integrations.vllm:register``); vLLM
 calls :func:`register` in each of its processes. It does nothing unless ``VLLM_USE_VMMKV=1``.
@@ -8,11 +8,16 @@ engine core never do), patches the vLLM call sites listed in ``vmmkv.integration
 (where vLLM looks them up, all or nothing, each site's parameters checked first): in each worker
 whose PCP group has more than one rank,
 
-- ``allocate_kv_cache`` builds a :class:`VllmKVCache`: one :class:`vmmkv.ReplicatedKVCache` over
-  vLLM's PCP ``GroupCoordinator`` (its ``cpu_group`` for the rendezvous, its ``device_group`` for
-  the gather fallback), vLLM's own views over ``cache.allocate(size)``, every layer bound. Each
-  allocation replaces (closes) the previous cache: MRV2 allocates a profiling cache, tears it
-  down, then allocates the real one; MRV2's ``GPUModelRunner.shutdown`` closes it too;
+- with vLLM's extensible KV cache (0.34's default), its buffer is vmmkv's
+  (``_extensible.PeerKVBuffer``): one :class:`VllmKVCache` whose every commit and release is
+  collective over the PCP group, vLLM keeping the sizing, views, sleep, discard and shutdown;
+  the lending of KV memory for a weight update is agreed across the group;
+- with it off, ``allocate_kv_cache`` builds a :class:`VllmKVCache`: one
+  :class:`vmmkv.ReplicatedKVCache` over vLLM's PCP ``GroupCoordinator`` (its ``cpu_group`` for
+  the rendezvous, its ``device_group`` for the gather fallback), vLLM's own views over
+  ``cache.allocate(size)``, every layer bound. Each allocation replaces (closes) the previous
+  cache: MRV2 allocates a profiling cache, tears it down, then allocates the real one; MRV2's
+  ``GPUModelRunner.shutdown`` closes it too;
 - the PCP gather + insert pairs (``maybe_gather_mla_latent_cache_inputs`` +
   ``concat_and_cache_mla``, ``maybe_gather_indexer_k`` + ``indexer_k_quant_and_cache``) become
   one store through the cache: direct publication (each rank writes its rows into every
@@ -42,12 +47,12 @@ bfloat16 activations) in layouts LBHNC, LBNHC (vLLM's default), BLHNC, BLNHC; no
 kernel-block splitting, no micro-batching (DBO), no KV-transfer connector (none is tested on
 vmmkv memory: its chunks are not registered RDMA-capable, and a connector's own memory pool
 would be bypassed). The bytes are the ones the installed vLLM writes: the MLA kind from
-``vmmkv.ops.formats.mla_kind_for(vllm.__version__)`` (0.33: power-of-two tile scales,
+``vmmkv.ops.formats.mla_kind_for(vllm.__version__)`` (0.34: power-of-two tile scales,
 ``fp8_ds_mla_ue8m0``), the indexer kind from vLLM's own ``mqa_logits_use_mx_scales()``
 (``indexer_k``; ``indexer_k_mxfp8`` on SM100).
 
 Growth: :meth:`VllmKVCache.grow`/``shrink`` in blocks for both layout families (segments from
-vLLM's ``KVCacheTensor`` numbers). vLLM 0.33 cannot resize its block pool, so an engine that
+vLLM's ``KVCacheTensor`` numbers). vLLM's block pool cannot be resized, so an engine that
 commits fewer blocks than ``num_blocks`` must keep vLLM's block ids below
 ``committed_blocks``; the zeroing and copy wrappers refuse larger ids before vLLM's kernels
 run.

@@ -1,4 +1,4 @@
-"""``VllmKVCache``: vLLM 0.33.0's KV cache of one worker on a :class:`vmmkv.ReplicatedKVCache`.
+"""``VllmKVCache``: vLLM 0.34.0's KV cache of one worker on a :class:`vmmkv.ReplicatedKVCache`.
 
 What it does, in order (the constructor):
 
@@ -7,7 +7,7 @@ What it does, in order (the constructor):
 2. One ``ReplicatedKVCache`` over the PCP group (``cpu_group`` for its rendezvous,
    ``device_group`` for its gather fallback) of the backing size rounded up to the allocation
    granularity, nothing committed, in the region's default chunks (at most 64, of at most 1 GiB;
-   ``chunk_bytes`` or ``VMMKV_CHUNK_MIB`` for others): vLLM 0.33 commits every block or none
+   ``chunk_bytes`` or ``VMMKV_CHUNK_MIB`` for others): vLLM commits every block or none
    (start, sleep, wake), and a grow's cost is per chunk and peer, so few chunks make the engine's
    start and every wake fast (docs/design.md, "Chunk sizes").
 3. ``allocate(size, reserve=True)`` (exactly vLLM's backing size, committed block by block
@@ -22,7 +22,7 @@ Growth: ``grow(n)``/``shrink(n)`` give every layer blocks ``[0, n)`` (collective
 group). ``grow`` zeroes the new blocks of the own replica (as vLLM's ``torch.zeros`` would have;
 new device memory is not zeroed, and a chunk a neighbouring segment kept holds old bytes) and
 then runs the cache's barrier, so that no peer publishes into a block before this rank zeroed
-it. vLLM 0.33 cannot resize its block pool: the engine must hand out blocks
+it. vLLM cannot resize its block pool: the engine must hand out blocks
 ``< committed_blocks`` only (:meth:`check_blocks` refuses others before vLLM's zeroing kernel
 touches them).
 
@@ -161,6 +161,10 @@ def elastic_chunk_bytes() -> int:
 class VllmKVCache:
     """vLLM's KV cache of one worker on vmmkv memory (see the module docstring)."""
 
+    # True when vLLM 0.34's ExtensibleKVCache drives the commits, releases and recommits
+    # (``_extensible.PeerKVBuffer``); False when the plugin's own allocation does
+    extensible = False
+
     def __init__(
         self,
         kv_cache_config: Any,
@@ -274,9 +278,11 @@ class VllmKVCache:
     # -- stores ----------------------------------------------------------------------------
     def binding(self, kv_cache: torch.Tensor, family: str) -> Binding | None:
         """The binding of the layer view ``kv_cache`` (vLLM's 4-D view, or the 3-D one its
-        layers keep after ``squeeze(1)``) of ``family`` ("mla" or "indexer"), or None."""
+        layers keep after ``squeeze(1)``) of ``family`` ("mla" or "indexer"), or None. A view
+        of fewer blocks at the same address is the same layer (vLLM 0.34's
+        ``extend_kv_cache`` re-binds views sized to the committed blocks)."""
         b = self._bindings.get((kv_cache.data_ptr(), family))
-        if b is None or kv_cache.shape[0] != b.view.shape[0]:
+        if b is None or not 0 < kv_cache.shape[0] <= b.view.shape[0]:
             return None
         return b
 

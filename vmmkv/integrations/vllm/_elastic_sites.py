@@ -1,4 +1,4 @@
-"""Elastic KV: the vLLM 0.33.0 call sites elastic mode adds, in the engine core and in every
+"""Elastic KV: the vLLM 0.34.0 call sites elastic mode adds, in the engine core and in every
 worker (``_elastic`` holds the policy; the package docstring, "Elastic KV", the user's view).
 
 Engine core (``ENGINE_SITES``, installed by :func:`install_engine` when elastic mode is on):

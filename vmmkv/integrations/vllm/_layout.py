@@ -1,4 +1,4 @@
-"""How vLLM 0.33.0 places a KV cache, read from its own ``KVCacheConfig``, and what vmmkv makes
+"""How vLLM 0.34.0 places a KV cache, read from its own ``KVCacheConfig``, and what vmmkv makes
 of it: the store kind of every layer, the layer views (built by vLLM's own
 ``create_kv_cache_views``) and the segments of growth by blocks.
 

@@ -1,16 +1,17 @@
-"""The vLLM 0.33.0 call sites vmmkv replaces, each patched where vLLM looks it up and restored
-by :func:`uninstall`. PCP runs only on vLLM's v2 model runner (MRV2) in 0.33 (its v1 runner
-lists "prefill context parallel" as unsupported), so only MRV2's sites are patched.
+"""The vLLM 0.34.0 call sites vmmkv replaces, each patched where vLLM looks it up and restored
+by :func:`uninstall`. PCP runs only on vLLM's v2 model runner (MRV2), so only MRV2's sites are
+patched; the sites of vLLM's extensible KV cache are ``_extensible``'s (listed there).
 
 | site (module: name) | replaced by |
 |---|---|
-| ``vllm.v1.worker.gpu.attn_utils: allocate_kv_cache`` (MRV2's allocation) | a :class:`VllmKVCache` over the PCP group, which *replaces* the process's previous one (closed first: vLLM allocates a small profiling cache, tears it down, then allocates the real one); vLLM's own allocation when PCP is 1 |
+| ``vllm.v1.worker.gpu.attn_utils: allocate_kv_cache`` (MRV2's allocation) | with vLLM's extensible KV cache's ``allocate`` hook: ``_extensible.allocate_extensible`` (vLLM's allocation over vmmkv's buffer, every view checked to be bound); without it a :class:`VllmKVCache` over the PCP group, which *replaces* the process's previous one (closed first: vLLM allocates a small profiling cache, tears it down, then allocates the real one); vLLM's own allocation when PCP is 1 |
 | ``vllm.models.deepseek_v32.attention`` and ``vllm.model_executor.layers.attention.mla_attention``: ``maybe_gather_mla_latent_cache_inputs`` | no gather: this rank's rows and slots (replicated rows with the slots vLLM writes them at), the PCP case remembered for the insert |
 | ``vllm.model_executor.layers.sparse_attn_indexer: maybe_gather_indexer_k`` | the same for the indexer (its own metadata's ``num_decode_tokens``) |
 | ``vllm._custom_ops: concat_and_cache_mla``, ``indexer_k_quant_and_cache`` | into a vmmkv layer view after a replaced gather: the cache's store (direct publication + barrier, or vmmkv's gather fallback); any other call: vLLM's op unchanged |
 | ``vllm.v1.worker.utils: KVBlockZeroer.zero_block_ids`` | a check that the blocks are committed, vLLM's zeroing, then the cache barrier |
 | ``vllm.v1.worker.gpu.model_runner: copy_kv_cache_blocks_inplace`` | a check that the blocks are committed, vLLM's copy-on-write block copies (after the zeroing), then the cache barrier again: no peer publishes into this replica before its copies ran |
 | ``vllm.v1.worker.gpu.model_runner: GPUModelRunner.shutdown`` | vLLM's shutdown, then the cache is closed |
+| ``vllm.model_executor.layers.attention.mla_attention: MLAAttention._gather_pcp_cache_inputs`` | refused while a vmmkv cache is active (it copies the gathered rows into padded buffers, so the insert would write this rank's rows only); vLLM's otherwise |
 
 Not a patch: ``install`` registers the ``vmmkv`` sleep-mode backend with vLLM's
 ``SleepModeBackendFactory`` (``_sleep``). The replaced ``allocate_kv_cache`` first runs
@@ -26,7 +27,7 @@ the tensor (the rows of the other ranks were never gathered, so vLLM's op would 
 
 Installation (:func:`install`) is all or nothing: the installed vLLM's version must be in
 :data:`SUPPORTED_VLLM` (checked from the package metadata, :func:`check_vllm_version`, without
-importing vLLM) and every site must exist with the parameters recorded here from 0.33.0;
+importing vLLM) and every site must exist with the parameters recorded here from 0.34.0;
 otherwise :class:`UnsupportedVLLM` names vmmkv, the supported release and every site that moved,
 and nothing is patched. :func:`install_when_worker_starts` (what ``register()`` uses) defers the
 installation until the process imports MRV2's model runner module, so vLLM's API server and
@@ -53,6 +54,7 @@ from typing import Any
 import torch
 
 from ...ops.formats import FORMATS, INDEXER_DIM
+from ._extensible import agreed_lending, capture_spec, make_buffer
 from ._state import _STATE, UnsupportedVLLM, _Patch, _Pending
 
 __all__ = [
@@ -73,8 +75,10 @@ log = logging.getLogger(__name__)
 MLA, INDEXER = "mla", "indexer"
 MX_INDEXER_KIND = "indexer_k_mxfp8"
 # The vLLM release whose internals the sites below are written against (PEP 440 specifier; a
-# local build such as 0.33.0+cu130 matches).
-SUPPORTED_VLLM = "==0.33.0"
+# local build such as 0.34.0+cu130 matches).
+SUPPORTED_VLLM = "==0.34.0"
+# The last vmmkv release whose plugin is written for vLLM 0.33.0 (README, "Running vLLM with vmmkv").
+LAST_033_TAG = "v0.1.0"
 # The module whose import marks a process that runs an MRV2 GPU worker.
 WORKER_MODULE = "vllm.v1.worker.gpu.model_runner"
 
@@ -103,7 +107,8 @@ def check_vllm_version(version: str | None = None) -> str:
         raise UnsupportedVLLM(
             f"vmmkv {__version__}'s vLLM plugin supports vllm{SUPPORTED_VLLM} only (it replaces "
             f"internal call sites of that release); the installed vLLM is {version}. Install "
-            "vllm==0.33.0 (pip install 'vmmkv[vllm]') or unset VLLM_USE_VMMKV"
+            'vllm==0.34.0 (README, "Running vLLM with vmmkv"; for vllm 0.33.0, vmmkv\'s tag '
+            f"{LAST_033_TAG}) or unset VLLM_USE_VMMKV"
         )
     return version
 
@@ -139,7 +144,7 @@ def vllm_indexer_kind() -> str:
 
 def vllm_mla_kind() -> str:
     """The vmmkv kind whose bytes the installed vLLM writes into its ``fp8_ds_mla`` cache
-    (``vmmkv.ops.formats.mla_kind_for(vllm.__version__)``: power-of-two tile scales for 0.33)."""
+    (``vmmkv.ops.formats.mla_kind_for(vllm.__version__)``: power-of-two tile scales)."""
     import vllm
 
     from ...ops.formats import mla_kind_for
@@ -203,19 +208,21 @@ def _check_kv_transfer(kvt: Any) -> None:
 
 
 def _allocate(orig: Callable[..., Any]) -> Callable[..., Any]:
-    def allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes=None):
+    def allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes=None, allocate=None):
         from vllm.config import get_current_vllm_config_or_none
         from vllm.distributed.parallel_state import get_pcp_group
-
-        from ._cache import VllmKVCache
-        from ._layout import UnsupportedKVCache
-        from ._sleep import OutsideCuMemPools
 
         pcp = get_pcp_group()
         if pcp.world_size == 1:
             log.info("vmmkv: prefill context parallel size 1: vLLM allocates its KV cache")
-            return orig(kv_cache_config, device, layout, kernel_block_sizes)
+            return orig(kv_cache_config, device, layout, kernel_block_sizes, allocate)
         cfg = get_current_vllm_config_or_none()
+        if allocate is not None:  # vLLM's extensible KV cache over vmmkv's buffer (_extensible)
+            from ._extensible import allocate_extensible
+
+            return allocate_extensible(
+                orig, kv_cache_config, device, layout, kernel_block_sizes, allocate
+            )
         if cfg is not None:
             check_vllm_config(cfg)
         # vLLM allocates more than once per worker (MRV2 with CUDA graphs: a profiling cache,
@@ -225,33 +232,48 @@ def _allocate(orig: Callable[..., Any]) -> Callable[..., Any]:
         # memory (the reservation lives as long as a view). Every rank allocates in the same
         # order, so every rank closes (local) and then builds the new cache (collective).
         close_active("vLLM allocates a new KV cache")
-        # vLLM allocates inside its CuMem pools ("runtime", "kv_cache") when its sleep allocator
-        # is on; a sleep discards what lives there, so vmmkv's tables are built outside them.
-        outside = OutsideCuMemPools()
-        try:
-            with outside:
-                cache = VllmKVCache(
-                    kv_cache_config, layout, cpu_group=pcp.cpu_group, device=device,
-                    device_group=pcp.device_group, kernel_block_sizes=kernel_block_sizes,
-                    mla_kind=vllm_mla_kind(), indexer_kind=vllm_indexer_kind(),
-                    **_elastic_kwargs(cfg, kv_cache_config, layout),
-                )  # fmt: skip
-        except UnsupportedKVCache as exc:  # name the model too (every rank refuses alike)
-            model = cfg.model_config.model if cfg is not None and cfg.model_config else "?"
-            raise UnsupportedKVCache(f"vmmkv cannot hold the KV cache of {model!r}: {exc}") from exc
-        landed = "; ".join(outside.landed())
-        if landed:
-            cache.close()
-            raise RuntimeError(
-                f"rank {pcp.rank_in_group} ({device}): allocate_kv_cache: vmmkv's KV-cache "
-                f"tables reached vLLM's CuMem pool although the plugin builds them outside it "
-                f"({landed}); a sleep would discard them without a backup. Run without "
-                "--enable-cumem-allocator and --enable-sleep-mode"
-            )
+        cache = build_cache(
+            cfg, pcp, "allocate_kv_cache", kv_cache_config, layout, device=device,
+            kernel_block_sizes=kernel_block_sizes,
+            **_elastic_kwargs(cfg, kv_cache_config, layout),
+        )  # fmt: skip
         _STATE.active = cache
         return dict(cache.views)
 
     return allocate_kv_cache
+
+
+def build_cache(cfg: Any, pcp: Any, call: str, kv_cache_config: Any, layout: Any,
+                **kwargs: Any) -> Any:  # fmt: skip
+    """A :class:`VllmKVCache` over vLLM's PCP group ``pcp`` (collective), built outside vLLM's
+    CuMem pools: vLLM allocates inside them ("runtime", "kv_cache") when its sleep allocator
+    is on, and a sleep discards what lives there. A refusal names the model (every rank refuses
+    alike); a table that still reached a pool closes the cache and raises, naming ``call``."""
+    from ._cache import VllmKVCache
+    from ._layout import UnsupportedKVCache
+    from ._sleep import OutsideCuMemPools
+
+    outside = OutsideCuMemPools()
+    try:
+        with outside:
+            cache = VllmKVCache(
+                kv_cache_config, layout, cpu_group=pcp.cpu_group,
+                device_group=pcp.device_group, mla_kind=vllm_mla_kind(),
+                indexer_kind=vllm_indexer_kind(), **kwargs,
+            )  # fmt: skip
+    except UnsupportedKVCache as exc:
+        model = cfg.model_config.model if cfg is not None and cfg.model_config else "?"
+        raise UnsupportedKVCache(f"vmmkv cannot hold the KV cache of {model!r}: {exc}") from exc
+    landed = "; ".join(outside.landed())
+    if landed:
+        cache.close()
+        raise RuntimeError(
+            f"rank {pcp.rank_in_group} ({kwargs.get('device')}): {call}: vmmkv's KV-cache "
+            f"tables reached vLLM's CuMem pool although the plugin builds them outside it "
+            f"({landed}); a sleep would discard them without a backup. Run without "
+            "--enable-cumem-allocator and --enable-sleep-mode"
+        )
+    return cache
 
 
 def _elastic_kwargs(cfg: Any, kv_cache_config: Any, layout: Any) -> dict[str, Any]:
@@ -429,6 +451,23 @@ def _copy(orig: Callable[..., Any]) -> Callable[..., Any]:
     return copy_kv_cache_blocks_inplace
 
 
+def _gather_into_buffers(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def _gather_pcp_cache_inputs(self, kv_c_normed, k_pe, slot_mapping):
+        if _STATE.active is not None:
+            # it copies the gathered rows into padded buffers: the insert would not receive
+            # the tensors the replaced gather returned, and vLLM's op would write this rank's
+            # rows only. DeepSeek-V3.2 reaches it only with HiSparse, which is refused.
+            raise RuntimeError(
+                f"rank {_STATE.active.rank}: layer {getattr(self, 'layer_name', '?')!r}: "
+                "vLLM's PIECEWISE-graph PCP gather of the generic MLA layer "
+                "(MLAAttention._gather_pcp_cache_inputs) is not supported with "
+                "VLLM_USE_VMMKV=1"
+            )
+        return orig(self, kv_c_normed, k_pe, slot_mapping)
+
+    return _gather_pcp_cache_inputs
+
+
 def _shutdown(orig: Callable[..., Any]) -> Callable[..., Any]:
     def shutdown(self):
         try:
@@ -439,12 +478,12 @@ def _shutdown(orig: Callable[..., Any]) -> Callable[..., Any]:
     return shutdown
 
 
-# (module, attribute path, replacement factory, the parameters vLLM 0.33.0 gives it): every use
-# site vLLM 0.33.0's MRV2 worker looks these up at
+# (module, attribute path, replacement factory, the parameters vLLM 0.34.0 gives it): every use
+# site vLLM 0.34.0's MRV2 worker looks these up at
 _SITES: tuple[tuple[str, str, Callable[..., Any], tuple[str, ...]], ...] = (
     (
         "vllm.v1.worker.gpu.attn_utils", "allocate_kv_cache", _allocate,
-        ("kv_cache_config", "device", "layout", "kernel_block_sizes"),
+        ("kv_cache_config", "device", "layout", "kernel_block_sizes", "allocate"),
     ),
     (
         "vllm.models.deepseek_v32.attention", "maybe_gather_mla_latent_cache_inputs", _gather_mla,
@@ -476,6 +515,25 @@ _SITES: tuple[tuple[str, str, Callable[..., Any], tuple[str, ...]], ...] = (
         ("kv_caches", "num_blocks", "kv_cache_block_copies"),
     ),
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.shutdown", _shutdown, ("self",)),
+    (
+        "vllm.model_executor.layers.attention.mla_attention",
+        "MLAAttention._gather_pcp_cache_inputs", _gather_into_buffers,
+        ("self", "kv_c_normed", "k_pe", "slot_mapping"),
+    ),
+    # vLLM's extensible KV cache over vmmkv's buffer (_extensible)
+    (
+        "vllm.v1.worker.extensible_kv_cache", "ExtensibleTensor", lambda _orig: make_buffer,
+        ("max_num_bytes", "device", "num_segments", "segment_capacities",
+         "export_handle_types"),
+    ),
+    (
+        "vllm.v1.worker.extensible_kv_cache", "ExtensibleKVCache.__init__", capture_spec,
+        ("self", "kv_cache_config", "device", "layout", "export_handle_types"),
+    ),
+    (
+        "vllm.v1.worker.extensible_kv_cache", "_release_for_weight_update", agreed_lending,
+        ("kv_cache", "model", "reclaimable", "fail_if_short"),
+    ),
 )  # fmt: skip
 
 
@@ -492,7 +550,7 @@ Sites = tuple[tuple[str, str, Callable[..., Any], tuple[str, ...]], ...]
 
 def _patches_for(sites: Sites) -> list[_Patch]:
     """The patches of ``sites``, checked: the vLLM version first, then that every site exists
-    with the parameters 0.33.0 gives it; :class:`UnsupportedVLLM` lists every problem and
+    with the parameters 0.34.0 gives it; :class:`UnsupportedVLLM` lists every problem and
     nothing is patched. Imports the vLLM modules that hold the sites."""
     version = check_vllm_version()
     patches, problems = [], []
@@ -530,7 +588,7 @@ def _apply(patches: list[_Patch], where: str) -> list[_Patch]:
 def install(sites: Sites = ()) -> None:
     """Patch every worker site, all or nothing (idempotent; :func:`_patches_for` checks them
     first), with elastic mode's worker sites when ``VLLM_VMMKV_ELASTIC=1``. ``sites``: tests
-    only (default: every site of 0.33.0)."""
+    only (default: every site of 0.34.0)."""
     if _STATE.patches:
         return
     from ._elastic import elastic_enabled

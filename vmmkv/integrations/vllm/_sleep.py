@@ -1,7 +1,13 @@
-"""vLLM 0.33.0 sleep mode with the KV cache on vmmkv memory: the ``vmmkv`` sleep-mode backend,
+"""vLLM 0.34.0 sleep mode with the KV cache on vmmkv memory: the ``vmmkv`` sleep-mode backend,
 the plugin's sleep-mode configuration check, and the CuMem pool escape of vmmkv's bookkeeping.
 
-What vLLM's sleep does to vmmkv's KV memory without the ``vmmkv`` backend (read in vLLM 0.33.0):
+With vLLM's extensible KV cache (0.34's default, ``_extensible``) none of this module's
+release runs: vLLM's worker releases the cache (``release_physical``, vmmkv's collective shrink
+to 0) before the backend's ``suspend`` and recommits it after ``resume``, whatever the backend,
+and :func:`check_config` refuses nothing of it. The rest of this docstring is about vmmkv's own
+allocation (the extensible cache off).
+
+What vLLM's sleep does to vmmkv's KV memory without the ``vmmkv`` backend (read in vLLM 0.34.0):
 
 - ``Worker.sleep(level)`` / ``wake_up(tags)`` / ``discard(tags)`` (``v1/worker/gpu_worker.py``)
   hand the memory work to ``SleepModeBackendFactory.create_backend(model_config)``, by default
@@ -17,8 +23,9 @@ What vLLM's sleep does to vmmkv's KV memory without the ``vmmkv`` backend (read 
 vmmkv's bookkeeping (:class:`OutsideCuMemPools`): the worker builds the KV cache inside
 ``use_memory_pool(tag="runtime")`` and ``use_memory_pool(tag="kv_cache")`` whenever
 ``enable_cumem_allocator`` is on (``initialize_from_config``), and every device tensor allocated
-there is a CuMem allocation: ``CuMemBackend.suspend`` offloads only ``weights`` (level 1),
-``runtime`` and ``cudagraph`` and discards the rest without a backup, and a wake maps fresh,
+there is a CuMem allocation: ``CuMemBackend.suspend`` offloads ``weights`` (less the
+parameters a level-2 sleep passes as discardable), ``runtime`` and ``cudagraph`` and discards
+the rest without a backup, and a wake maps fresh,
 uninitialized memory under it. The plugin therefore builds the cache with the calling thread
 taken out of every CuMem pool (as vLLM builds its own KV-zero metadata outside the pool): the
 peer pointer and signal tables, the committed-bytes table, the error counter and the barrier's
@@ -69,6 +76,7 @@ import inspect
 import logging
 import os
 import sys
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -109,6 +117,13 @@ def inner_name() -> str:
     return name
 
 
+def _own_cache() -> Any:
+    """The active cache when vmmkv allocated it; None under vLLM 0.34's extensible KV cache,
+    which vLLM's worker releases and recommits itself around the backend."""
+    cache = active_cache()
+    return None if cache is None or cache.extensible else cache
+
+
 def _inner_class() -> type[SleepModeBackend]:
     return SleepModeBackendFactory.get_backend_class(inner_name())
 
@@ -116,8 +131,8 @@ def _inner_class() -> type[SleepModeBackend]:
 def register_backend() -> None:
     """Register the ``vmmkv`` sleep-mode backend with vLLM's ``SleepModeBackendFactory``
     (lazy: vLLM imports this module when it resolves the name). Local, idempotent. Raises
-    UnsupportedVLLM when vLLM's backend interface is not the one of 0.33.0."""
-    for method, params in (("suspend", ("self", "level")), ("resume", ("self", "tags")),
+    UnsupportedVLLM when vLLM's backend interface is not the one of 0.34.0."""
+    for method, params in (("suspend", ("self", "discardable")), ("resume", ("self", "tags")),
                            ("discard", ("self", "tags"))):  # fmt: skip
         _check_signature(getattr(SleepModeBackend, method), params, f"SleepModeBackend.{method}")
     try:
@@ -141,7 +156,11 @@ def check_config(cfg: Any) -> None:
     backend = getattr(model, "sleep_mode_backend", DEFAULT_INNER)
     sleep_mode = bool(getattr(model, "enable_sleep_mode", False))
     cumem = bool(getattr(model, "enable_cumem_allocator", False))
-    if backend != NAME and (sleep_mode or cumem):
+    # vLLM 0.34's extensible KV cache is released and recommitted by vLLM's worker itself
+    # around any backend (_extensible): the refusal is for vmmkv's own allocation only
+    extensible = bool(getattr(getattr(cfg, "cache_config", None), "enable_extensible_kv_cache",
+                              False))  # fmt: skip
+    if backend != NAME and (sleep_mode or cumem) and not extensible:
         why = "--enable-sleep-mode" if sleep_mode else "--enable-cumem-allocator"
         raise UnsupportedKVCache(
             f"the sleep-mode backend {backend!r} with vLLM's sleep allocator on ({why}): vLLM "
@@ -158,7 +177,7 @@ def check_config(cfg: Any) -> None:
         and _cudagraphs_on(cfg)
     ):
         raise UnsupportedKVCache(
-            f"--sleep-mode-offload-cudagraph with --sleep-mode-backend {NAME}: vLLM 0.33 puts "
+            f"--sleep-mode-offload-cudagraph with --sleep-mode-backend {NAME}: vLLM puts "
             "CUDA graphs into CuMem's offloadable pool only under the backend name "
             f"{DEFAULT_INNER!r} (VllmConfig.use_cumem_cudagraph_pool), so the graphs' memory "
             "would stay resident while asleep; drop --sleep-mode-offload-cudagraph (the "
@@ -250,14 +269,14 @@ class OutsideCuMemPools:
 
 
 def _check_signature(fn: Any, params: tuple[str, ...], what: str) -> None:
-    """UnsupportedVLLM unless ``fn`` takes the named parameters (vLLM 0.33.0's signatures)."""
+    """UnsupportedVLLM unless ``fn`` takes the named parameters (vLLM 0.34.0's signatures)."""
     try:
         names = tuple(inspect.signature(fn).parameters)
     except (TypeError, ValueError) as exc:
         raise UnsupportedVLLM(f"vmmkv: cannot read the signature of {what}: {exc}") from exc
     if names[: len(params)] != params:
         raise UnsupportedVLLM(
-            f"vmmkv: {what} takes {names}, vmmkv was written for {params} (vLLM 0.33.0)"
+            f"vmmkv: {what} takes {names}, vmmkv was written for {params} (vLLM 0.34.0)"
         )
 
 
@@ -282,11 +301,11 @@ class VmmkvSleepModeBackend(SleepModeBackend):
         self._released: tuple[Any, int] | None = None
 
     # -- what vLLM calls -------------------------------------------------------------
-    def suspend(self, level: int = 1) -> None:
-        cache = active_cache()
+    def suspend(self, discardable: Collection[int] = ()) -> None:
+        cache = _own_cache()
         if cache is not None:
             self._release(cache, "sleep")
-        self.inner.suspend(level)
+        self.inner.suspend(discardable)
         self._state = "SUSPENDED"
 
     def resume(self, tags: list[str] | None = None) -> None:
@@ -298,7 +317,7 @@ class VmmkvSleepModeBackend(SleepModeBackend):
 
     def discard(self, tags: tuple[str, ...]) -> None:
         tags = tuple(tags)
-        cache = active_cache()
+        cache = _own_cache()
         if cache is not None and KV_TAG in tags:
             self._release(cache, "discard")
         self.inner.discard(tags)  # CuMem's kv_cache tag holds nothing of vmmkv's

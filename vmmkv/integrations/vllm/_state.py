@@ -43,6 +43,8 @@ class _State:
         self.active: Any = None  # the process's VllmKVCache, once allocated
         self.pending: dict[str, _Pending] = {}
         self.hook: Any = None  # the import hook of install_when_worker_starts, until it fires
+        # (kv_cache_config, layout, segment strides) while vLLM builds an ExtensibleKVCache
+        self.extensible_spec: Any = None
 
 
 _STATE = _State()

@@ -1,4 +1,4 @@
-"""Seeded load traces through vLLM 0.33.0's own ``Scheduler``, ``KVCacheManager`` and
+"""Seeded load traces through vLLM 0.34.0's own ``Scheduler``, ``KVCacheManager`` and
 ``BlockPool`` on the CPU (no model: every scheduled request samples one fixed token), with or
 without elastic KV. For the elastic tests and ``benchmarks/bench_elastic.py``; needs vLLM.
 
@@ -56,7 +56,7 @@ def model_output(so: Any, stamp: Any = None) -> Any:
 
     ids = list(so.num_scheduled_tokens)
     out = ModelRunnerOutput(
-        req_ids=ids, req_id_to_index={r: j for j, r in enumerate(ids)},
+        req_ids=ids,
         sampled_token_ids=[[7] for _ in ids],
     )  # fmt: skip
     if stamp is not None:

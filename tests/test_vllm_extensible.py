@@ -1,0 +1,260 @@
+"""vLLM 0.34's own ``ExtensibleKVCache`` with vmmkv as its physical layer, driven in the order
+vLLM 0.34's GPU worker calls it (CPU, host backend, gloo, spawned PCP ranks).
+
+Every object vLLM builds here is vLLM's: its config planner (``get_kv_cache_configs``), its
+granule padding of layer-major layouts (``pad_kv_cache_segments``), its ``ExtensibleKVCache``
+(constructed as MRV2's ``initialize_kv_cache`` does, the plugin's buffer inside through the
+module-level ``ExtensibleTensor`` name), MRV2's ``allocate_kv_cache`` with the cache's
+``allocate`` hook (the patched site), its ``commit``/``committed_views``/``release_physical``/
+``recommit``/``free``, its ``kv_cache_lent_for_weight_update``; slot mappings and rows come
+from its ``PCPManager`` (``tests.test_vllm_pcp``). What needs CUDA is replayed in the worker's
+order (``Worker.initialize_from_config``, ``compile_or_warm_up_model``, ``extend_kv_cache``,
+``sleep``/``wake_up``/``discard``): the warmup commits, the two shrink-remaps before capture,
+the extend to a budget below the reserved capacity, sleep, wake, discard, lending, shutdown.
+
+The reference is vLLM's unpatched gather (its gloo all-gather) with the rows inserted at its
+slots into a plain allocation of the same padded config; every replica equals it over every
+segment's committed bytes after every step, direct publication and gather fallback.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import vllm_marks
+from tests.test_vllm_pcp import BS, LAYERS, MIXES, NUM_BLOCKS, _call_sites, _pcp_step
+from tests.test_vllm_pcp import _vllm_reference as _reference
+from vmmkv.testing.spawn import free_port, run_world
+
+pytestmark = vllm_marks()
+
+CAPACITY = NUM_BLOCKS + 11  # reserved by the planner; the measured budget is NUM_BLOCKS
+WARMUP_BLOCKS = 9  # what warmup commits as it goes (a min over ranks in vLLM)
+GRANULE = 2 << 20  # vLLM's granule floor (extensible_tensor.granule_size)
+
+
+def _segments(ext):
+    """(offset, committed bytes) of every segment of vLLM's cache."""
+    n = ext.num_committed_blocks
+    return [(o, n * s) for o, s in zip(ext.segment_offsets, ext.segment_strides, strict=True)]
+
+
+def _committed_equal(got, want, ext):
+    """(every segment's committed bytes equal, how many bytes differ)."""
+    diff = sum(int((got[o : o + n] != want[o : o + n]).sum()) for o, n in _segments(ext))
+    return diff == 0, diff
+
+
+def _stores(views, plain, vc, pcp, prank, pcp_size, seed0, dcps):
+    """Every DCP x step mix through vLLM's call sites and the reference."""
+    import torch.distributed as dist
+
+    for n, (dcp, mix) in enumerate((d, m) for d in dcps for m in MIXES):
+        for layer in range(LAYERS):
+            step = _pcp_step(mix, layer, seed0 + 100 * n + 1, prank, pcp_size, dcp)
+            _call_sites(views, layer, *step, pcp_size)
+            _reference(vc, plain, layer, *step)
+        dist.barrier(group=pcp.cpu_group)
+
+
+def _lend(ext, short_ranks, fail_ranks, prank):
+    """vLLM's kv_cache_lent_for_weight_update with this rank's free memory short (or far too
+    short, with nothing reclaimable) when named: (what happened, committed inside, after)."""
+    from contextlib import ExitStack
+    from unittest import mock
+
+    from vllm.v1.worker import extensible_kv_cache as ekc
+
+    gib = 1 << 30
+    free = gib if prank in short_ranks else (gib // 8 if prank in fail_ranks else 100 * gib)
+    inside = None
+    with ExitStack() as stack:
+        stack.enter_context(mock.patch.object(ekc, "device_memory_info", lambda *a: (free, 0)))
+        stack.enter_context(mock.patch.object(ekc, "max_layer_reload_bytes", lambda *a: gib // 2))
+        for name in ("memory_reserved", "memory_allocated"):
+            stack.enter_context(mock.patch(f"torch.accelerator.{name}", lambda *a: 0))
+        stack.enter_context(mock.patch("torch.accelerator.empty_cache", lambda *a: None))
+        try:
+            with ekc.kv_cache_lent_for_weight_update(
+                ext, None, reclaimable=not fail_ranks, fail_if_short=True
+            ):
+                inside = ext.buffer.cache.committed_blocks
+            what = "ok"
+        except RuntimeError as exc:
+            what = str(exc)
+    return what, inside, ext.buffer.cache.committed_blocks
+
+
+def _scenario(rank, world, port, runs, dcps):
+    import copy
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker import extensible_kv_cache as ekc
+    from vllm.v1.worker import utils as worker_utils
+    from vllm.v1.worker.gpu import attn_utils
+
+    from tests.test_vllm_pcp import _flat
+    from vmmkv.integrations import vllm as integration
+    from vmmkv.integrations.vllm import testing
+    from vmmkv.integrations.vllm._extensible import PeerKVBuffer
+
+    cfg = testing.vllm_config("LBNHC", CAPACITY, pcp=world)
+    cpu = torch.device("cpu")
+    out = {}
+    with testing.vllm_groups(cfg, rank, world, port) as ps:
+        pcp = ps.get_pcp_group()
+        prank = pcp.rank_in_group
+        for layout, direct in runs:
+            os.environ["VMMKV_DIRECT"] = "1" if direct else "0"
+            lay = KVCacheLayout[layout]
+            rep = {}
+            _, config = testing.build_kv_cache_config(layout, CAPACITY, pcp=world)
+            # Worker.initialize_from_config pads the layer regions onto granules
+            config = ekc.pad_kv_cache_segments(config, lay, GRANULE)
+            size = config.kv_cache_tensors[0].size
+            with set_current_vllm_config(cfg), integration.patched():
+                # MRV2 initialize_kv_cache(extensible=True), then init_kv_cache -> allocate hook
+                ext = ekc.ExtensibleKVCache(config, cpu, lay)
+                rep["buffer"] = type(ext.buffer).__name__
+                assert isinstance(ext.buffer, PeerKVBuffer), rep
+                vc = ext.buffer.cache
+                rep["path"] = vc.cache.path
+                rep["kinds"] = sorted({b.kind for b in vc.bindings.values()})
+                views = attn_utils.allocate_kv_cache(config, cpu, lay, [BS], allocate=ext.allocate)
+                rep["after allocate"] = (ext.num_committed_blocks, vc.committed_blocks,
+                                         ext.min_committed_blocks)  # fmt: skip
+                rep["active is the buffer's"] = integration.active_cache() is vc
+                # compile_or_warm_up_model: warmup commits, then two shrink-remaps to the minimum
+                ext.commit(WARMUP_BLOCKS)
+                rep["warmup"] = vc.committed_blocks
+                ext.commit(ext.min_committed_blocks, shrink=True)
+                ext.commit(ext.min_committed_blocks, shrink=True)
+                rep["before capture"] = vc.committed_blocks
+                # extend_kv_cache to the measured budget (the same on every rank: a min-reduce)
+                budget = copy.copy(config)  # what extend_kv_cache hands a connector
+                budget.num_blocks = NUM_BLOCKS
+                budget.kv_cache_tensors = ext.committed_kv_cache_tensors(budget, lay, NUM_BLOCKS)
+                ext.commit(NUM_BLOCKS, defragment=False, shrink=True)
+                runner_config = copy.copy(config)  # the runner's, num_blocks set to the commit
+                runner_config.num_blocks = ext.num_committed_blocks
+                committed = ext.committed_views(runner_config, lay, [BS])
+                views = {n: (committed or {}).get(n, v) for n, v in views.items()}
+                rep["extended"] = (ext.num_committed_blocks, vc.committed_blocks,
+                                   ext.buffer.physical_bytes)  # fmt: skip
+                rep["bytes of blocks"] = NUM_BLOCKS * ext.bytes_per_block
+                rep["view blocks"] = sorted({v.shape[0] for v in views.values()})
+                rep["rebound"] = committed is not None  # None: layers span several segments
+                plain = worker_utils.allocate_kv_cache(config, cpu, lay, [BS])
+                want = _flat(next(iter(plain.values())), size)
+                got = vc.buffer.view(torch.uint8)
+                poison = torch.randint(1, 256, (size,), dtype=torch.uint8,
+                                       generator=torch.Generator().manual_seed(7))  # fmt: skip
+                for off, nbytes in _segments(ext):
+                    got[off : off + nbytes].copy_(poison[off : off + nbytes])
+                want.copy_(poison)
+                dist.barrier(group=pcp.cpu_group)
+                _stores(views, plain, vc, pcp, prank, world, 0, dcps)
+                rep["extended: equal"] = _committed_equal(got, want, ext)
+                # Worker.sleep: release_physical (then the backend); wake_up: recommit
+                ext.release_physical()
+                rep["asleep"] = (vc.committed_blocks, ext.buffer.physical_bytes)
+                ext.recommit()
+                rep["awake"] = (ext.num_committed_blocks, vc.committed_blocks)
+                zero = all(int(got[o : o + n].count_nonzero()) == 0 for o, n in _segments(ext))
+                rep["awake: zeroed"] = zero
+                for off, nbytes in _segments(ext):
+                    want[off : off + nbytes].zero_()
+                dist.barrier(group=pcp.cpu_group)
+                _stores(views, plain, vc, pcp, prank, world, 5000, dcps)
+                rep["awake: equal"] = _committed_equal(got, want, ext)
+                # Worker.discard(("kv_cache",)) then wake_up(["kv_cache"])
+                ext.release_physical()
+                rep["discarded"] = vc.committed_blocks
+                ext.recommit()
+                rep["rewoken"] = vc.committed_blocks
+                # weight-update lending: one rank short -> every rank lends; one rank failing
+                # -> every rank raises and none releases
+                rep["lend: one short"] = _lend(ext, {world - 1}, set(), prank)
+                rep["lend: none short"] = _lend(ext, set(), set(), prank)
+                rep["lend: one failing"] = _lend(ext, set(), {1}, prank)
+                # MRV2's shutdown frees the cache (local)
+                ext.free()
+                rep["freed"] = (integration.active_cache() is None, vc.cache.closed)
+            out[f"{layout}/{'direct' if direct else 'gather'}"] = rep
+    return out
+
+
+def _pcp1(rank, world, port):
+    """PCP = 1: vLLM's own ExtensibleTensor is built (it refuses a CPU device by itself)."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker import extensible_kv_cache as ekc
+
+    from vmmkv.integrations import vllm as integration
+    from vmmkv.integrations.vllm import testing
+
+    cfg = testing.vllm_config("LBNHC", CAPACITY)
+    with testing.vllm_groups(cfg, rank, world, port):
+        _, config = testing.build_kv_cache_config("LBNHC", CAPACITY)
+        with set_current_vllm_config(cfg), integration.patched():
+            try:
+                ekc.ExtensibleKVCache(config, torch.device("cpu"), KVCacheLayout.LBNHC)
+                return {"built": True, "active": integration.active_cache()}
+            except ValueError as exc:
+                return {"built": str(exc), "active": integration.active_cache()}
+
+
+def _check(rep, world, direct):
+    assert rep["buffer"] == "PeerKVBuffer" and rep["path"] == ("direct" if direct else "gather")
+    assert rep["kinds"] == ["fp8_ds_mla_ue8m0", "indexer_k"]
+    mn = rep["after allocate"][2]
+    assert rep["after allocate"] == (mn, mn, mn) and rep["active is the buffer's"]
+    assert rep["warmup"] == WARMUP_BLOCKS and rep["before capture"] == mn
+    blocks, vblocks, physical = rep["extended"]
+    assert (blocks, vblocks) == (NUM_BLOCKS, NUM_BLOCKS)
+    assert rep["bytes of blocks"] <= physical < rep["bytes of blocks"] + 16 * GRANULE, rep
+    assert rep["view blocks"] == [NUM_BLOCKS if rep["rebound"] else CAPACITY], rep
+    assert rep["extended: equal"] == (True, 0), rep["extended: equal"]
+    assert rep["asleep"] == (0, 0)
+    assert rep["awake"] == (NUM_BLOCKS, NUM_BLOCKS) and rep["awake: zeroed"]
+    assert rep["awake: equal"] == (True, 0), rep["awake: equal"]
+    assert (rep["discarded"], rep["rewoken"]) == (0, NUM_BLOCKS)
+    assert rep["lend: one short"] == ("ok", 0, NUM_BLOCKS), rep["lend: one short"]
+    assert rep["lend: none short"] == ("ok", NUM_BLOCKS, NUM_BLOCKS)
+    what, inside, after = rep["lend: one failing"]
+    assert inside is None and after == NUM_BLOCKS, rep["lend: one failing"]
+    assert "cannot borrow the KV cache's memory on PCP ranks [1]" in what, what
+    assert "no rank released it" in what and "rank 1: Updating weights" in what, what
+    assert rep["freed"] == (True, True)
+
+
+@pytest.mark.timeout(900)
+def test_two_pcp_ranks_under_vllms_extensible_cache_follow_its_call_order_byte_equal():
+    runs = [("LBNHC", True), ("BLNHC", True), ("LBHNC", False)]
+    out = run_world(_scenario, 2, args=(free_port(), runs, (1, 2)), init_group=False,
+                    timeout=840)  # fmt: skip
+    for rank in range(2):
+        for layout, direct in runs:
+            _check(out[rank][f"{layout}/{'direct' if direct else 'gather'}"], 2, direct)
+
+
+@pytest.mark.timeout(900)
+def test_four_pcp_ranks_under_vllms_extensible_cache_follow_its_call_order_byte_equal():
+    runs = [("LBNHC", True), ("BLHNC", False)]
+    out = run_world(_scenario, 4, args=(free_port(), runs, (1,)), init_group=False,
+                    timeout=840)  # fmt: skip
+    for rank in range(4):
+        for layout, direct in runs:
+            _check(out[rank][f"{layout}/{'direct' if direct else 'gather'}"], 4, direct)
+
+
+@pytest.mark.timeout(300)
+def test_pcp_size_one_keeps_vllms_own_extensible_tensor():
+    out = run_world(_pcp1, 1, args=(free_port(),), init_group=False, timeout=240)
+    assert out[0] == {"built": "ExtensibleTensor requires a cuda device, got cpu.",
+                      "active": None}  # fmt: skip

@@ -1,0 +1,390 @@
+"""vLLM 0.34's extensible KV cache with vmmkv as its physical layer (PCP > 1).
+
+vLLM 0.34 reserves the KV cache's address range itself (``ExtensibleKVCache``, on by default on
+CUDA), commits a prefix of blocks on demand and keeps the planning, the post-capture sizing, the
+views, sleep, discard and shutdown. It builds its byte buffer through the module-level name
+``vllm.v1.worker.extensible_kv_cache.ExtensibleTensor``; the plugin binds that name to
+:func:`make_buffer`, which under PCP > 1 returns a :class:`PeerKVBuffer`: the same nine members
+vLLM uses (``device``, ``free``, ``full_view``, ``granularity``, ``physical_bytes``,
+``release_physical``, ``resize_segments_``, ``segment_view``, ``segments_backed_by_one_chunk``)
+over one :class:`VllmKVCache`, whose region every PCP rank maps: a commit is vmmkv's collective
+grow (exportable chunks, fd exchange, peer maps, the new blocks zeroed, the cache barrier), a
+release its collective shrink to 0 (peers unmapped first). With PCP = 1 it returns vLLM's own
+``ExtensibleTensor``: nothing of vmmkv runs.
+
+Why this seam (docs/design.md, "vLLM 0.34's extensible KV cache"): vLLM keeps what 0.34 gives
+every user by default (sizing after CUDA-graph capture from measured memory, the 1.0
+``gpu_memory_utilization`` default, ``release_kv_cache_memory`` and sleep without a special
+backend, KV lending for layer-wise weight updates), and vmmkv adds what 0.34 lacks: every rank
+maps its peers' replicas, and the PCP gather + insert becomes one direct store.
+
+The sites (installed with the others by ``_patches.install``):
+
+| site | replaced by |
+|---|---|
+| ``extensible_kv_cache: ExtensibleTensor`` | :func:`make_buffer` |
+| ``extensible_kv_cache: ExtensibleKVCache.__init__`` | vLLM's, with its config and layout handed to :func:`make_buffer` (the buffer's own parameters carry only sizes) |
+| ``extensible_kv_cache: _release_for_weight_update`` | vLLM's decision taken on every PCP rank, then agreed: if any rank lends, every rank lends (a rank releasing alone would leave its peers writing into chunks it dropped) |
+
+``_patches``' ``allocate_kv_cache`` replacement, called by vLLM with ``allocate=`` the cache's
+hook, hands over to :func:`allocate_extensible`: vLLM builds its views over the buffer (its
+hook commits the minimum, collectively), and every MLA and indexer view must be one vmmkv bound.
+``extend_kv_cache`` later re-binds views sized to the committed blocks at the same addresses,
+which the cache's bindings accept (``VllmKVCache.binding``).
+
+Why every collective lines up: vLLM calls the buffer on every rank in the same order: the
+allocate hook, warmup commits (counts min-reduced over the world group), the two shrink-remaps
+before capture, ``extend_kv_cache`` (a ``collective_rpc``), sleep, wake and discard
+(``collective_rpc``), shutdown (``free``, local). The one per-rank decision, lending for a
+weight update, is agreed here.
+
+Contract: :func:`make_buffer`, ``resize_segments_``, ``release_physical`` and the lending
+decision are collective over the PCP group; the views, ``free`` (idempotent; closes the cache
+and clears the plugin's active cache) and the properties are local. Not capture-safe: vLLM
+commits outside graph capture. The buffer owns its ``VllmKVCache``; vLLM owns the buffer
+(``ExtensibleKVCache.free`` at the runner's shutdown).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ._state import _STATE
+
+__all__ = ["PeerKVBuffer", "allocate_extensible", "make_buffer"]
+
+log = logging.getLogger(__name__)
+
+MODULE = "vllm.v1.worker.extensible_kv_cache"
+
+
+class PeerKVBuffer:
+    """vLLM's ``ExtensibleTensor`` interface over a :class:`VllmKVCache` whose region every PCP
+    rank maps. Segment ``i`` holds blocks of stride ``strides[i]``; its committed prefix is
+    always ``committed_blocks * strides[i]`` bytes (vmmkv commits blocks ``[0, n)`` of every
+    segment together, as vLLM's ``ExtensibleKVCache.commit`` asks)."""
+
+    def __init__(self, cache: Any, offsets: Sequence[int], capacities: Sequence[int],
+                 strides: Sequence[int]) -> None:  # fmt: skip
+        self.cache = cache
+        self._offsets, self._capacities = list(offsets), list(capacities)
+        self._strides = list(strides)
+        self._device = torch.device(cache.cache.device)
+        self._closed = False
+
+    # -- what vLLM uses ------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def granularity(self) -> int:
+        return int(self.cache.cache.region.granularity)
+
+    @property
+    def physical_bytes(self) -> int:
+        """The own replica's committed bytes, chunk rounding included (peers' not counted)."""
+        return 0 if self._closed else int(self.cache.cache.committed_bytes)
+
+    def full_view(self) -> torch.Tensor:
+        """The uint8 tensor over the whole reservation (vLLM's backing size)."""
+        self._check_open("full_view")
+        return self.cache.buffer
+
+    def segment_view(self, index: int) -> torch.Tensor:
+        """The uint8 tensor over segment ``index``'s committed prefix, sized exactly to it."""
+        self._check_open("segment_view")
+        if not 0 <= index < len(self._offsets):
+            raise IndexError(f"segment {index} out of range ({len(self._offsets)})")
+        start = self._offsets[index]
+        return self.cache.buffer[start : start + self._committed(index)]
+
+    def resize_segments_(self, sizes: Sequence[int], zero_new: bool = False) -> None:
+        """Collective: grow every segment to ``sizes`` bytes, which must be the same block
+        count of every segment (vLLM's commit). The new blocks are always zeroed (a chunk
+        holds old bytes otherwise) and the cache barrier orders the zeroing before any peer's
+        publication; ``zero_new`` is accepted for vLLM's signature."""
+        self._check_open("resize_segments_")
+        n = self._blocks_of(sizes)
+        if n < self.cache.committed_blocks:
+            raise ValueError(
+                f"rank {self.cache.rank}: resize_segments_ is grow-only: {n} blocks requested, "
+                f"{self.cache.committed_blocks} committed"
+            )
+        self.cache.grow(n)
+
+    def release_physical(self) -> None:
+        """Collective: every replica drops all its memory (peers unmapped first); addresses and
+        views stay valid, and nothing may be written until the next commit."""
+        self._check_open("release_physical")
+        self.cache.shrink(0)
+
+    def segments_backed_by_one_chunk(self, sizes: Sequence[int]) -> list[bool]:
+        # vLLM asks only to defragment for a connector that registers the KV cache for RDMA,
+        # and vmmkv refuses every KV-transfer connector before this buffer exists.
+        raise NotImplementedError(
+            "vmmkv's KV cache is not laid out for RDMA registration (KV-transfer connectors "
+            "are refused under VLLM_USE_VMMKV=1)"
+        )
+
+    def free(self) -> None:
+        """Local, idempotent: close the cache (the views are invalid afterwards)."""
+        if self._closed:
+            return
+        self._closed = True
+        if _STATE.active is self.cache:
+            from ._patches import close_active
+
+            close_active("vLLM frees its extensible KV cache")
+        else:
+            self.cache.close()
+
+    # -- more of ExtensibleTensor, for tools and tests -----------------------------------------
+    @property
+    def segment_offsets(self) -> list[int]:
+        return list(self._offsets)
+
+    @property
+    def segment_capacities(self) -> list[int]:
+        return list(self._capacities)
+
+    @property
+    def num_segments(self) -> int:
+        return len(self._offsets)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(self._committed(i) for i in range(len(self._offsets)))
+
+    # -- internals -----------------------------------------------------------------------------
+    def _committed(self, index: int) -> int:
+        return 0 if self._closed else self.cache.committed_blocks * self._strides[index]
+
+    def _blocks_of(self, sizes: Sequence[int]) -> int:
+        if len(sizes) != len(self._strides):
+            raise ValueError(f"expected {len(self._strides)} segment sizes, got {len(sizes)}")
+        counts = {
+            s // st if s % st == 0 else -1 for s, st in zip(sizes, self._strides, strict=True)
+        }
+        n = counts.pop() if len(counts) == 1 else -1
+        if n < 0 or n > self.cache.num_blocks:
+            raise ValueError(
+                f"rank {self.cache.rank}: segment sizes {list(sizes)} are not one block count "
+                f"(<= {self.cache.num_blocks}) of the segments' block strides {self._strides}"
+            )
+        return n
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"rank {self.cache.rank}: {what} on a freed vmmkv KV buffer")
+
+
+def _pcp_group() -> Any:
+    from vllm.distributed.parallel_state import get_pcp_group
+
+    return get_pcp_group()
+
+
+def make_buffer(
+    max_num_bytes: int,
+    device: Any = None,
+    num_segments: int = 1,
+    segment_capacities: Sequence[int] | None = None,
+    export_handle_types: int = 0,
+) -> Any:
+    """What ``ExtensibleKVCache`` constructs as its buffer: vLLM's own ``ExtensibleTensor``
+    with PCP = 1 or outside ``ExtensibleKVCache``; under PCP > 1 a :class:`PeerKVBuffer`
+    over a new ``VllmKVCache`` of that cache's config and layout, nothing committed (collective
+    over the PCP group; it replaces the process's previous cache). Refuses
+    (``UnsupportedKVCache``) what the plugin cannot hold, and export handle types (a KV
+    connector's), before any collective."""
+    from ._patches import build_cache, check_vllm_config, close_active, original
+
+    spec = _STATE.extensible_spec
+    pcp = _pcp_group()
+    if spec is None or pcp.world_size == 1:
+        vllm_class = original(_module(), "ExtensibleTensor")
+        return vllm_class(max_num_bytes, device, num_segments, segment_capacities,
+                          export_handle_types)  # fmt: skip
+    from vllm.config import get_current_vllm_config_or_none
+
+    from ._layout import UnsupportedKVCache
+
+    kv_cache_config, layout, strides = spec
+    cfg = get_current_vllm_config_or_none()
+    if cfg is not None:
+        check_vllm_config(cfg)
+    from ._elastic import elastic_enabled
+
+    if elastic_enabled():
+        raise UnsupportedKVCache(
+            "elastic KV (VLLM_VMMKV_ELASTIC=1) is not built on vLLM's extensible KV cache yet: "
+            "add --no-enable-extensible-kv-cache (elastic mode then runs on vmmkv's own "
+            "allocation)"
+        )
+    if export_handle_types:
+        raise UnsupportedKVCache(
+            f"vLLM asks the KV cache to be exportable to other processes (handle types "
+            f"{export_handle_types:#x}, for a KV-transfer connector): not with VLLM_USE_VMMKV=1"
+        )
+    if segment_capacities is None:
+        segment_capacities = [max_num_bytes // num_segments] * num_segments
+    close_active("vLLM allocates a new KV cache")
+    cache = build_cache(
+        cfg, pcp, "ExtensibleKVCache", kv_cache_config, layout, device=device,
+        initial_blocks=0, chunk_bytes=_chunk_bytes(device, max_num_bytes),
+    )  # fmt: skip
+    try:
+        offsets = [0]
+        for c in list(segment_capacities)[:-1]:
+            offsets.append(offsets[-1] + c)
+        ours = [off for off, _ in cache.plan.segments]
+        if cache.plan.size != max_num_bytes or ours != offsets:
+            raise UnsupportedKVCache(
+                f"vLLM's extensible KV cache lays out {max_num_bytes} B in segments at "
+                f"{offsets}, vmmkv's plan of the same config {cache.plan.size} B at {ours}"
+            )
+        buffer = PeerKVBuffer(cache, offsets, segment_capacities, strides)
+        cache.extensible = True
+    except BaseException:
+        cache.close()
+        raise
+    _STATE.active = cache
+    log.info(
+        "vmmkv: vLLM's extensible KV cache on vmmkv memory: %d segments, %d blocks reserved, "
+        "path %s over %d PCP ranks", len(offsets), cache.num_blocks, cache.cache.path,
+        cache.world_size,
+    )  # fmt: skip
+    return buffer
+
+
+def _chunk_bytes(device: Any, size: int) -> int:
+    """``VMMKV_CHUNK_MIB``, else the allocation granularity: vLLM sizes the cache after capture
+    from its own estimate of a commit's physical bytes (each segment rounded up to the
+    granule), so a commit must map exactly that; larger chunks would map up to one chunk per
+    segment more (122 segments under DeepSeek-V3.2's layer-major layouts)."""
+    from ..._util import round_up
+    from ...alloc.region import make_backend
+    from ._cache import _chunk_bytes_from_env
+
+    gran = make_backend(device, "auto").granularity
+    return _chunk_bytes_from_env(gran, round_up(size, gran)) or gran
+
+
+def _module() -> Any:
+    import importlib
+
+    return importlib.import_module(MODULE)
+
+
+def capture_spec(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``ExtensibleKVCache.__init__``: vLLM's, with the config, layout and segment strides it
+    computes handed to :func:`make_buffer` through the plugin state for its duration."""
+
+    def __init__(self, kv_cache_config, device, layout, export_handle_types=0):
+        # vLLM computes the strides before it builds the buffer; _segments is pure
+        _, strides = type(self)._segments(_Shell(kv_cache_config, layout), _tensors(
+            kv_cache_config), layout)  # fmt: skip
+        _STATE.extensible_spec = (kv_cache_config, layout, strides)
+        try:
+            orig(self, kv_cache_config, device, layout, export_handle_types)
+        finally:
+            _STATE.extensible_spec = None
+
+    return __init__
+
+
+class _Shell:
+    """What ``ExtensibleKVCache._segments`` reads of ``self`` before the buffer exists."""
+
+    def __init__(self, kv_cache_config: Any, layout: Any) -> None:
+        tensors = _tensors(kv_cache_config)
+        self.size = tensors[0].size if tensors else 0
+        self.capacity_blocks = kv_cache_config.num_blocks
+
+
+def _tensors(kv_cache_config: Any) -> list[Any]:
+    return [t for t in kv_cache_config.kv_cache_tensors if not t.host_resident]
+
+
+def allocate_extensible(orig: Callable[..., Any], kv_cache_config: Any, device: Any,
+                        layout: Any, kernel_block_sizes: Any, allocate: Any) -> Any:  # fmt: skip
+    """``allocate_kv_cache`` with vLLM's extensible hook under PCP > 1: vLLM's own allocation
+    over the :class:`PeerKVBuffer` (its hook commits the minimum: collective), then every MLA
+    and indexer view checked to be one the cache bound. Returns vLLM's views."""
+    from ._layout import UnsupportedKVCache, plan_kv_cache
+
+    owner = getattr(allocate, "__self__", None)
+    buffer = getattr(owner, "buffer", None)
+    if not isinstance(buffer, PeerKVBuffer):
+        raise UnsupportedKVCache(
+            "vLLM's extensible KV cache was built without vmmkv's buffer under PCP > 1 (the "
+            "plugin was installed after the cache was created?); restart with VLLM_USE_VMMKV=1 "
+            "set in every process"
+        )
+    cache = buffer.cache
+    # the same refusals as the plugin's own allocation (kernel-block splitting, specs, layout)
+    plan_kv_cache(kv_cache_config, layout, kernel_block_sizes, mla_kind=cache.mla_kind,
+                  indexer_kind=cache.indexer_kind)  # fmt: skip
+    views = orig(kv_cache_config, device, layout, kernel_block_sizes, allocate)
+    for name, place in cache.plan.layers.items():
+        view = views.get(name)
+        if view is None or cache.binding(view, cache._family(place.kind)) is None:
+            got = "missing" if view is None else f"{list(view.shape)} at {view.data_ptr():#x}"
+            raise RuntimeError(
+                f"rank {cache.rank}: vLLM's view of layer {name!r} ({got}) is not the one vmmkv "
+                f"bound ({list(cache.views[name].shape)} at {cache.views[name].data_ptr():#x})"
+            )
+    return views
+
+
+def agreed_lending(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``_release_for_weight_update``: vLLM's decision on every PCP rank, its release held
+    back; then one agreement over the group (bounded in time): any rank's error is raised on
+    every rank (naming the ranks), else if any rank lends every rank releases (collective)."""
+
+    def _release_for_weight_update(kv_cache, model, *, reclaimable, fail_if_short):
+        buffer = kv_cache.buffer
+        if not isinstance(buffer, PeerKVBuffer):
+            return orig(kv_cache, model, reclaimable=reclaimable, fail_if_short=fail_if_short)
+        cache = buffer.cache
+        wants: list[bool] = []
+        error: BaseException | None = None
+        try:
+            orig(_DecisionOnly(buffer, wants), model, reclaimable=reclaimable,
+                 fail_if_short=fail_if_short)  # fmt: skip
+        except Exception as exc:
+            error = exc
+        mine = "error" if error is not None else ("lend" if wants else "keep")
+        votes = cache.cache.region.all_gather(
+            [mine, "" if error is None else str(error)], "KV lending for a weight update"
+        )
+        failed = {r: why for r, (v, why) in enumerate(votes) if v == "error"}
+        if failed:
+            detail = "; ".join(f"rank {r}: {why}" for r, why in failed.items())
+            raise RuntimeError(
+                f"rank {cache.rank}: the weight update cannot borrow the KV cache's memory on "
+                f"PCP ranks {sorted(failed)} ({detail}); no rank released it"
+            ) from error
+        if any(v == "lend" for v, _ in votes):
+            kv_cache.release_physical()
+            return True
+        return False
+
+    return _release_for_weight_update
+
+
+class _DecisionOnly:
+    """What ``_release_for_weight_update`` reads of an ``ExtensibleKVCache``, with its release
+    recorded instead of done."""
+
+    def __init__(self, buffer: PeerKVBuffer, wants: list[bool]) -> None:
+        self.buffer = buffer
+        self._wants = wants
+
+    def release_physical(self) -> None:
+        self._wants.append(True)
