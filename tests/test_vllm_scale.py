@@ -1,5 +1,6 @@
-"""A 61-layer DeepSeek-V3.2 KV cache through the vLLM 0.33.0 plugin's allocation path under a low
-open-file limit (CPU, host backend, spawned ranks, vLLM's own groups and planner).
+"""A 61-layer DeepSeek-V3.2 KV cache through the vLLM 0.34.0 plugin under a low open-file limit
+(CPU, host backend, spawned ranks, vLLM's own groups and planner): the plugin's own allocation
+(vLLM's extensible cache off) and vLLM's ExtensibleKVCache over the plugin's buffer.
 
 Each rank sets RLIMIT_NOFILE soft = hard, joins vLLM's process groups, and allocates as MRV2
 does with CUDA graphs on (a profiling cache, then the real one, both through the patched
@@ -8,7 +9,10 @@ start, a grow of every block. Then a sleep (``shrink(0)``) and a wake (``grow`` 
 calls the plugin's sleep backend makes. Checked on every rank: every block committed after
 start and wake, none after sleep, each peer mapping exactly the chunks its owner committed, and
 the fds held never reaching the limit. In the plugin's own chunks (at most 64) and in 64 KiB
-chunks (``VMMKV_CHUNK_MIB``: thousands of them).
+chunks (``VMMKV_CHUNK_MIB``: thousands of them). Under vLLM's extensible cache (layouts padded
+by vLLM's ``pad_kv_cache_segments``), in the worker's order: the null block, warmup, the
+shrink-remap before capture, the extend, sleep and wake; every commit maps exactly each
+segment's blocks rounded up to the chunk (2 MiB, CUDA's granule, and 64 KiB).
 """
 
 from __future__ import annotations
@@ -107,5 +111,102 @@ def test_a_61_layer_cache_starts_sleeps_and_wakes_through_the_plugin_under_the_l
             assert len(s["own"]) == (chunks if blocks else 0), (rank, step, len(s["own"]))
             assert s["peak_fds"] < nofile, (rank, step, s["peak_fds"])
             # every peer maps exactly the chunks its owner committed
+            others = [r for r in range(world) if r != rank]
+            assert s["peers"] == [out[r][step]["own"] for r in others], (rank, step)
+
+
+def _scale_extensible(rank, world, port, nofile, chunk_mib, layout):
+    """vLLM 0.34's ExtensibleKVCache of the 61-layer cache over the plugin's buffer, in the
+    worker's order: the allocate hook (the null block), warmup commits and the shrink-remap to
+    the minimum, the extend to every block, a sleep (``release_physical``) and a wake
+    (``recommit``), then ``free``."""
+    import os
+    import resource
+    import threading
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker import extensible_kv_cache as ekc
+    from vllm.v1.worker.gpu import attn_utils
+
+    from vmmkv.integrations import vllm as integration
+    from vmmkv.integrations.vllm import testing
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+    os.environ["VMMKV_CHUNK_MIB"] = str(chunk_mib)
+    peak, stop = [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            try:
+                peak[0] = max(peak[0], len(os.listdir("/proc/self/fd")))
+            except OSError:
+                peak[0] = nofile
+            time.sleep(0.002)
+
+    threading.Thread(target=sample, daemon=True).start()
+    cfg = testing.vllm_config(layout, BLOCKS, LAYERS, pcp=world)
+    out = {}
+    try:
+        with testing.vllm_groups(cfg, rank, world, port) as ps:
+            cpu, lay = torch.device("cpu"), KVCacheLayout[layout]
+            _, config = testing.build_kv_cache_config(layout, BLOCKS, LAYERS, pcp=world)
+            config = ekc.pad_kv_cache_segments(config, lay, 2 << 20)  # CUDA's granule floor
+            with set_current_vllm_config(cfg), integration.patched():
+                ext = ekc.ExtensibleKVCache(config, cpu, lay)
+                views = attn_utils.allocate_kv_cache(config, cpu, lay, [BS], allocate=ext.allocate)
+                vc = ext.buffer.cache
+                out["views"] = len(views)
+                out["segments"] = list(zip(ext.segment_offsets, ext.segment_strides, strict=True))
+                out["chunk"] = vc.cache.region.chunk_bytes
+                pcp = ps.get_pcp_group().cpu_group
+                steps = (
+                    ("null block", None),
+                    ("warmup", lambda: ext.commit(BLOCKS // 3)),
+                    ("before capture", lambda: ext.commit(ext.min_committed_blocks, shrink=True)),
+                    ("extend", lambda: ext.commit(BLOCKS, shrink=True)),
+                    ("sleep", ext.release_physical),
+                    ("wake", ext.recommit),
+                )
+                for step, call in steps:
+                    if call is not None:
+                        dist.barrier(group=pcp)
+                        call()
+                    out[step] = {"blocks": vc.committed_blocks, "peak_fds": peak[0], **_mapped(vc)}
+                    peak[0] = 0
+                del views
+                ext.free()
+    finally:
+        stop.set()
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "world,layout,chunk_mib", [(2, "LBNHC", 2), (2, "BLNHC", 2), (2, "LBNHC", 0.0625)]
+)
+def test_a_61_layer_cache_under_vllms_extensible_cache_commits_what_vllm_asks_under_the_limit(
+    world, layout, chunk_mib
+):
+    nofile = 4096
+    out = run_world(_scale_extensible, world, args=(free_port(), nofile, chunk_mib, layout),
+                    init_group=False, timeout=280)  # fmt: skip
+    for rank, o in enumerate(out):
+        assert o["views"] == 2 * LAYERS, o["views"]
+        chunk, segments = o["chunk"], o["segments"]
+        assert chunk == int(chunk_mib * (1 << 20)) and all(off % chunk == 0 for off, _ in segments)
+        assert len(segments) == (2 * LAYERS if layout == "LBNHC" else 1), len(segments)
+        minimum = 1 if layout == "LBNHC" else 2  # vLLM's null block (+1 block-outermost)
+        for step, blocks in (("null block", minimum), ("warmup", BLOCKS // 3),
+                             ("before capture", minimum), ("extend", BLOCKS), ("sleep", 0),
+                             ("wake", BLOCKS)):  # fmt: skip
+            s = o[step]
+            # each segment's first `blocks` blocks, in chunks of the segment's own
+            want = sum(-(-blocks * stride // chunk) for _, stride in segments)
+            assert (s["blocks"], len(s["own"])) == (blocks, want), (rank, step, s["blocks"])
+            assert s["peak_fds"] < nofile, (rank, step, s["peak_fds"])
             others = [r for r in range(world) if r != rank]
             assert s["peers"] == [out[r][step]["own"] for r in others], (rank, step)
