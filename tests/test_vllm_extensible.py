@@ -5,12 +5,13 @@ Every object vLLM builds here is vLLM's: its config planner (``get_kv_cache_conf
 granule padding of layer-major layouts (``pad_kv_cache_segments``), its ``ExtensibleKVCache``
 (constructed as MRV2's ``initialize_kv_cache`` does, the plugin's buffer inside through the
 module-level ``ExtensibleTensor`` name), MRV2's ``allocate_kv_cache`` with the cache's
-``allocate`` hook (the patched site), its ``commit``/``committed_views``/``release_physical``/
-``recommit``/``free``, its ``kv_cache_lent_for_weight_update``; slot mappings and rows come
-from its ``PCPManager`` (``tests.test_vllm_pcp``). What needs CUDA is replayed in the worker's
-order (``Worker.initialize_from_config``, ``compile_or_warm_up_model``, ``extend_kv_cache``,
-``sleep``/``wake_up``/``discard``): the warmup commits, the two shrink-remaps before capture,
-the extend to a budget below the reserved capacity, sleep, wake, discard, lending, shutdown.
+``allocate`` hook (the patched site), its ``commit``/``committed_views``/``free``, its
+``Worker.sleep``/``wake_up``/``discard`` (levels 1 and 2, ``CuMemBackend`` over a recording
+allocator), its ``kv_cache_lent_for_weight_update``; slot mappings and rows come from its
+``PCPManager`` (``tests.test_vllm_pcp``). What needs CUDA is replayed in the worker's order
+(``Worker.initialize_from_config``, ``compile_or_warm_up_model``, ``extend_kv_cache``): the
+warmup commits, the two shrink-remaps before capture, the extend to a budget below the reserved
+capacity; no CUDA graph is captured on the CPU.
 
 The reference is vLLM's unpatched gather (its gloo all-gather) with the rows inserted at its
 slots into a plain allocation of the same padded config; every replica equals it over every
@@ -83,6 +84,67 @@ def _lend(ext, short_ranks, fail_ranks, prank):
         except RuntimeError as exc:
             what = str(exc)
     return what, inside, ext.buffer.cache.committed_blocks
+
+
+def _sleep_wake(cfg, ext, vc, got, want, views, plain, pcp, world):
+    """Sleep levels 1 and 2 and a kv_cache discard through vLLM's real ``Worker`` methods (a
+    worker built without ``__init__``, ``tests.test_vllm_sleep._worker``), vLLM's ``CuMemBackend``
+    over a recording allocator: per phase the committed blocks and physical bytes, whether the
+    woken blocks read zero, the stores after the wake equal to the reference, and what the
+    allocator saw (with the blocks committed at that moment)."""
+    import vllm.device_allocator as dalloc
+
+    from tests.test_vllm_sleep import _HostAccelerator, _RecordingAllocator, _worker
+
+    prank = pcp.rank_in_group
+    rec = _RecordingAllocator(vc)
+    real = dalloc.get_mem_allocator_instance
+    dalloc.get_mem_allocator_instance = lambda: rec
+    seen = {}
+    try:
+        with _HostAccelerator():
+            cfg.model_config.sleep_mode_backend = "cumem"
+            worker = _worker(cfg)
+            worker.model_runner.extensible_kv_cache = ext
+
+            def phase(name):
+                seen[name] = (vc.committed_blocks, ext.buffer.physical_bytes)
+
+            def awake(name, seed):
+                phase(name)
+                seen[name + ": zeroed"] = all(
+                    int(got[o : o + n].count_nonzero()) == 0 for o, n in _segments(ext)
+                )
+                for off, nbytes in _segments(ext):
+                    want[off : off + nbytes].zero_()
+                pcp_barrier(pcp)  # every replica checked before a peer publishes again
+                _stores(views, plain, vc, pcp, prank, world, seed, (1,))
+                seen[name + ": equal"] = _committed_equal(got, want, ext)
+
+            worker.sleep(level=1)
+            phase("asleep 1")
+            worker.wake_up(["weights"])
+            phase("weights awake")
+            worker.wake_up(["kv_cache"])
+            awake("kv awake", 5000)
+            worker.sleep(level=2)
+            phase("asleep 2")
+            worker.wake_up()
+            awake("awake 2", 6000)
+            worker.discard(("kv_cache",))  # EngineCore.release_kv_cache_memory
+            phase("discarded")
+            worker.wake_up(["kv_cache"])
+            awake("rewoken", 7000)
+    finally:
+        dalloc.get_mem_allocator_instance = real
+    seen["allocator"] = rec.calls
+    return seen
+
+
+def pcp_barrier(pcp):
+    import torch.distributed as dist
+
+    dist.barrier(group=pcp.cpu_group)
 
 
 def _scenario(rank, world, port, runs, dcps):
@@ -159,23 +221,9 @@ def _scenario(rank, world, port, runs, dcps):
                 dist.barrier(group=pcp.cpu_group)
                 _stores(views, plain, vc, pcp, prank, world, 0, dcps)
                 rep["extended: equal"] = _committed_equal(got, want, ext)
-                # Worker.sleep: release_physical (then the backend); wake_up: recommit
-                ext.release_physical()
-                rep["asleep"] = (vc.committed_blocks, ext.buffer.physical_bytes)
-                ext.recommit()
-                rep["awake"] = (ext.num_committed_blocks, vc.committed_blocks)
-                zero = all(int(got[o : o + n].count_nonzero()) == 0 for o, n in _segments(ext))
-                rep["awake: zeroed"] = zero
-                for off, nbytes in _segments(ext):
-                    want[off : off + nbytes].zero_()
-                dist.barrier(group=pcp.cpu_group)
-                _stores(views, plain, vc, pcp, prank, world, 5000, dcps)
-                rep["awake: equal"] = _committed_equal(got, want, ext)
-                # Worker.discard(("kv_cache",)) then wake_up(["kv_cache"])
-                ext.release_physical()
-                rep["discarded"] = vc.committed_blocks
-                ext.recommit()
-                rep["rewoken"] = vc.committed_blocks
+                # vLLM's own Worker.sleep/wake_up/discard with its default backend (cumem):
+                # the worker releases and recommits the cache around the backend
+                rep["sleep"] = _sleep_wake(cfg, ext, vc, got, want, views, plain, pcp, world)
                 # weight-update lending: one rank short -> every rank lends; one rank failing
                 # -> every rank raises and none releases
                 rep["lend: one short"] = _lend(ext, {world - 1}, set(), prank)
@@ -220,10 +268,18 @@ def _check(rep, world, direct):
     assert rep["bytes of blocks"] <= physical < rep["bytes of blocks"] + 16 * GRANULE, rep
     assert rep["view blocks"] == [NUM_BLOCKS if rep["rebound"] else CAPACITY], rep
     assert rep["extended: equal"] == (True, 0), rep["extended: equal"]
-    assert rep["asleep"] == (0, 0)
-    assert rep["awake"] == (NUM_BLOCKS, NUM_BLOCKS) and rep["awake: zeroed"]
-    assert rep["awake: equal"] == (True, 0), rep["awake: equal"]
-    assert (rep["discarded"], rep["rewoken"]) == (0, NUM_BLOCKS)
+    sleep = rep["sleep"]
+    for name in ("asleep 1", "weights awake", "asleep 2", "discarded"):
+        assert sleep[name] == (0, 0), (name, sleep[name])
+    for name in ("kv awake", "awake 2", "rewoken"):
+        assert sleep[name] == (NUM_BLOCKS, physical), (name, sleep[name], physical)
+        assert sleep[name + ": zeroed"] and sleep[name + ": equal"] == (True, 0), name
+    tags = ("weights", "runtime", "cudagraph")  # vLLM's CuMemBackend at every level
+    assert sleep["allocator"] == [
+        ("sleep", tags, 0), ("wake_up", ["weights"], 0), ("wake_up", ["kv_cache"], 0),
+        ("sleep", tags, 0), ("wake_up", None, 0),
+        ("discard", ("kv_cache",), 0), ("wake_up", ["kv_cache"], 0),
+    ], sleep["allocator"]  # fmt: skip
     assert rep["lend: one short"] == ("ok", 0, NUM_BLOCKS), rep["lend: one short"]
     assert rep["lend: none short"] == ("ok", NUM_BLOCKS, NUM_BLOCKS)
     what, inside, after = rep["lend: one failing"]
