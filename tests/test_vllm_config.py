@@ -1,4 +1,4 @@
-"""The plugin's refusals of vLLM 0.33.0 settings it cannot serve, on vLLM's own config objects.
+"""The plugin's refusals of vLLM 0.34.0 settings it cannot serve, on vLLM's own config objects.
 
 ``check_vllm_config`` runs in the replaced ``allocate_kv_cache`` before any collective (the
 wiring: ``tests/test_vllm_sleep.py``). Checked here on real ``VllmConfig`` s (CPU device; flags

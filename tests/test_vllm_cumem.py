@@ -1,4 +1,4 @@
-"""vmmkv's bookkeeping and vLLM 0.33.0's CuMem sleep allocator (CPU, host backend, 2 PCP ranks).
+"""vmmkv's bookkeeping and vLLM 0.34.0's CuMem sleep allocator (CPU, host backend, 2 PCP ranks).
 
 With ``enable_cumem_allocator`` on (``enable_sleep_mode`` turns it on), vLLM's worker builds the
 KV cache inside ``CuMemAllocator.use_memory_pool(tag="runtime")`` and, nested,
@@ -211,6 +211,7 @@ def _cumem_rank(rank, world, port):
     from vllm.device_allocator import cumem
     from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
     from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker import extensible_kv_cache as ekc
     from vllm.v1.worker.gpu import attn_utils
 
     from vmmkv.integrations import vllm as integration
@@ -302,6 +303,26 @@ def _cumem_rank(rank, world, port):
                     allocator.current_tag = allocator.default_tag
                 out["active after unlisted pool"] = integration.active_cache() is not None
                 dist.barrier(group=pcp.cpu_group)
+
+                # vLLM 0.34's extensible cache: built in the runtime pool by MRV2's
+                # initialize_kv_cache, allocated through init_kv_cache's hook in the kv_cache pool
+                lay = KVCacheLayout[LAYOUT]
+                padded = ekc.pad_kv_cache_segments(config, lay, 2 << 20)
+                with allocator.use_memory_pool(tag="runtime"):
+                    ext = ekc.ExtensibleKVCache(padded, torch.device("cpu"), lay)
+                    attn_utils.init_kv_cache(
+                        {}, padded, torch.device("cpu"), [BS], cfg,
+                        kv_cache_allocation_context=allocator.use_memory_pool(tag="kv_cache"),
+                        allocate=ext.allocate,
+                    )  # fmt: skip
+                tables = _tables(ext.buffer.cache)
+                good = {k: t.clone() for k, t in tables.items()}
+                out["extensible: in pool"] = {k: _in_pool(allocator, t) for k, t in tables.items()}
+                cumem_backend.suspend(())
+                cumem_backend.resume(None)
+                out["extensible: unchanged"] = unchanged()
+                ext.free()
+                dist.barrier(group=pcp.cpu_group)
         finally:
             dalloc.get_mem_allocator_instance = real_instance
     return out
@@ -318,6 +339,15 @@ def test_vmmkvs_tables_are_no_cumem_allocations_when_vllm_builds_the_cache_in_it
 
 
 @pytest.mark.timeout(450)
+def test_vmmkvs_tables_under_vllms_extensible_cache_are_no_cumem_allocations_and_survive_a_sleep(
+    cumem_run,
+):
+    for rank in range(2):
+        got = cumem_run[rank]
+        assert got["extensible: in pool"] and not any(got["extensible: in pool"].values()), got
+        assert got["extensible: unchanged"] == sorted(got["extensible: in pool"]), got
+
+
 def test_vllms_pools_route_as_before_once_the_cache_is_built(cumem_run):
     """After the allocation the runtime pool routes this thread's allocations again (the
     kv_cache context has exited) and every pool holds only its MemPool's reference."""

@@ -1,4 +1,4 @@
-"""Elastic KV's engine-core side through vLLM 0.33.0's own ``Scheduler``, ``KVCacheManager`` and
+"""Elastic KV's engine-core side through vLLM 0.34.0's own ``Scheduler``, ``KVCacheManager`` and
 ``BlockPool`` (CPU, no workers' memory): the plugin's engine sites are installed on vLLM's
 classes, the pool comes from the patched ``Scheduler.__init__``, every ``SchedulerOutput`` goes
 to the plugin's worker step (``ElasticWorker`` over a block counter, ``trace.counting_worker``),

@@ -1,4 +1,4 @@
-"""Elastic KV end to end over PCP ranks on the CPU: vLLM 0.33.0's scheduler in the engine-core
+"""Elastic KV end to end over PCP ranks on the CPU: vLLM 0.34.0's scheduler in the engine-core
 role, every ``SchedulerOutput`` delivered to every rank, each rank running the plugin's worker
 path on a real ``VllmKVCache`` (host backend, spawned ranks, vLLM's own process groups on gloo).
 

@@ -1,4 +1,4 @@
-"""vmmkv.integrations.vllm driven by vLLM 0.33.0's own control flow (CPU, host backend, spawned
+"""vmmkv.integrations.vllm driven by vLLM 0.34.0's own control flow (CPU, host backend, spawned
 ranks): nothing vLLM computes is drawn by hand here.
 
 - **Groups**: every rank joins vLLM's own process groups (``init_distributed_environment`` +
@@ -337,7 +337,7 @@ def _scenario(rank, world, port, tp, runs, dcps):
 
 def _check(rep, direct, names):
     assert rep["direct"] is direct
-    # the bytes vLLM 0.33.0 writes on this machine: power-of-two MLA tile scales, fp32 indexer
+    # the bytes vLLM 0.34.0 writes on this machine: power-of-two MLA tile scales, fp32 indexer
     assert rep["kinds"] == ["fp8_ds_mla_ue8m0", "indexer_k"]
     alloc = rep["allocation"]
     assert alloc["profiling_blocks"] == PROFILE_BLOCKS and alloc["profiling_views"] == 2 * LAYERS

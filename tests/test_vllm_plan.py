@@ -1,4 +1,4 @@
-"""vmmkv.integrations.vllm in one process against the real vLLM 0.33.0: the plugin's gate and
+"""vmmkv.integrations.vllm in one process against the real vLLM 0.34.0: the plugin's gate and
 patches, the plan read from vLLM's own KVCacheConfig (views, segments, refusals) and the three
 PCP cases of ``pcp_store_plan``."""
 

@@ -1,4 +1,4 @@
-"""vLLM 0.33.0 sleep mode with the KV cache on vmmkv memory (CPU, host backend, 2 PCP ranks).
+"""vLLM 0.34.0 sleep mode with the KV cache on vmmkv memory (CPU, host backend, 2 PCP ranks).
 
 Through vLLM's own code: the plugin's patched ``allocate_kv_cache`` builds the cache; vLLM's
 real ``Worker.sleep``/``wake_up``/``discard`` (``v1/worker/gpu_worker.py``) run on a minimally
@@ -260,7 +260,7 @@ def _sleep_rank(rank, world, port):
     from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker import utils as worker_utils
-    from vllm.v1.worker.gpu import attn_utils  # MRV2: the runner that runs PCP in 0.33
+    from vllm.v1.worker.gpu import attn_utils  # MRV2: the runner that runs PCP
 
     from vmmkv.integrations import vllm as integration
     from vmmkv.integrations.vllm import testing

@@ -1,5 +1,5 @@
 """Binding vLLM's 4-D single-head layer views ``[B, 1, N, C]`` (no vLLM needed): the geometry is
-the 3-D view's, in every stride pattern vLLM 0.33.0 makes (LB*: block stride = page; BL*: block
+the 3-D view's, in every stride pattern vLLM 0.34.0 makes (LB*: block stride = page; BL*: block
 stride = the packed block of every layer; HNC vs NHC: the head stride differs, irrelevant for one
 head); more than one head is refused naming it."""
 

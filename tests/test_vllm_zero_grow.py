@@ -1,4 +1,4 @@
-"""The zeroing race and growth in blocks, against the real vLLM 0.33.0 (CPU, host backend).
+"""The zeroing race and growth in blocks, against the real vLLM 0.34.0 (CPU, host backend).
 
 Zeroing: vLLM's real ``KVBlockZeroer`` (built from the bound layer views as the runner builds
 it) zeroes newly allocated blocks of the own replica. Its Triton kernel cannot run on the CPU, so
@@ -98,7 +98,7 @@ def _zero_race(rank, world, ps, store, variant):
     from vllm.utils import torch_utils
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker import utils as worker_utils
-    from vllm.v1.worker.gpu import attn_utils  # MRV2: the runner that runs PCP in 0.33
+    from vllm.v1.worker.gpu import attn_utils  # MRV2: the runner that runs PCP
 
     from tests.test_vllm_pcp import _call_sites, _flat
     from vmmkv.integrations import vllm as integration
