@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # One device-machine call. Logs and JSON go to $OUT (the folder whose files come back). Usage:
-#   bash benchmarks/gpu_session.sh tests|tests-a|tests-b|bench|all|ops-tests|ops-bench|ops|bw|scale|elastic
+#   bash benchmarks/gpu_session.sh tests|tests-a|tests-b|bench|all|ops-tests|ops-bench|ops|bw|scale|elastic|extensible
 # - scale: DeepSeek-V3.2 caches at full size (`bench_scale.py`): 2 x 50, 4 x 25 and 8 x 12 GiB
 #   per rank (ranks share the GPUs), LBNHC and BLNHC, at the machine's open-file limit and at
 #   4096: start, sleep, wake, byte-exact stores; the chunk-budget rule and 12,800 chunks of
 #   4 MiB at 4096 too; logged to $OUT/scale.log, JSON beside it.
 # - elastic: elastic KV's worker-side grow/release latency (`bench_elastic_gpu.py`): BL 32/64 MiB
 #   and LB 2 MiB chunks, 2 and 4 ranks sharing the GPUs; logged to $OUT/elastic.log, JSON beside it.
+# - extensible: vLLM 0.34's extensible-cache call order on the plugin's buffer at DeepSeek-V3.2
+#   size (`bench_extensible_gpu.py`: 9000 blocks reserved, ~27 GiB per rank, extend to 8500, a
+#   CUDA graph captured before the extend and replayed after it and every wake), LB and BL, 2
+#   and 4 ranks sharing the GPUs; logged to $OUT/extensible.log, JSON beside it.
 # - tests: the GPU suite + CLI on the GPU; bench: every benchmark; all: both.
 # - tests-a / tests-b: the suite in two device calls (the whole suite does not fit one
 #   10-minute call with a machine start): a = every GPU test but the kernel tests, the
@@ -32,7 +36,7 @@ OUT=${OUT:-$PWD/bench-out}
 mkdir -p "$OUT"
 what=${1:-all}
 LOG=/dev/null
-case "$what" in ops*) LOG="$OUT/ops.log" ;; bw) LOG="$OUT/bw.log" ;; scale) LOG="$OUT/scale.log" ;; elastic) LOG="$OUT/elastic.log" ;; esac
+case "$what" in ops*) LOG="$OUT/ops.log" ;; bw) LOG="$OUT/bw.log" ;; scale) LOG="$OUT/scale.log" ;; elastic) LOG="$OUT/elastic.log" ;; extensible) LOG="$OUT/extensible.log" ;; esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
 SPLIT="tests/test_kernels_gpu.py tests/test_quant_exact_gpu.py tests/test_soak.py"
 if [ "$what" = tests-b ]; then
@@ -93,6 +97,9 @@ if [ "$what" = scale ]; then
 fi
 if [ "$what" = elastic ]; then
     python3 benchmarks/bench_elastic_gpu.py --out "$OUT/elastic-gpu.json" 2>&1 | tee -a "$LOG"
+fi
+if [ "$what" = extensible ]; then
+    python3 benchmarks/bench_extensible_gpu.py --out "$OUT/extensible-gpu.json" 2>&1 | tee -a "$LOG"
 fi
 if [ "$what" = bw ]; then
     ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")

@@ -83,7 +83,7 @@ class PeerKVBuffer:
 
     @property
     def granularity(self) -> int:
-        return int(self.cache.cache.region.granularity)
+        return int(self.cache.cache.region.region.granularity)
 
     @property
     def physical_bytes(self) -> int:
