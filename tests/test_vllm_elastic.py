@@ -265,6 +265,7 @@ def test_the_idle_hook_releases_through_collective_rpc_unless_a_request_arrives(
     from vmmkv.integrations.vllm import _elastic_sites as sites
     from vmmkv.integrations.vllm._state import _STATE
     from vmmkv.integrations.vllm.trace import CountingCache, TraceRun
+    from vmmkv.testing.spawn import capture_logs
 
     run = TraceRun(num_blocks=N)
     run.build()
@@ -279,6 +280,12 @@ def test_the_idle_hook_releases_through_collective_rpc_unless_a_request_arrives(
         input_queue: queue.Queue = queue.Queue()
         handled: list = []
         rpcs: list = []
+        _deferred_inputs: list = []
+        _idle_state_callbacks: list = []
+        model_executor = type("Executor", (), {"is_sleeping": False})()
+
+        def is_scheduler_paused(self):
+            return False
 
         def has_work(self):
             return False
@@ -307,8 +314,16 @@ def test_the_idle_hook_releases_through_collective_rpc_unless_a_request_arrives(
         assert hook(eng) == "vllm's loop" and len(eng.rpcs) == 1  # at the floor: no wait
         el.queue.prepend_n(run.pool.blocks[el.limit : 600])
         el.limit = 600
-        eng.collective_rpc = lambda method, args=(): [(args[0], 600, "refused")]
-        with pytest.raises(RuntimeError, match="idle release to 75 blocks"):
+        # refused by the group (one outcome on every worker, sizes kept): logged, the engine
+        # goes on with the tail parked
+        eng.collective_rpc = lambda method, args=(): [(args[0], 600, "refused")] * 2
+        logs = capture_logs("vmmkv")
+        sites.idle_release(eng, el)
+        assert el.limit == el.s.floor and any("refused by the group" in m for m in logs), logs
+        el.queue.prepend_n(run.pool.blocks[el.limit : 600])
+        el.limit = 600
+        eng.collective_rpc = lambda method, args=(): [(args[0], 75, None), (args[0], 600, "x")]
+        with pytest.raises(RuntimeError, match=r"idle release to 75 blocks .* different outcomes"):
             sites.idle_release(eng, el)
     finally:
         _STATE.active = None

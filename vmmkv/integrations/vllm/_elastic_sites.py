@@ -8,7 +8,7 @@ Engine core (``ENGINE_SITES``, installed by :func:`install_engine` when elastic 
 | ``Scheduler.__init__`` | vLLM's, then an :class:`~._elastic.ElasticPool` on its block pool (PCP > 1 only; refusals first) |
 | ``Scheduler.schedule`` | the pool's step (cached cap, grow or release), vLLM's schedule, the resize request set on the output |
 | ``Scheduler.update_from_output`` | the pool reads the worker's stamp (confirms or refuses a pending grow), then vLLM's |
-| ``EngineCoreProc._process_input_queue`` (the busy loop of an engine-core process) | while idle with blocks above the floor: wait ``idle_seconds`` for a request, else the idle release through ``collective_rpc`` (ordered with every step in vLLM's one queue), then vLLM's |
+| ``EngineCoreProc._process_input_queue`` (the busy loop of an engine-core process) | while idle, awake, unpaused and with blocks above the floor: wait ``idle_seconds`` for a request, else the idle release through ``collective_rpc`` (ordered with every step in vLLM's one queue); then vLLM's |
 
 Worker (``WORKER_SITES``, added to the plugin's sites in elastic mode):
 
@@ -22,7 +22,9 @@ same order and runs ``update_requests`` for each (even a step of 0 tokens), befo
 replay; vmmkv's resize checks that every rank asks for the same size. A grow refused by the
 group leaves every rank at its old size with the same error; the worker reports it on its
 output instead of failing the step, because the scheduler hands out the new blocks only after a
-confirmation. Local state: one :class:`ElasticWorker` per worker process, reset with each cache.
+confirmation. A resize that reaches a worker while the sleep-mode backend holds its cache
+released commits nothing: it becomes the size the wake restores (every rank alike). Local
+state: one :class:`ElasticWorker` per worker process, reset with each cache.
 """
 
 from __future__ import annotations
@@ -99,11 +101,22 @@ class ElasticWorker:
     def apply(self, cache: Any, resize: tuple[int, int] | None) -> None:
         """Collective when ``resize`` carries a new sequence number: every PCP rank gets the
         same one in the same step. A refused resize (the group's error, every size unchanged)
-        is recorded for the stamp; one that left this rank's size changed re-raises."""
+        is recorded for the stamp; one that left this rank's size changed re-raises. While the
+        sleep-mode backend holds ``cache`` released (every rank alike), nothing is committed:
+        the target becomes the size the wake restores, as the scheduler's limit follows it."""
         if resize is None or resize[0] <= self.seq:
             return
         seq, target = resize
         self.seq, self.error = seq, None
+        released = _released(cache)
+        if released is not None:
+            log.info(
+                "vmmkv: rank %d: elastic resize to %d blocks while the KV cache is released "
+                "(sleep or discard): the wake restores %d blocks, not %d", cache.rank, target,
+                target, released.blocks,
+            )  # fmt: skip
+            released.blocks = target
+            return
         before = cache.committed_blocks
         if target == before:
             return
@@ -116,7 +129,18 @@ class ElasticWorker:
             log.warning("vmmkv: elastic resize %d -> %d refused: %s", before, target, self.error)
 
     def stamp(self, cache: Any) -> tuple[int, int, str | None]:
-        return (self.seq, cache.committed_blocks, self.error)
+        """``(seq, committed blocks, error)``; while released, the blocks the wake restores."""
+        released = _released(cache)
+        blocks = cache.committed_blocks if released is None else released.blocks
+        return (self.seq, blocks, self.error)
+
+
+def _released(cache: Any) -> Any:
+    """The sleep-mode backend's record of ``cache`` while it holds it released, else None."""
+    from ._state import _STATE
+
+    released = _STATE.released
+    return released if released is not None and released.cache is cache else None
 
 
 WORKER = ElasticWorker()
@@ -289,20 +313,47 @@ def _update_from_output(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def idle_release(engine: Any, el: ElasticPool) -> None:
-    """Release down to the floor on every worker through ``collective_rpc``; every worker must
-    report the same size (RuntimeError naming each worker's stamp otherwise)."""
+    """Release down to the floor on every worker through ``collective_rpc``. A release the
+    group refused (vmmkv's resize: the same error on every rank, every size unchanged) is
+    logged and the engine goes on: the pool parked the blocks already, the safe direction.
+    Workers that report different outcomes raise RuntimeError naming each worker's stamp."""
     resize = el.idle_release()
     if resize is None:
         return
     stamps = [s for s in engine.collective_rpc(worker_resize, args=resize) if s is not None]
-    if any(s[:2] != (resize[0], resize[1]) for s in stamps):
-        raise RuntimeError(f"vmmkv: elastic idle release to {resize[1]} blocks: stamps {stamps}")
+    if all(s[:2] == resize for s in stamps):
+        return
+    if len({s[:2] for s in stamps}) > 1:
+        raise RuntimeError(
+            f"vmmkv: elastic idle release to {resize[1]} blocks (seq {resize[0]}): the workers "
+            f"report different outcomes (stamps (seq, committed, error) in worker order: "
+            f"{stamps})"
+        )
+    log.warning(
+        "vmmkv: elastic idle release to %d blocks (seq %d) refused by the group; the workers "
+        "keep %d blocks, the scheduler hands out %d: %s", resize[1], resize[0], stamps[0][1],
+        el.limit, stamps[0][2],
+    )  # fmt: skip
+
+
+def idle_wait_due(engine: Any, el: ElasticPool) -> bool:
+    """Whether the engine's input loop may wait ``idle_seconds`` and then release: blocks above
+    the floor, and vLLM's loop would otherwise block idle. Not while the engine is paused or
+    asleep (sleep releases the KV cache itself; a pause keeps the size it was given), has work,
+    or shuts down."""
+    return (
+        el.limit > el.s.floor
+        and not engine.is_scheduler_paused()
+        and not engine.model_executor.is_sleeping
+        and not engine.has_work()
+        and engine.is_running()
+    )
 
 
 def _process_input_queue(orig: Callable[..., Any]) -> Callable[..., Any]:
     def _process_input_queue(self):
         el = pool_of(self.scheduler)
-        if el is not None and el.limit > el.s.floor and not self.has_work() and self.is_running():
+        if el is not None and idle_wait_due(self, el):
             try:
                 req = self.input_queue.get(timeout=el.s.idle_seconds)
             except queue.Empty:
