@@ -8,13 +8,14 @@ vLLM's ``Executor`` (built without ``__init__``: its sleep tags, ``sleep``, ``wa
 resets) whose ``collective_rpc`` runs each call on every worker. Load is vLLM's scheduler
 stepped with the plugin's worker step (``on_update_requests``, the stamp) on every worker.
 
-Workers: 2 spawned ranks with real ``VllmKVCache``s (host backend) and the plugin's
-``VmmkvSleepModeBackend`` around vLLM's own ``CuMemBackend`` (its CUDA allocator recorded,
-``tests.test_vllm_sleep._RecordingAllocator``).
+Workers: one ``trace.CountingCache`` in process, or, for sleep, 2 spawned ranks with real
+``VllmKVCache``s (host backend) and the plugin's ``VmmkvSleepModeBackend`` around vLLM's own
+``CuMemBackend`` (its CUDA allocator recorded, ``tests.test_vllm_sleep._RecordingAllocator``).
 
-Checked: sleep, an idle engine loop while asleep, then wake leave the scheduler's limit equal to
-every worker's committed size and commit nothing while asleep; so does a release that reaches
-the sleeping workers.
+Checked: a pause in mode "wait" completes when the engine drains, not ``idle_seconds`` later;
+an input vLLM deferred during the last step is handled before any idle wait; the idle wait
+runs with vLLM's watchdog off; sleep, an idle engine loop while asleep, then wake leave the
+scheduler's limit equal to every worker's committed size and commit nothing while asleep.
 """
 
 from __future__ import annotations
@@ -102,6 +103,16 @@ def _engine(run, executor):
     return eng
 
 
+def _in_process_call(cache):
+    """``collective_rpc``'s body for one in-process worker over ``cache``: the plugin's
+    callables (worker step, idle release) run; vLLM's named methods do nothing here."""
+
+    def call(method, args, kwargs):
+        return [method(None, *args, **kwargs)] if callable(method) else [None]
+
+    return call
+
+
 def worker_step(worker, so):
     """A worker's part of a step (the patched ``update_requests`` and stamp)."""
     from vmmkv.integrations.vllm import _elastic_sites as sites
@@ -168,11 +179,139 @@ def _loop_in_thread(eng):
     return stop
 
 
+def _in_process(cache):
+    from vmmkv.integrations.vllm._state import _STATE
+
+    _STATE.active = cache
+    return lambda cfg: _executor(cfg, _in_process_call(cache))
+
+
 def _wait_for(cond, seconds=10.0):
     end = time.monotonic() + seconds
     while not cond() and time.monotonic() < end:
         time.sleep(0.005)
     return cond()
+
+
+def test_a_wait_mode_pause_completes_when_the_engine_drains_not_idle_seconds_later(engine_sites):
+    from vmmkv.integrations.vllm.trace import CountingCache
+
+    cache = CountingCache(35)
+    run, ex = _grown(_in_process(cache))
+    eng = _engine(run, ex)
+    limit = run.el.limit
+    future = eng.pause_scheduler(mode="wait")  # vLLM's: the running requests drain first
+    assert future is not None and not future.done()
+    while eng.has_work():  # the drain, one step at a time
+        _step(run, ex)
+    done = []
+    future.add_done_callback(lambda f: done.append(time.monotonic()))
+    t0 = time.monotonic()
+    stop = _loop_in_thread(eng)
+    try:
+        assert _wait_for(lambda: done, 4 * IDLE_S)
+    finally:
+        stop()
+    assert done[0] - t0 < IDLE_S / 4, done[0] - t0
+    assert "worker_resize" not in ex.calls  # no idle release held the pause back
+    assert ex.calls[-1] == "reset_encoder_cache"  # vLLM's _finish_pause ran
+    assert run.el.limit == limit == cache.committed_blocks  # paused: the size is kept
+
+
+def test_an_input_vllm_deferred_during_the_last_step_is_handled_before_any_idle_wait(
+    engine_sites,
+):
+    """vLLM 0.34 holds a utility call that arrives during a step (``_wait_for_output``) in
+    ``_deferred_inputs`` until the step ends; the idle hook must not wait or release first."""
+    from vllm.v1.engine import EngineCoreRequestType
+
+    from vmmkv.integrations.vllm.trace import CountingCache
+
+    cache = CountingCache(35)
+    run, ex = _grown(_in_process(cache))
+    eng = _engine(run, ex)
+    while run.scheduler.has_requests():  # to the last step
+        _step(run, ex)
+
+    class StepOutput:  # the last step's output, not ready at the first poll
+        polls = 0
+
+        def poll(self):
+            self.polls += 1
+            return self.polls > 1
+
+        def wait_briefly(self, pending, deadline):
+            pass
+
+        def result(self):
+            return "step output"
+
+    eng.input_queue.put((EngineCoreRequestType.UTILITY, (0, 7, "reset_prefix_cache", ())))
+    assert eng._wait_for_output(StepOutput()) == "step output"
+    assert len(eng._deferred_inputs) == 1 and eng.input_queue.empty()  # vLLM deferred it
+    t0 = time.monotonic()
+    stop = _loop_in_thread(eng)
+    try:
+        assert _wait_for(lambda: not eng.output_queue.empty(), 4 * IDLE_S)
+        answered, calls = time.monotonic() - t0, list(ex.calls)
+        assert _wait_for(lambda: run.el.limit == run.el.s.floor, 4 * IDLE_S)  # then idle
+    finally:
+        stop()
+    client, out = eng.output_queue.get_nowait()
+    assert (client, out.utility_output.call_id) == (0, 7)
+    assert out.utility_output.failure_message is None
+    assert answered < IDLE_S / 4 and "worker_resize" not in calls, (answered, calls)
+    assert ex.calls.count("worker_resize") == 1 and cache.committed_blocks == run.el.s.floor
+
+
+def test_the_idle_wait_runs_with_vllms_watchdog_off_and_then_releases(engine_sites):
+    from vllm.utils import watch_dog
+
+    from vmmkv.integrations.vllm.trace import CountingCache
+
+    cache = CountingCache(35)
+    run, ex = _grown(_in_process(cache))
+    eng = _engine(run, ex)
+    while run.scheduler.has_requests():
+        _step(run, ex)
+    floor = run.el.s.floor
+
+    class Dog(watch_dog.NoopWatchDog):
+        active = True
+
+        def disable(self):
+            outer = self
+
+            class Off:
+                def __enter__(self):
+                    outer.active = False
+
+                def __exit__(self, *exc):
+                    outer.active = True
+
+            return Off()
+
+    dog = Dog()
+    seen = []
+
+    class Queue(queue.Queue):
+        def get(self, block=True, timeout=None):
+            seen.append((timeout, dog.active))
+            return super().get(block, timeout)
+
+    eng.input_queue = Queue()
+    real, watch_dog._watch_dog = watch_dog._watch_dog, dog
+    try:
+        stop = _loop_in_thread(eng)
+        try:
+            assert _wait_for(lambda: run.el.limit == floor, 4 * IDLE_S)
+        finally:
+            stop()
+    finally:
+        watch_dog._watch_dog = real
+    assert seen[0] == (IDLE_S, False), seen  # the plugin's wait, the watchdog off
+    assert all(active is False for _, active in seen), seen  # and vLLM's own
+    assert ex.calls.count("worker_resize") == 1 and cache.committed_blocks == floor
 
 
 # -- sleep over 2 ranks -------------------------------------------------------------------------

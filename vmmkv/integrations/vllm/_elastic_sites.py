@@ -8,7 +8,7 @@ Engine core (``ENGINE_SITES``, installed by :func:`install_engine` when elastic 
 | ``Scheduler.__init__`` | vLLM's, then an :class:`~._elastic.ElasticPool` on its block pool (PCP > 1 only; refusals first) |
 | ``Scheduler.schedule`` | the pool's step (cached cap, grow or release), vLLM's schedule, the resize request set on the output |
 | ``Scheduler.update_from_output`` | the pool reads the worker's stamp (confirms or refuses a pending grow), then vLLM's |
-| ``EngineCoreProc._process_input_queue`` (the busy loop of an engine-core process) | while idle, awake, unpaused and with blocks above the floor: wait ``idle_seconds`` for a request, else the idle release through ``collective_rpc`` (ordered with every step in vLLM's one queue); then vLLM's |
+| ``EngineCoreProc._process_input_queue`` (the busy loop of an engine-core process) | the inputs vLLM deferred during the last step handled first (as vLLM's loop does); then, while idle, awake, unpaused, with no idle-state callback pending and blocks above the floor: wait ``idle_seconds`` for a request (vLLM's watchdog off), else the idle release through ``collective_rpc`` (ordered with every step in vLLM's one queue); then vLLM's |
 
 Worker (``WORKER_SITES``, added to the plugin's sites in elastic mode):
 
@@ -338,11 +338,14 @@ def idle_release(engine: Any, el: ElasticPool) -> None:
 
 def idle_wait_due(engine: Any, el: ElasticPool) -> bool:
     """Whether the engine's input loop may wait ``idle_seconds`` and then release: blocks above
-    the floor, and vLLM's loop would otherwise block idle. Not while the engine is paused or
-    asleep (sleep releases the KV cache itself; a pause keeps the size it was given), has work,
-    or shuts down."""
+    the floor, and vLLM's loop would otherwise block idle with nothing to hand over. Not while
+    vLLM holds inputs deferred from the last step (``_deferred_inputs``: the hook handles them
+    first, as vLLM's loop does), has idle-state callbacks to run (a pause completing), is paused or asleep (sleep releases the KV
+    cache itself; a pause keeps the size it was given), has work, or shuts down."""
     return (
         el.limit > el.s.floor
+        and not engine._deferred_inputs
+        and not engine._idle_state_callbacks
         and not engine.is_scheduler_paused()
         and not engine.model_executor.is_sleeping
         and not engine.has_work()
@@ -353,9 +356,15 @@ def idle_wait_due(engine: Any, el: ElasticPool) -> bool:
 def _process_input_queue(orig: Callable[..., Any]) -> Callable[..., Any]:
     def _process_input_queue(self):
         el = pool_of(self.scheduler)
+        if el is not None:
+            while self._deferred_inputs:  # vLLM's order: inputs deferred by the last step first
+                self._handle_client_request(*self._deferred_inputs.popleft())
         if el is not None and idle_wait_due(self, el):
+            from vllm.utils.watch_dog import get_watch_dog
+
             try:
-                req = self.input_queue.get(timeout=el.s.idle_seconds)
+                with get_watch_dog().disable():  # an idle wait, as vLLM's own
+                    req = self.input_queue.get(timeout=el.s.idle_seconds)
             except queue.Empty:
                 idle_release(self, el)
             else:
