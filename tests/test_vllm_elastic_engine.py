@@ -199,11 +199,12 @@ def test_a_wait_mode_pause_completes_when_the_engine_drains_not_idle_seconds_lat
     cache = CountingCache(35)
     run, ex = _grown(_in_process(cache))
     eng = _engine(run, ex)
-    limit = run.el.limit
     future = eng.pause_scheduler(mode="wait")  # vLLM's: the running requests drain first
     assert future is not None and not future.done()
     while eng.has_work():  # the drain, one step at a time
         _step(run, ex)
+    limit = run.el.limit
+    assert limit > run.el.s.floor
     done = []
     future.add_done_callback(lambda f: done.append(time.monotonic()))
     t0 = time.monotonic()

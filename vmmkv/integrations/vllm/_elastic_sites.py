@@ -5,7 +5,7 @@ Engine core (``ENGINE_SITES``, installed by :func:`install_engine` when elastic 
 
 | site | replaced by |
 |---|---|
-| ``Scheduler.__init__`` | vLLM's, then an :class:`~._elastic.ElasticPool` on its block pool (PCP > 1 only; refusals first) |
+| ``Scheduler.__init__`` | vLLM's, then an :class:`~._elastic.ElasticPool` on its block pool (PCP > 1 only; refusals first); the manager's ``allocate_slots`` watched for refusals (KV pressure) |
 | ``Scheduler.schedule`` | the pool's step (cached cap, grow or release), vLLM's schedule, the resize request set on the output |
 | ``Scheduler.update_from_output`` | the pool reads the worker's stamp (confirms or refuses a pending grow), then vLLM's |
 | ``EngineCoreProc._process_input_queue`` (the busy loop of an engine-core process) | the inputs vLLM deferred during the last step handled first (as vLLM's loop does); then, while idle, awake, unpaused, with no idle-state callback pending and blocks above the floor: wait ``idle_seconds`` for a request (vLLM's watchdog off), else the idle release through ``collective_rpc`` (ordered with every step in vLLM's one queue); then vLLM's |
@@ -253,7 +253,8 @@ def pool_of(scheduler: Any) -> ElasticPool | None:
 
 def install_pool(scheduler: Any, chunk_bytes: int) -> ElasticPool:
     """An :class:`ElasticPool` on the scheduler's (single) block pool; vLLM's whole-pool
-    questions (usage, prefix-cache reset) answered over the committed blocks."""
+    questions (usage, prefix-cache reset) answered over the committed blocks; a refused
+    ``allocate_slots`` reported to the pool (the only "starved" signal)."""
     cfg = scheduler.vllm_config
     check_elastic_config(cfg)
     pool = scheduler.kv_cache_manager.block_pool
@@ -269,6 +270,16 @@ def install_pool(scheduler: Any, chunk_bytes: int) -> ElasticPool:
 
     pool.reset_prefix_cache = reset_prefix_cache
     pool.get_usage = el.usage
+    manager = scheduler.kv_cache_manager
+    allocate_slots = manager.allocate_slots
+
+    def allocate_slots_watched(*args, **kwargs):  # None: KV holds a request back
+        blocks = allocate_slots(*args, **kwargs)
+        if blocks is None:
+            el.kv_refused()
+        return blocks
+
+    manager.allocate_slots = allocate_slots_watched
     scheduler._vmmkv_elastic = el
     log.info(
         "vmmkv: elastic KV: %d of %d blocks committed at start (floor), watermark %d, "
