@@ -437,3 +437,85 @@ def test_sleep_an_idle_loop_and_wake_keep_the_limit_equal_to_every_workers_size(
             assert all(s[1:] == (0, 0) for s in asleep), (rank, start, asleep)  # nothing
             assert wake[1:] == (0, after), (rank, start, wake)  # the scheduler's limit
         assert [s[0] for s in asleep] == ["worker_resize"]
+
+
+# -- the engine sites whatever the order vLLM loads plugins and the engine core in ---------------
+
+
+def _plugins_before_the_engine_core(rank, world):
+    """A fresh process: vLLM loads its plugins (as ``EngineArgs.__post_init__`` does) before
+    ``vllm.v1.engine.core`` is imported; then a forked engine core (vLLM's library default) does
+    what ``EngineCore.__init__`` does first and builds vLLM's scheduler."""
+    import multiprocessing as mp
+    import sys
+
+    import vllm.plugins
+
+    from vmmkv.integrations.vllm._state import _STATE
+
+    before = "vllm.v1.engine.core" in sys.modules
+    vllm.plugins.load_general_plugins()
+    registered = _STATE.hook is not None  # register() ran: the worker's import hook waits
+    import vllm.v1.engine.core  # noqa: F401  what AsyncLLM / LLMEngine import next
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_forked_engine_core, args=(q,))
+    p.start()
+    got = q.get(timeout=120)
+    p.join(60)
+    return {"engine.core imported before the plugins": before, "registered": registered,
+            "child": got}  # fmt: skip
+
+
+def _forked_engine_core(q):
+    try:
+        from vllm.plugins import load_general_plugins
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        from vmmkv.integrations.vllm import _patches
+        from vmmkv.integrations.vllm.trace import TraceRun, counting_worker, model_output
+
+        load_general_plugins()  # EngineCore.__init__'s first call: a no-op after the fork
+        patched = Scheduler.schedule is not _patches.original(Scheduler, "schedule")
+        run = TraceRun(trace="ranks", num_blocks=N, max_num_batched_tokens=256, max_num_seqs=16)
+        s = run.build()  # raises without the engine sites
+        on_step = counting_worker(run)
+        for _ in range(6):
+            run._add(700, 50, shared=False)
+        for _ in range(40):
+            so = s.schedule()
+            s.update_from_output(so, model_output(so, on_step(so)))
+        q.put({"patched": patched, "grows": run.el.counts["grows"], "limit": run.el.limit})
+    except BaseException as exc:  # reported to the parent
+        q.put(f"{type(exc).__name__}: {exc}")
+
+
+@pytest.mark.timeout(300)
+def test_engine_sites_install_when_the_plugins_load_before_the_engine_core_module():
+    env = {"VLLM_USE_VMMKV": "1", "VLLM_PLUGINS": "vmmkv", **KNOBS}
+    (out,) = run_world(_plugins_before_the_engine_core, 1, env=env, init_group=False, timeout=240)
+    assert out["engine.core imported before the plugins"] is False and out["registered"]
+    child = out["child"]
+    assert isinstance(child, dict), child
+    assert child["patched"] and child["grows"] > 0 and child["limit"] > 35, child
+
+
+def test_a_worker_refuses_a_step_without_a_resize_request_in_elastic_mode(engine_sites):
+    """vLLM's scheduler without the engine sites (PCP 1 in its eyes: no pool) sends what an
+    engine core without them sends; the worker's step refuses it, naming rank and cause."""
+    from vmmkv.integrations.vllm import _elastic_sites as sites
+    from vmmkv.integrations.vllm.trace import CountingCache, TraceRun
+
+    run = TraceRun(trace="ranks", num_blocks=N, elastic=False, max_num_batched_tokens=256)
+    s = run.build()
+    run._add(100, 8, shared=False)
+    so = s.schedule()
+    cache = CountingCache(75)
+    cache.rank = 1
+    with pytest.raises(RuntimeError) as err:
+        sites.on_update_requests(cache, so)
+    msg = str(err.value)
+    assert msg.startswith("rank 1: ") and "vmmkv_resize" in msg, msg
+    assert "without vmmkv's elastic engine sites" in msg and "VLLM_VMMKV_ELASTIC=1" in msg, msg
+    assert cache.committed_blocks == 75 and sites.WORKER.seq == 0

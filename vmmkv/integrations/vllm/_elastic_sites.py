@@ -1,7 +1,9 @@
 """Elastic KV: the vLLM 0.34.0 call sites elastic mode adds, in the engine core and in every
 worker (``_elastic`` holds the policy; the package docstring, "Elastic KV", the user's view).
 
-Engine core (``ENGINE_SITES``, installed by :func:`install_engine` when elastic mode is on):
+Engine core (``ENGINE_SITES``, installed by ``_patches.install_engine`` when elastic mode is on,
+in every process that imports ``vllm.v1.engine.core``, through an import hook if the plugins
+load first):
 
 | site | replaced by |
 |---|---|
@@ -14,7 +16,7 @@ Worker (``WORKER_SITES``, added to the plugin's sites in elastic mode):
 
 | site | replaced by |
 |---|---|
-| ``GPUModelRunner.update_requests`` | the step's resize request applied (collective, once per sequence number, before vLLM's zeroing and block copies, outside any graph), every block id the step adds checked committed, then vLLM's |
+| ``GPUModelRunner.update_requests`` | a step without a resize request refused (an engine core without the engine sites); the step's resize request applied (collective, once per sequence number, before vLLM's zeroing and block copies, outside any graph), every block id the step adds checked committed, then vLLM's |
 | ``GPUModelRunner.execute_model``, ``sample_tokens`` | vLLM's; the output stamped ``(seq, committed blocks, error)`` |
 
 Why the worker may resize there: every PCP rank receives the same ``SchedulerOutput``s in the
@@ -160,8 +162,21 @@ def step_block_ids(so: Any) -> list[int]:
 
 def on_update_requests(cache: Any, so: Any) -> None:
     """The worker's part of a step, before vLLM's ``update_requests``: apply the step's resize
-    request, then refuse any block id the step adds beyond the committed blocks."""
-    WORKER.apply(cache, getattr(so, RESIZE, None))
+    request, then refuse any block id the step adds beyond the committed blocks. A step without
+    a resize request comes from an engine core without the elastic sites, whose scheduler hands
+    out every block: RuntimeError at once (every rank receives the same step, so every rank
+    raises), not at the first block above the floor."""
+    resize = getattr(so, RESIZE, None)
+    if resize is None:
+        raise RuntimeError(
+            f"rank {cache.rank}: update_requests: elastic KV (VLLM_VMMKV_ELASTIC=1) got a "
+            f"SchedulerOutput without {RESIZE}: the engine core runs without vmmkv's elastic "
+            f"engine sites, so vLLM's scheduler may hand out blocks this worker never committed "
+            f"({cache.committed_blocks} are). Give the engine core's process VLLM_USE_VMMKV=1 "
+            "and VLLM_VMMKV_ELASTIC=1 as well, or run every process without "
+            "VLLM_VMMKV_ELASTIC=1"
+        )
+    WORKER.apply(cache, resize)
     cache.check_blocks(step_block_ids(so))
 
 
