@@ -265,6 +265,7 @@ def test_the_idle_hook_releases_through_collective_rpc_unless_a_request_arrives(
     from vmmkv.integrations.vllm import _elastic_sites as sites
     from vmmkv.integrations.vllm._state import _STATE
     from vmmkv.integrations.vllm.trace import CountingCache, TraceRun
+    from vmmkv.testing.spawn import capture_logs
 
     run = TraceRun(num_blocks=N)
     run.build()
@@ -279,6 +280,12 @@ def test_the_idle_hook_releases_through_collective_rpc_unless_a_request_arrives(
         input_queue: queue.Queue = queue.Queue()
         handled: list = []
         rpcs: list = []
+        _deferred_inputs: list = []
+        _idle_state_callbacks: list = []
+        model_executor = type("Executor", (), {"is_sleeping": False})()
+
+        def is_scheduler_paused(self):
+            return False
 
         def has_work(self):
             return False
@@ -307,9 +314,77 @@ def test_the_idle_hook_releases_through_collective_rpc_unless_a_request_arrives(
         assert hook(eng) == "vllm's loop" and len(eng.rpcs) == 1  # at the floor: no wait
         el.queue.prepend_n(run.pool.blocks[el.limit : 600])
         el.limit = 600
-        eng.collective_rpc = lambda method, args=(): [(args[0], 600, "refused")]
-        with pytest.raises(RuntimeError, match="idle release to 75 blocks"):
+        # refused by the group (one outcome on every worker, sizes kept): logged, the engine
+        # goes on with the tail parked
+        eng.collective_rpc = lambda method, args=(): [(args[0], 600, "refused")] * 2
+        logs = capture_logs("vmmkv")
+        sites.idle_release(eng, el)
+        assert el.limit == el.s.floor and any("refused by the group" in m for m in logs), logs
+        el.queue.prepend_n(run.pool.blocks[el.limit : 600])
+        el.limit = 600
+        eng.collective_rpc = lambda method, args=(): [(args[0], 75, None), (args[0], 600, "x")]
+        with pytest.raises(RuntimeError, match=r"idle release to 75 blocks .* different outcomes"):
             sites.idle_release(eng, el)
     finally:
         _STATE.active = None
         sites.WORKER.reset()
+
+
+def _pressure_free_run(setup, steps, arrive_each_step):
+    """vLLM's scheduler (256 tokens a step, 16 sequences) with the plugin's worker step; returns
+    per step (committed limit, blocks in use, waiting, running) and the run."""
+    from vmmkv.integrations.vllm.trace import TraceRun, counting_worker, model_output
+
+    run = TraceRun(trace="ranks", num_blocks=N, max_num_batched_tokens=256, max_num_seqs=16)
+    s = run.build()
+    on_step = counting_worker(run)
+    setup(run, s, on_step)
+    rows = []
+    for _ in range(steps):
+        if arrive_each_step:
+            run._add(100, 8, shared=False)
+        so = s.schedule()
+        s.update_from_output(so, model_output(so, on_step(so)))
+        in_use = sum(1 for b in run.pool.blocks if b.ref_cnt > 0 and not b.is_null)
+        rows.append((run.el.limit, in_use, len(s.waiting), len(s.running)))
+    return rows, run
+
+
+def _check_no_grow_beyond_pressure(rows, run):
+    """Every request that waits, waits for something other than KV: the committed limit stays
+    within what the watermark rule asks for (in use + 2 x watermark, one grow's quantum up)."""
+    el = run.el
+    assert any(waiting for _, _, waiting, _ in rows)  # requests did wait
+    for limit, in_use, _, _ in rows:
+        bound = el.s.round(max(el.s.floor, in_use + 2 * el.s.watermark + el.s.quantum))
+        assert limit <= max(bound, el.s.round(bound + bound // 4)), (limit, in_use, rows)
+
+
+def test_a_long_chunked_prefill_that_holds_back_requests_does_not_grow_the_pool(engine):
+    """One 3,900-token prompt takes the whole 256-token budget of every step while it is
+    prefilled: the short requests arriving meanwhile wait for tokens, not for KV."""
+    engine.setenv("VMMKV_ELASTIC_WATERMARK_BLOCKS", "32")
+    rows, run = _pressure_free_run(lambda run, s, step: run._add(3900, 400, shared=False), 12, True)
+    _check_no_grow_beyond_pressure(rows, run)
+
+
+def test_a_wait_mode_pause_that_holds_back_new_requests_does_not_grow_the_pool(engine):
+    """vLLM's ``PAUSED_NEW`` (``pause_generation("wait")``, ``sleep(mode="wait")``): the running
+    requests drain, new ones stay waiting until the resume."""
+    from vllm.v1.core.sched.interface import PauseState
+
+    from vmmkv.integrations.vllm.trace import model_output
+
+    def paused(run, s, on_step):
+        for _ in range(4):
+            run._add(200, 40, shared=False)
+        so = s.schedule()  # admitted before the pause
+        s.update_from_output(so, model_output(so, on_step(so)))
+        s.set_pause_state(PauseState.PAUSED_NEW)
+        for _ in range(3):
+            run._add(100, 8, shared=False)
+
+    engine.setenv("VMMKV_ELASTIC_WATERMARK_BLOCKS", "32")
+    rows, run = _pressure_free_run(paused, 12, False)
+    _check_no_grow_beyond_pressure(rows, run)
+    assert rows[-1][2] == rows[0][2] > 0 and run.el.counts["grows"] == 0  # still waiting

@@ -58,7 +58,8 @@ class GroupError(RuntimeError):
 
 
 class PeerTimeoutError(GroupError):
-    """Some ranks did not arrive at a collective step within the timeout."""
+    """Some ranks did not arrive at a collective step within the timeout, or a rank found them
+    lost before it (the message says which, and how long into the step)."""
 
     def __init__(self, message: str, missing: Sequence[int]):
         super().__init__(message)
@@ -99,6 +100,7 @@ class StoreComm:
         self._broken = ""  # why collectives on this object can no longer line up
         self._leftover: list[str] = []  # own join keys, deleted once every rank is past them
         self._prefix = self._join(f"vmmkv/{tag}")
+        self._since = time.monotonic()  # when this rank finished the group's last step
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -216,6 +218,7 @@ class StoreComm:
         for key in self._leftover:
             self._try_delete(key)
         self._leftover = []
+        self._since = time.monotonic()
         return [v for _, v in entries]
 
     def pending_abort(self) -> str:
@@ -244,8 +247,9 @@ class StoreComm:
 
     def _abort_record(self, why: str, missing: Sequence[int], waited: float) -> dict[str, Any]:
         record: dict[str, Any] = {"by": self.rank, "why": str(why)}
-        if missing:
-            record.update(missing=sorted(missing), waited=waited)
+        if missing:  # found lost (``why``) this long after the last step, not waited for
+            lost_after = round(time.monotonic() - self._since, 3)
+            record.update(missing=sorted(missing), waited=waited, lost_after=lost_after)
         return record
 
     def barrier(self, what: str, *, timeout: float | None = None) -> None:
@@ -350,8 +354,9 @@ class StoreComm:
         record = json.loads(outcome[len(_ABORT) :])
         if "missing" in record:
             raise self._timeout_error(
-                what, record["missing"], record["waited"], record["by"], record.get("why")
-            )
+                what, record["missing"], record["waited"], record["by"], record.get("why"),
+                record.get("lost_after"),
+            )  # fmt: skip
         raise StepAborted(
             f"rank {self.rank}: {what}: aborted by rank {record['by']}: {record['why']}"
         )
@@ -363,12 +368,19 @@ class StoreComm:
         waited: float,
         by: int | None = None,
         why: str | None = None,
+        lost_after: float | None = None,
     ) -> PeerTimeoutError:
+        """``lost_after``: a rank found them lost (``why``) that many seconds after it finished
+        the group's previous step; else nobody knows more than that they did not arrive."""
         seen = "" if by is None or by == self.rank else f" (seen by rank {by})"
+        how = (
+            f"did not arrive within {waited:.1f} s"
+            if lost_after is None
+            else f"were lost {lost_after:.2f} s into the step"
+        )
         return PeerTimeoutError(
             f"rank {self.rank}: {what}: group ranks {missing} (global ranks "
-            f"{[self.global_ranks[m] for m in missing]}) did not arrive within "
-            f"{waited:.1f} s{seen}" + (f": {why}" if why else ""),
+            f"{[self.global_ranks[m] for m in missing]}) {how}{seen}" + (f": {why}" if why else ""),
             missing,
         )
 

@@ -398,7 +398,11 @@ def _exchange_and_map(
         finally:
             transport.release(got)
     if failure is not None:
-        if isinstance(failure, RendezvousError) and failure is not local_error:
+        if failure is local_error:  # the caller's own step failed: it names it
+            raise RendezvousError(
+                f"rank {comm.rank}: did not take part in the {transport.what}: {failure!r}"
+            ) from failure
+        if isinstance(failure, RendezvousError):
             raise failure
         raise RendezvousError(
             f"rank {comm.rank}: could not take part in the {transport.what}: {failure!r}"
@@ -471,7 +475,8 @@ def exchange_then_agree(
         except PeerAborted:
             pass  # the aborting ranks name their cause in the agreement, which then fails
         except Exception as exc:
-            error = exc
+            if local_error is None or exc.__cause__ is not local_error:
+                error = exc  # else the exchange only relayed the caller's error: agree on it
         try:
             comm.agree(
                 error, what, abort=abort, missing=lost,

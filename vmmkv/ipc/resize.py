@@ -442,15 +442,21 @@ class Resizer:
         added: list[Chunk] = []
         error: Exception | None = None
         bounds = None
+        doing = "building the new bounds"
         try:
             # The new bounds are built before the agreement: after it, nothing that can fail
             # on one rank alone may stand between the agreement and the bounds' device write.
             bounds = self._bounds_tensor(layout, size)
             world = 1 if peers is None or peers.by_value else self._comm.world_size
+            doing = "the open-file check"
             self.check_fds(what, _new_chunks(layout, size), world=world)
+            doing = "the local commit"
             added = layout.commit(size)
         except Exception as exc:
-            error = exc
+            error = RendezvousError(
+                f"rank {self._comm.rank} ({self.region.device}): {what}: {doing} failed: {exc!r}"
+            )
+            error.__cause__ = exc
         try:
             if peers is None:
                 self._comm.agree(error, f"{what} (local commit)")

@@ -58,8 +58,10 @@ commits fewer blocks than ``num_blocks`` must keep vLLM's block ids below
 run.
 
 Elastic KV (``VLLM_VMMKV_ELASTIC=1``, with ``VLLM_USE_VMMKV=1``; block-major layouts only): the
-committed blocks follow load. In the engine-core process (``register`` runs there inside
-``EngineCore``'s constructor) the plugin installs ``_elastic_sites.ENGINE_SITES``: vLLM's block
+committed blocks follow load. In every process that imports ``vllm.v1.engine.core`` (at once
+if it did before ``register`` ran, else through an import hook: vLLM loads its plugins once per
+process, possibly first, and a forked or in-process engine core never loads them again) the
+plugin installs ``_elastic_sites.ENGINE_SITES``: vLLM's block
 pool hands out only committed blocks, lowest id first, and the scheduler asks for grows (two
 phases: new blocks are handed out after a worker's output confirms them) and releases (in band,
 after calm steps; idle: through ``collective_rpc``) on every ``SchedulerOutput``. Each worker
@@ -94,7 +96,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -102,7 +103,7 @@ from ._patches import (
     SUPPORTED_VLLM,
     check_vllm_version,
     install,
-    install_engine,
+    install_when_engine_core_loads,
     install_when_worker_starts,
     installed,
     original,
@@ -174,15 +175,17 @@ def register() -> None:
     check the installed vLLM's version (package metadata; :class:`UnsupportedVLLM` names vmmkv
     and the supported release otherwise) and patch the call sites when the process starts an
     MRV2 GPU worker (``install_when_worker_starts``): the API server and engine-core processes
-    import no vLLM module on vmmkv's behalf. Unset or '0': nothing. Idempotent."""
+    import no vLLM module on vmmkv's behalf. With ``VLLM_VMMKV_ELASTIC=1`` also elastic mode's
+    engine sites once the process imports ``vllm.v1.engine.core``
+    (``install_when_engine_core_loads``). Unset or '0': nothing. Idempotent."""
     from ._elastic import ELASTIC_ENV, elastic_enabled
 
     if elastic_enabled() and not enabled():
         raise ValueError(f"{ELASTIC_ENV}=1 needs {ENV}=1 (elastic KV is vmmkv's KV cache)")
     if enabled():
         install_when_worker_starts()
-        if elastic_enabled() and "vllm.v1.engine.core" in sys.modules:
-            install_engine()  # vLLM's EngineCore loads the plugins in its constructor
+        if elastic_enabled():  # the engine sites: now, or once vllm.v1.engine.core is imported
+            install_when_engine_core_loads()
 
 
 def unregister() -> None:

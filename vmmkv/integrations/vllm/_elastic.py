@@ -19,8 +19,9 @@ measurements behind each rule.
 
   - **cached cap**: at most ``cached_blocks`` cached-free blocks are kept; the oldest lose their
     hash (vLLM's own ``_maybe_evict_cached_block``) and become ordinary free blocks;
-  - **grow, two phases**: when free committed blocks fall below ``watermark`` (or a waiting
-    request found no room), ask for ``limit + max(watermark, limit / 4)``; the new blocks are
+  - **grow, two phases**: when free committed blocks fall below ``watermark`` (or vLLM's KV
+    cache manager refused an allocation in the last step: a request that waits for something
+    else, tokens or a pause, grows nothing), ask for ``limit + max(watermark, limit / 4)``; the new blocks are
     handed out only once a worker output confirms them (``vmmkv_kv_blocks`` stamped by the
     worker); a grow refused by the group (vmmkv's error is the same on every rank and leaves
     every size unchanged) only delays admission, and the next attempt waits
@@ -324,7 +325,8 @@ class ElasticPool:
         self.pending: tuple[int, int] | None = None  # an unconfirmed grow (seq, target)
         self.calm = 0  # consecutive steps a release was possible
         self.hold = 0  # steps to wait after a refused grow
-        self.starved = False  # a waiting request found no room in the last step
+        self.starved = False  # vLLM's KV cache manager refused an allocation in the last step
+        self.refused_now = False  # ... in this step (set through kv_refused)
         self.counts = {"grows": 0, "releases": 0, "refused": 0, "cached_dropped": 0}
         self.last_error: str | None = None
         self._watch(block_pool)
@@ -389,13 +391,16 @@ class ElasticPool:
         else:
             self.calm = 0
 
+    def kv_refused(self) -> None:
+        """vLLM's ``KVCacheManager.allocate_slots`` returned None: KV is what holds a request
+        back in this step (not the token budget, a pause, or a sequence limit)."""
+        self.refused_now = True
+
     def after_schedule(self, scheduler: Any, scheduler_output: Any) -> None:
-        """After ``Scheduler.schedule``: the resize request rides on the output; a waiting
-        request that found no room asks for a grow in the next step."""
+        """After ``Scheduler.schedule``: the resize request rides on the output; a step in which
+        an allocation was refused asks for a grow in the next step."""
         setattr(scheduler_output, RESIZE, (self.seq, self.target))
-        if scheduler.waiting and not scheduler_output.scheduled_new_reqs:
-            seqs = scheduler.scheduler_config.max_num_seqs
-            self.starved = len(scheduler.running) < seqs
+        self.starved, self.refused_now = self.refused_now, False
 
     def on_output(self, model_runner_output: Any) -> None:
         """Before ``Scheduler.update_from_output``: a worker's stamp confirms or refuses the

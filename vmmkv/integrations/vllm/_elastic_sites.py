@@ -1,20 +1,22 @@
 """Elastic KV: the vLLM 0.34.0 call sites elastic mode adds, in the engine core and in every
 worker (``_elastic`` holds the policy; the package docstring, "Elastic KV", the user's view).
 
-Engine core (``ENGINE_SITES``, installed by :func:`install_engine` when elastic mode is on):
+Engine core (``ENGINE_SITES``, installed by ``_patches.install_engine`` when elastic mode is on,
+in every process that imports ``vllm.v1.engine.core``, through an import hook if the plugins
+load first):
 
 | site | replaced by |
 |---|---|
-| ``Scheduler.__init__`` | vLLM's, then an :class:`~._elastic.ElasticPool` on its block pool (PCP > 1 only; refusals first) |
+| ``Scheduler.__init__`` | vLLM's, then an :class:`~._elastic.ElasticPool` on its block pool (PCP > 1 only; refusals first); the manager's ``allocate_slots`` watched for refusals (KV pressure) |
 | ``Scheduler.schedule`` | the pool's step (cached cap, grow or release), vLLM's schedule, the resize request set on the output |
 | ``Scheduler.update_from_output`` | the pool reads the worker's stamp (confirms or refuses a pending grow), then vLLM's |
-| ``EngineCoreProc._process_input_queue`` (the busy loop of an engine-core process) | while idle with blocks above the floor: wait ``idle_seconds`` for a request, else the idle release through ``collective_rpc`` (ordered with every step in vLLM's one queue), then vLLM's |
+| ``EngineCoreProc._process_input_queue`` (the busy loop of an engine-core process) | the inputs vLLM deferred during the last step handled first (as vLLM's loop does); then, while idle, awake, unpaused, with no idle-state callback pending and blocks above the floor: wait ``idle_seconds`` for a request (vLLM's watchdog off), else the idle release through ``collective_rpc`` (ordered with every step in vLLM's one queue); then vLLM's |
 
 Worker (``WORKER_SITES``, added to the plugin's sites in elastic mode):
 
 | site | replaced by |
 |---|---|
-| ``GPUModelRunner.update_requests`` | the step's resize request applied (collective, once per sequence number, before vLLM's zeroing and block copies, outside any graph), every block id the step adds checked committed, then vLLM's |
+| ``GPUModelRunner.update_requests`` | a step without a resize request refused (an engine core without the engine sites); the step's resize request applied (collective, once per sequence number, before vLLM's zeroing and block copies, outside any graph), every block id the step adds checked committed, then vLLM's |
 | ``GPUModelRunner.execute_model``, ``sample_tokens`` | vLLM's; the output stamped ``(seq, committed blocks, error)`` |
 
 Why the worker may resize there: every PCP rank receives the same ``SchedulerOutput``s in the
@@ -22,7 +24,9 @@ same order and runs ``update_requests`` for each (even a step of 0 tokens), befo
 replay; vmmkv's resize checks that every rank asks for the same size. A grow refused by the
 group leaves every rank at its old size with the same error; the worker reports it on its
 output instead of failing the step, because the scheduler hands out the new blocks only after a
-confirmation. Local state: one :class:`ElasticWorker` per worker process, reset with each cache.
+confirmation. A resize that reaches a worker while the sleep-mode backend holds its cache
+released commits nothing: it becomes the size the wake restores (every rank alike). Local
+state: one :class:`ElasticWorker` per worker process, reset with each cache.
 """
 
 from __future__ import annotations
@@ -99,11 +103,22 @@ class ElasticWorker:
     def apply(self, cache: Any, resize: tuple[int, int] | None) -> None:
         """Collective when ``resize`` carries a new sequence number: every PCP rank gets the
         same one in the same step. A refused resize (the group's error, every size unchanged)
-        is recorded for the stamp; one that left this rank's size changed re-raises."""
+        is recorded for the stamp; one that left this rank's size changed re-raises. While the
+        sleep-mode backend holds ``cache`` released (every rank alike), nothing is committed:
+        the target becomes the size the wake restores, as the scheduler's limit follows it."""
         if resize is None or resize[0] <= self.seq:
             return
         seq, target = resize
         self.seq, self.error = seq, None
+        released = _released(cache)
+        if released is not None:
+            log.info(
+                "vmmkv: rank %d: elastic resize to %d blocks while the KV cache is released "
+                "(sleep or discard): the wake restores %d blocks, not %d", cache.rank, target,
+                target, released.blocks,
+            )  # fmt: skip
+            released.blocks = target
+            return
         before = cache.committed_blocks
         if target == before:
             return
@@ -116,7 +131,18 @@ class ElasticWorker:
             log.warning("vmmkv: elastic resize %d -> %d refused: %s", before, target, self.error)
 
     def stamp(self, cache: Any) -> tuple[int, int, str | None]:
-        return (self.seq, cache.committed_blocks, self.error)
+        """``(seq, committed blocks, error)``; while released, the blocks the wake restores."""
+        released = _released(cache)
+        blocks = cache.committed_blocks if released is None else released.blocks
+        return (self.seq, blocks, self.error)
+
+
+def _released(cache: Any) -> Any:
+    """The sleep-mode backend's record of ``cache`` while it holds it released, else None."""
+    from ._state import _STATE
+
+    released = _STATE.released
+    return released if released is not None and released.cache is cache else None
 
 
 WORKER = ElasticWorker()
@@ -136,8 +162,21 @@ def step_block_ids(so: Any) -> list[int]:
 
 def on_update_requests(cache: Any, so: Any) -> None:
     """The worker's part of a step, before vLLM's ``update_requests``: apply the step's resize
-    request, then refuse any block id the step adds beyond the committed blocks."""
-    WORKER.apply(cache, getattr(so, RESIZE, None))
+    request, then refuse any block id the step adds beyond the committed blocks. A step without
+    a resize request comes from an engine core without the elastic sites, whose scheduler hands
+    out every block: RuntimeError at once (every rank receives the same step, so every rank
+    raises), not at the first block above the floor."""
+    resize = getattr(so, RESIZE, None)
+    if resize is None:
+        raise RuntimeError(
+            f"rank {cache.rank}: update_requests: elastic KV (VLLM_VMMKV_ELASTIC=1) got a "
+            f"SchedulerOutput without {RESIZE}: the engine core runs without vmmkv's elastic "
+            f"engine sites, so vLLM's scheduler may hand out blocks this worker never committed "
+            f"({cache.committed_blocks} are). Give the engine core's process VLLM_USE_VMMKV=1 "
+            "and VLLM_VMMKV_ELASTIC=1 as well, or run every process without "
+            "VLLM_VMMKV_ELASTIC=1"
+        )
+    WORKER.apply(cache, resize)
     cache.check_blocks(step_block_ids(so))
 
 
@@ -229,7 +268,8 @@ def pool_of(scheduler: Any) -> ElasticPool | None:
 
 def install_pool(scheduler: Any, chunk_bytes: int) -> ElasticPool:
     """An :class:`ElasticPool` on the scheduler's (single) block pool; vLLM's whole-pool
-    questions (usage, prefix-cache reset) answered over the committed blocks."""
+    questions (usage, prefix-cache reset) answered over the committed blocks; a refused
+    ``allocate_slots`` reported to the pool (the only "starved" signal)."""
     cfg = scheduler.vllm_config
     check_elastic_config(cfg)
     pool = scheduler.kv_cache_manager.block_pool
@@ -245,6 +285,16 @@ def install_pool(scheduler: Any, chunk_bytes: int) -> ElasticPool:
 
     pool.reset_prefix_cache = reset_prefix_cache
     pool.get_usage = el.usage
+    manager = scheduler.kv_cache_manager
+    allocate_slots = manager.allocate_slots
+
+    def allocate_slots_watched(*args, **kwargs):  # None: KV holds a request back
+        blocks = allocate_slots(*args, **kwargs)
+        if blocks is None:
+            el.kv_refused()
+        return blocks
+
+    manager.allocate_slots = allocate_slots_watched
     scheduler._vmmkv_elastic = el
     log.info(
         "vmmkv: elastic KV: %d of %d blocks committed at start (floor), watermark %d, "
@@ -289,22 +339,58 @@ def _update_from_output(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def idle_release(engine: Any, el: ElasticPool) -> None:
-    """Release down to the floor on every worker through ``collective_rpc``; every worker must
-    report the same size (RuntimeError naming each worker's stamp otherwise)."""
+    """Release down to the floor on every worker through ``collective_rpc``. A release the
+    group refused (vmmkv's resize: the same error on every rank, every size unchanged) is
+    logged and the engine goes on: the pool parked the blocks already, the safe direction.
+    Workers that report different outcomes raise RuntimeError naming each worker's stamp."""
     resize = el.idle_release()
     if resize is None:
         return
     stamps = [s for s in engine.collective_rpc(worker_resize, args=resize) if s is not None]
-    if any(s[:2] != (resize[0], resize[1]) for s in stamps):
-        raise RuntimeError(f"vmmkv: elastic idle release to {resize[1]} blocks: stamps {stamps}")
+    if all(s[:2] == resize for s in stamps):
+        return
+    if len({s[:2] for s in stamps}) > 1:
+        raise RuntimeError(
+            f"vmmkv: elastic idle release to {resize[1]} blocks (seq {resize[0]}): the workers "
+            f"report different outcomes (stamps (seq, committed, error) in worker order: "
+            f"{stamps})"
+        )
+    log.warning(
+        "vmmkv: elastic idle release to %d blocks (seq %d) refused by the group; the workers "
+        "keep %d blocks, the scheduler hands out %d: %s", resize[1], resize[0], stamps[0][1],
+        el.limit, stamps[0][2],
+    )  # fmt: skip
+
+
+def idle_wait_due(engine: Any, el: ElasticPool) -> bool:
+    """Whether the engine's input loop may wait ``idle_seconds`` and then release: blocks above
+    the floor, and vLLM's loop would otherwise block idle with nothing to hand over. Not while
+    vLLM holds inputs deferred from the last step (``_deferred_inputs``: the hook handles them
+    first, as vLLM's loop does), has idle-state callbacks to run (a pause completing), is paused or asleep (sleep releases the KV
+    cache itself; a pause keeps the size it was given), has work, or shuts down."""
+    return (
+        el.limit > el.s.floor
+        and not engine._deferred_inputs
+        and not engine._idle_state_callbacks
+        and not engine.is_scheduler_paused()
+        and not engine.model_executor.is_sleeping
+        and not engine.has_work()
+        and engine.is_running()
+    )
 
 
 def _process_input_queue(orig: Callable[..., Any]) -> Callable[..., Any]:
     def _process_input_queue(self):
         el = pool_of(self.scheduler)
-        if el is not None and el.limit > el.s.floor and not self.has_work() and self.is_running():
+        if el is not None:
+            while self._deferred_inputs:  # vLLM's order: inputs deferred by the last step first
+                self._handle_client_request(*self._deferred_inputs.popleft())
+        if el is not None and idle_wait_due(self, el):
+            from vllm.utils.watch_dog import get_watch_dog
+
             try:
-                req = self.input_queue.get(timeout=el.s.idle_seconds)
+                with get_watch_dog().disable():  # an idle wait, as vLLM's own
+                    req = self.input_queue.get(timeout=el.s.idle_seconds)
             except queue.Empty:
                 idle_release(self, el)
             else:

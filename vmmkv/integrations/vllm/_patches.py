@@ -62,6 +62,7 @@ __all__ = [
     "check_vllm_version",
     "install",
     "install_engine",
+    "install_when_engine_core_loads",
     "install_when_worker_starts",
     "installed",
     "original",
@@ -81,6 +82,7 @@ SUPPORTED_VLLM = "==0.34.0"
 LAST_033_TAG = "v0.1.0"
 # The module whose import marks a process that runs an MRV2 GPU worker.
 WORKER_MODULE = "vllm.v1.worker.gpu.model_runner"
+ENGINE_MODULE = "vllm.v1.engine.core"  # elastic mode's engine sites (EngineCoreProc) live here
 
 
 def check_vllm_version(version: str | None = None) -> str:
@@ -616,19 +618,24 @@ def install_engine() -> None:
     _STATE.engine_patches = _apply(_patches_for(ENGINE_SITES), "engine core, elastic KV")
 
 
-class _WorkerHook(importlib.abc.MetaPathFinder):
-    """Runs :func:`install` right after ``WORKER_MODULE`` has been executed (first import)."""
+class _InstallHook(importlib.abc.MetaPathFinder):
+    """Runs ``install`` right after ``module`` has been executed (its first import), once; the
+    hook is the one ``_STATE.<slot>`` holds until then."""
+
+    def __init__(self, module: str, install: Callable[[], None], slot: str) -> None:
+        self.module, self.install, self.slot = module, install, slot
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != WORKER_MODULE or _STATE.hook is not self:
+        if fullname != self.module or getattr(_STATE, self.slot) is not self:
             return None
         sys.meta_path.remove(self)  # find the real spec below, once
-        _STATE.hook = None
+        setattr(_STATE, self.slot, None)
         spec = importlib.util.find_spec(fullname)
         if spec is None or spec.loader is None:
             return spec
         loader = spec.loader
         exec_module = loader.exec_module
+        install = self.install
 
         def exec_then_install(module):
             exec_module(module)
@@ -636,6 +643,16 @@ class _WorkerHook(importlib.abc.MetaPathFinder):
 
         loader.exec_module = exec_then_install
         return spec
+
+
+def _when_imported(module: str, install: Callable[[], None], slot: str) -> None:
+    """``install()`` now if ``module`` is imported, else right after its first import."""
+    if module in sys.modules:
+        install()
+        return
+    hook = _InstallHook(module, install, slot)
+    setattr(_STATE, slot, hook)
+    sys.meta_path.insert(0, hook)
 
 
 def install_when_worker_starts() -> None:
@@ -646,21 +663,30 @@ def install_when_worker_starts() -> None:
     check_vllm_version()
     if _STATE.patches or _STATE.hook is not None:
         return
-    if WORKER_MODULE in sys.modules:
-        install()
+    _when_imported(WORKER_MODULE, install, "hook")
+
+
+def install_when_engine_core_loads() -> None:
+    """Elastic mode's engine sites (:func:`install_engine`) when this process imports vLLM's
+    engine-core module (``ENGINE_MODULE``): at once if it already did. vLLM loads its plugins
+    once per process, possibly before that import (``EngineArgs`` does), and an engine core
+    forked or run in process never loads them again: the hook hands the sites over to it.
+    Idempotent."""
+    check_vllm_version()
+    if _STATE.engine_patches or _STATE.engine_hook is not None:
         return
-    _STATE.hook = _WorkerHook()
-    sys.meta_path.insert(0, _STATE.hook)
+    _when_imported(ENGINE_MODULE, install_engine, "engine_hook")
 
 
 def uninstall() -> None:
     """Restore every patched site, drop pending records, close the active cache (its views,
-    which vLLM may still hold, are invalid afterwards), remove a pending worker hook.
+    which vLLM may still hold, are invalid afterwards), remove the pending import hooks.
     Idempotent."""
-    if _STATE.hook is not None:
-        if _STATE.hook in sys.meta_path:
-            sys.meta_path.remove(_STATE.hook)
-        _STATE.hook = None
+    for slot in ("hook", "engine_hook"):
+        hook = getattr(_STATE, slot)
+        if hook is not None and hook in sys.meta_path:
+            sys.meta_path.remove(hook)
+        setattr(_STATE, slot, None)
     patches, _STATE.patches = _STATE.patches + _STATE.engine_patches, []
     _STATE.engine_patches = []
     for p in reversed(patches):

@@ -41,7 +41,8 @@ and graphs. When the plugin holds this worker's KV cache (:func:`active_cache`):
   decommitted: nothing of the region stays mapped), the committed block count remembered; then
   the inner backend's suspend.
 - ``resume(tags)``: the inner backend's resume first; then, when ``tags`` is None or holds
-  ``"kv_cache"``, a collective ``VllmKVCache.grow(n)`` to the remembered count: the blocks come
+  ``"kv_cache"``, a collective ``VllmKVCache.grow(n)`` to the remembered count (or the last
+  elastic target a worker applied while released, ``_elastic_sites``): the blocks come
   back **zeroed** (grow zeroes its new blocks and runs the cache barrier), at the **same virtual
   addresses** (the reservation never moves), so vLLM's views and captured CUDA graphs stay
   valid. vLLM clears its prefix cache before a sleep of level 1 or 2 (``EngineCore.sleep``), so
@@ -85,7 +86,7 @@ from vllm.device_allocator.sleep_mode_backend import (
     SleepModeBackendFactory,
 )
 
-from ._state import UnsupportedVLLM, active_cache
+from ._state import _STATE, UnsupportedVLLM, _Released, active_cache
 
 __all__ = [
     "INNER_ENV",
@@ -297,8 +298,6 @@ class VmmkvSleepModeBackend(SleepModeBackend):
     def __init__(self) -> None:
         super().__init__()
         self.inner = _inner_class()()
-        # (the VllmKVCache released, its committed blocks before), or None
-        self._released: tuple[Any, int] | None = None
 
     # -- what vLLM calls -------------------------------------------------------------
     def suspend(self, discardable: Collection[int] = ()) -> None:
@@ -339,16 +338,18 @@ class VmmkvSleepModeBackend(SleepModeBackend):
     def released_blocks(self) -> int | None:
         """The committed blocks a wake restores, or None when the KV cache is not
         released."""
-        return None if self._released is None else self._released[1]
+        released = _STATE.released
+        return None if released is None else released.blocks
 
     def _release(self, cache: Any, why: str) -> None:
         """Collective: the KV cache to 0 blocks on every PCP rank (memory released, peers
-        unmapped), the count before remembered. Nothing when it is released already."""
-        if self._released is not None and self._released[0] is cache:
+        unmapped), the count before remembered (in ``_state``, where elastic mode's worker
+        retargets it). Nothing when it is released already."""
+        if _STATE.released is not None and _STATE.released.cache is cache:
             return
         blocks = cache.committed_blocks
         cache.shrink(0)
-        self._released = (cache, blocks)
+        _STATE.released = _Released(cache, blocks)
         log.info(
             "vmmkv: %s released the KV cache (%d of %d blocks committed before) on PCP "
             "rank %d of %d", why, blocks, cache.num_blocks, cache.rank, cache.world_size,
@@ -357,18 +358,18 @@ class VmmkvSleepModeBackend(SleepModeBackend):
     def _restore(self) -> None:
         """Collective: the released KV cache back to its block count, zeroed, at the same
         addresses. Nothing when nothing is released."""
-        if self._released is None:
+        if _STATE.released is None:
             return
-        cache, blocks = self._released
+        cache, blocks = _STATE.released.cache, _STATE.released.blocks
         if cache is not active_cache():
             log.warning(
                 "vmmkv: the KV cache released at sleep is not the active one any more "
                 "(closed or replaced); nothing to restore"
             )
-            self._released = None
+            _STATE.released = None
             return
         cache.grow(blocks)  # raises on every rank on failure: the record stays, retry
-        self._released = None
+        _STATE.released = None
         log.info(
             "vmmkv: wake-up restored %d KV blocks (zeroed) on PCP rank %d of %d",
             blocks, cache.rank, cache.world_size,

@@ -1,6 +1,7 @@
 """The vLLM plugin's per-process state and its version error, shared by the patched call sites
-(``_patches``, which writes the state), the sleep-mode backend (``_sleep``) and elastic mode's
-worker sites (``_elastic_sites``), which read the active cache. Both import this module; neither imports the other's names back.
+(``_patches``, which writes the state), the sleep-mode backend (``_sleep``, which writes the
+released record) and elastic mode's worker sites (``_elastic_sites``), which read the active
+cache and retarget a released one. Both import this module; neither imports the other's names back.
 
 Imports no vLLM module. Local, not thread-safe: vLLM's worker installs, allocates and sleeps
 from one thread. ``_patches.close_active`` closes the active cache; nothing here closes
@@ -29,6 +30,15 @@ class _Pending:
 
 
 @dataclass
+class _Released:
+    """A KV cache the sleep-mode backend released (sleep, discard) and the blocks a wake
+    restores: the count before, or the last elastic target applied while released."""
+
+    cache: Any  # VllmKVCache
+    blocks: int
+
+
+@dataclass
 class _Patch:
     owner: Any
     name: str
@@ -42,7 +52,9 @@ class _State:
         self.engine_patches: list[_Patch] = []  # elastic mode's, in the engine core
         self.active: Any = None  # the process's VllmKVCache, once allocated
         self.pending: dict[str, _Pending] = {}
+        self.released: _Released | None = None  # written by _sleep, read by _elastic_sites
         self.hook: Any = None  # the import hook of install_when_worker_starts, until it fires
+        self.engine_hook: Any = None  # install_when_engine_core_loads', until it fires
         # (kv_cache_config, layout, segment strides) while vLLM builds an ExtensibleKVCache
         self.extensible_spec: Any = None
 
