@@ -21,7 +21,7 @@ import time
 import pytest
 
 from tests.helpers import fail_peer_mapping_on
-from vmmkv.testing.spawn import free_port, run_world
+from vmmkv.testing.spawn import run_world, world_store
 
 TIMEOUT = 3.0
 
@@ -440,22 +440,26 @@ def test_ranks_in_different_pid_namespaces_are_detected_up_front(mode):
     why = _unshare_pid_works()
     if why:
         pytest.skip(f"needs a new PID namespace: {why}")
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    path = os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")
     cmd = [sys.executable, "-c", _PIDNS_RANK]
-    procs = [
-        subprocess.Popen(cmd + ["0", str(port), mode], stdout=subprocess.PIPE, env=env),
-        subprocess.Popen(
-            ["unshare", "--pid", "--fork"] + cmd + ["1", str(port), mode],
-            stdout=subprocess.PIPE,
-            env=env,
-        ),
-    ]
-    t0 = time.monotonic()
-    outs = [p.communicate(timeout=100)[0].decode().strip().splitlines()[-1] for p in procs]
-    elapsed = time.monotonic() - t0
+    with world_store() as store:
+        env = dict(os.environ, PYTHONPATH=path, **store.env)
+        port = str(store.port)
+        procs = [
+            subprocess.Popen(cmd + ["0", port, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env),
+            subprocess.Popen(
+                ["unshare", "--pid", "--fork"] + cmd + ["1", port, mode],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+            ),
+        ]  # fmt: skip
+        t0 = time.monotonic()
+        runs = [(p.communicate(timeout=100), p.returncode) for p in procs]
+        elapsed = time.monotonic() - t0
     import json
 
+    from tests.helpers import last_line
+
+    outs = [last_line(r, rc, out, err) for r, ((out, err), rc) in enumerate(runs)]
     results = [json.loads(o) for o in outs]
     for res in results:
         if mode == "auto":
