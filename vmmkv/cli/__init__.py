@@ -4,8 +4,9 @@
 Each tool is a module of this package with ``parser()`` (its ``argparse`` parser, built with
 :func:`tool_parser`: ``--help`` prints the module docstring as plain text and every option's
 help, then exits 0) and ``main(argv) -> int`` (the exit status). Tools check every argument and
-every environment variable they read (``vmmkv._env``) before they import torch or spawn a rank:
-a wrong one exits 2 with one line per error on stderr (:func:`usage_errors`), no traceback.
+every environment variable they read (``vmmkv._env``) before they import torch or spawn a rank,
+through ``vmmkv.cli.checks``: a wrong one exits 2 with one line per error on stderr, no
+traceback.
 Tools write for a person: they print, and every tool opens with one banner line from
 :func:`banner` (``vmmkv <tool>: ...``).
 Timings taken on the host backend check that the steps run, nothing more: the tools that print
@@ -28,14 +29,10 @@ __all__ = [
     "COMMANDS",
     "HOST_TIMINGS",
     "banner",
-    "check_group",
     "main",
     "plain",
     "rank_reports",
-    "require_at_least",
     "tool_parser",
-    "usage_errors",
-    "writable_errors",
 ]
 
 log = logging.getLogger(__name__)
@@ -91,75 +88,6 @@ def tool_parser(tool: str, doc: str) -> argparse.ArgumentParser:
         description=plain(doc),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-
-
-def usage_errors(tool: str, errors: list[str]) -> int:
-    """Print one line per error on stderr (``python -m vmmkv <tool>: error: ...``); the exit
-    status of a usage error, 2."""
-    for error in errors:
-        print(f"python -m vmmkv {tool}: error: {error}", file=sys.stderr)
-    return 2
-
-
-def require_at_least(errors: list[str], option: str, value: int | None, lo: int) -> None:
-    """Append an error when ``value`` (None: not given) is below ``lo``."""
-    if value is not None and value < lo:
-        errors.append(f"{option} must be >= {lo}, got {value}")
-
-
-def writable_errors(option: str, path: str, *, directory: bool) -> list[str]:
-    """[] when the tool can write ``path``: a directory (created if missing) or a file in an
-    existing directory; else one line naming the option, the path and the reason. Probes by
-    creating and removing a temporary file there."""
-    import errno
-    import os
-    import tempfile
-
-    target = os.path.abspath(path)
-    where = target if directory else os.path.dirname(target)
-    try:
-        if directory:
-            os.makedirs(where, exist_ok=True)
-        elif os.path.isdir(target):
-            raise IsADirectoryError(errno.EISDIR, "it is a directory")
-        with tempfile.TemporaryFile(dir=where):
-            pass
-    except OSError as exc:
-        return [f"{option} {path}: cannot write there ({exc.strerror or exc})"]
-    return []
-
-
-def check_group(errors: list[str], backend: str, world: int | None) -> tuple[str, int, int]:
-    """The spawning tools' ``(backend, world, chunk_bytes)``: ``auto`` resolved (cuda where a GPU
-    is usable), ``world`` defaulted (the GPUs, at least 2), the chunk size from
-    ``VMMKV_CHUNK_MIB`` or the default (2 MiB on CUDA, 64 KiB on the host). Appends to
-    ``errors``: ``--world`` below 1, ``--backend cuda`` without a CUDA device, every invalid
-    environment variable, a chunk size that is not a multiple of the backend's granularity."""
-    import os
-
-    from .. import _env
-    from ..alloc import driver
-
-    require_at_least(errors, "--world", world, 1)
-    if backend == "auto":
-        backend = "cuda" if driver.cuda_usable() else "host"
-    elif backend == "cuda" and not driver.cuda_usable():
-        errors.append("no CUDA device: use --backend host")
-    if world is None:
-        world = max(2, driver.device_count()) if backend == "cuda" else 2
-    errors += _env.problems()
-    granularity = (2 << 20) if backend == "cuda" else os.sysconf("SC_PAGE_SIZE")
-    chunk = (2 << 20) if backend == "cuda" else (1 << 16)
-    try:
-        chunk = _env.chunk_bytes() or chunk
-    except ValueError:
-        pass  # in errors already, through _env.problems()
-    if chunk % granularity:
-        errors.append(
-            f"{_env.CHUNK_MIB}={os.environ.get(_env.CHUNK_MIB)!r} is {chunk} bytes: the {backend} "
-            f"backend needs a multiple of {granularity} bytes"
-        )
-    return backend, world, chunk
 
 
 def add_group_args(ap: argparse.ArgumentParser) -> None:

@@ -26,17 +26,7 @@ import os
 import sys
 from typing import Any
 
-from . import (
-    HOST_TIMINGS,
-    add_group_args,
-    banner,
-    check_group,
-    rank_reports,
-    require_at_least,
-    tool_parser,
-    usage_errors,
-    writable_errors,
-)
+from . import HOST_TIMINGS, add_group_args, banner, checks, rank_reports, tool_parser
 
 log = logging.getLogger(__name__)
 
@@ -171,12 +161,12 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     errors: list[str] = []
-    require_at_least(errors, "--warmup", a.warmup, 0)
-    require_at_least(errors, "--iters", a.iters, 1)
-    backend, world, chunk = check_group(errors, a.backend, a.world)
-    errors += writable_errors("--out", a.out, directory=True)
+    checks.at_least(errors, "--warmup", a.warmup, 0)
+    checks.at_least(errors, "--iters", a.iters, 1)
+    backend, world, chunk = checks.group(errors, a.backend, a.world)
+    errors += checks.writable("--out", a.out, directory=True)
     if errors:
-        return usage_errors("bench", errors)
+        return checks.refuse("bench", errors)
     from ..ops.formats import INDEXER_ENTRY_BYTES, MLA_ENTRY_BYTES
 
     tokens = QUICK if a.quick else FULL

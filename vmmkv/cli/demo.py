@@ -18,17 +18,7 @@ import sys
 import time
 from typing import Any
 
-from . import (
-    HOST_TIMINGS,
-    add_group_args,
-    banner,
-    check_group,
-    rank_reports,
-    require_at_least,
-    tool_parser,
-    usage_errors,
-    writable_errors,
-)
+from . import HOST_TIMINGS, add_group_args, banner, checks, rank_reports, tool_parser
 
 DECODE = 2  # replicated decode tokens at the head of every step (num_local_only)
 TOKENS = (13, 64, 1, 0)  # each rank's own tokens per step (rank r: TOKENS[r % 4])
@@ -331,9 +321,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     errors: list[str] = []
-    require_at_least(errors, "--layers", a.layers, 1)
-    require_at_least(errors, "--blocks", a.blocks, 2)
-    backend, world, chunk = check_group(errors, a.backend, a.world)
+    checks.at_least(errors, "--layers", a.layers, 1)
+    checks.at_least(errors, "--blocks", a.blocks, 2)
+    backend, world, chunk = checks.group(errors, a.backend, a.world)
     need = _step_tokens(world)
     if a.blocks >= 2 and world >= 1 and (a.blocks // 2) * BLOCK_TOKENS < need:
         least = 2 * -(-need // BLOCK_TOKENS)
@@ -342,9 +332,9 @@ def main(argv: list[str] | None = None) -> int:
             f"takes a step of {need} tokens ({BLOCK_TOKENS} per block): use --blocks {least} or more"
         )
     if a.json:
-        errors += writable_errors("--json", a.json, directory=False)
+        errors += checks.writable("--json", a.json, directory=False)
     if errors:
-        return usage_errors("demo", errors)
+        return checks.refuse("demo", errors)
     try:
         reports = run(world, backend, chunk=chunk, layers=a.layers, blocks=a.blocks)
     except Exception as exc:
