@@ -123,8 +123,6 @@ def world_store(timeout: float = 300.0) -> Iterator[WorldStore]:
     chosen beforehand). Ranks started in the block with ``WorldStore.env`` join it as clients.
     ``timeout``: the store's own wait limit. The block's end shuts the server down; the ranks
     must be done with it by then. Local; imports torch."""
-    from datetime import timedelta
-
     from torch.distributed import TCPStore
 
     timeout = require_timeout("timeout", timeout)
