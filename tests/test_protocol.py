@@ -406,7 +406,7 @@ def test_require_mode_raises_on_every_rank_when_a_peer_mapping_fails():
 
 _PIDNS_RANK = textwrap.dedent(
     """
-    import json, os, sys
+    import json, os, sys, time
     from datetime import timedelta
     import torch.distributed as dist
     rank, port, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -414,13 +414,16 @@ _PIDNS_RANK = textwrap.dedent(
                             init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(seconds=30))
     from vmmkv.ipc import SymmetricRegion
     g = os.sysconf("SC_PAGE_SIZE")
+    dist.barrier()  # both ranks started and imported: time the region's setup only
+    t0 = time.monotonic()
     try:
         sr = SymmetricRegion(8 * g, "cpu", backend="host", chunk_bytes=g, initial_bytes=g,
                              timeout=20, peers=mode)
-        print(json.dumps(["ok", sr.mapped, sr.why_not_mapped]), flush=True)
+        out = ["ok", sr.mapped, sr.why_not_mapped]
         sr.close()
     except Exception as exc:
-        print(json.dumps(["raised", type(exc).__name__, str(exc)]), flush=True)
+        out = ["raised", type(exc).__name__, str(exc)]
+    print(json.dumps(out + [time.monotonic() - t0]), flush=True)
     dist.barrier()
     dist.destroy_process_group()
     """
@@ -452,9 +455,7 @@ def test_ranks_in_different_pid_namespaces_are_detected_up_front(mode):
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
             ),
         ]  # fmt: skip
-        t0 = time.monotonic()
         runs = [(p.communicate(timeout=100), p.returncode) for p in procs]
-        elapsed = time.monotonic() - t0
     import json
 
     from tests.helpers import last_line
@@ -468,7 +469,9 @@ def test_ranks_in_different_pid_namespaces_are_detected_up_front(mode):
         else:
             assert res[0] == "raised" and res[1] == "DirectUnsupported", results
             assert "different PID namespaces" in res[2], results
-    assert elapsed < 20, elapsed  # detected, not timed out (timeout 20 s)
+    # detected, not timed out: each rank's setup (after start-up and imports, which a loaded
+    # machine stretches) ends before the region's timeout of 20 s
+    assert all(res[3] < 20 for res in results), results
 
 
 # --------------------------------------------------------------------------------------------
