@@ -258,56 +258,39 @@ def barrier_one_rank(iters):
     return out
 
 
-def _barrier_rank(rank, world, port, iters, q):
+def _barrier_rank(rank, world, iters):
+    """One rank of ``barrier_two_processes``, in the spawner's gloo group: seconds per barrier."""
     import torch
     import torch.distributed as dist
 
     from vmmkv import ops
     from vmmkv.ipc import SymmetricRegion
 
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            init_method=f"tcp://127.0.0.1:{port}")  # fmt: skip
-    try:
-        sr = SymmetricRegion(2 << 20, "cuda:0", initial_bytes=2 << 20, backend="cuda")
-        bar = ops.DeviceBarrier(sr.peers.signal_table, None, rank, world, 1, "cuda:0")
-        for _ in range(5):
-            bar.arrive_and_wait(0)
-        torch.cuda.synchronize()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            bar.arrive_and_wait(0)
-        torch.cuda.synchronize()
-        per = (time.perf_counter() - t0) / iters
-        dist.barrier()
-        bar.close()
-        sr.close()
-        q.put((rank, per))
-    finally:
-        dist.destroy_process_group()
+    sr = SymmetricRegion(2 << 20, "cuda:0", initial_bytes=2 << 20, backend="cuda")
+    bar = ops.DeviceBarrier(sr.peers.signal_table, None, rank, world, 1, "cuda:0")
+    for _ in range(5):
+        bar.arrive_and_wait(0)
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        bar.arrive_and_wait(0)
+    torch.cuda.synchronize()
+    per = (time.perf_counter() - t0) / iters
+    dist.barrier()
+    bar.close()
+    sr.close()
+    return per
 
 
 def barrier_two_processes(iters):
-    import multiprocessing as mp
-    import socket
+    from vmmkv.testing.spawn import run_world
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_barrier_rank, args=(r, 2, port, iters, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    res = dict(q.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(60)
-    return {"per_barrier_us (host clock, back-to-back)": max(res.values()) * 1e6}
+    per = run_world(_barrier_rank, 2, args=(iters,), timeout=300)
+    return {"per_barrier_us (host clock, back-to-back)": max(per) * 1e6}
 
 
 def symm_mem_barrier(iters):
-    import socket
-
     import torch
     import torch.distributed as dist
 
@@ -315,11 +298,9 @@ def symm_mem_barrier(iters):
         import torch.distributed._symmetric_memory as symm_mem
     except Exception as exc:
         return {"error": str(exc)}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    # a world of this one process: an in-process store, no port
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         t = symm_mem.empty(1 << 20, dtype=torch.uint8, device="cuda:0")
         h = symm_mem.rendezvous(t, dist.group.WORLD.group_name)

@@ -14,7 +14,8 @@
    (``vmmkv.ops.insert_ds_mla`` / ``insert_indexer_k``) fed with every rank's tokens.
 
 Public API only: ``vmmkv``, ``vmmkv.ops`` and its format constants; the ranks are started with
-``torch.multiprocessing`` as an engine would start its workers. Runs on GPUs (one process per
+``torch.multiprocessing`` as an engine would start its workers, and join a store the launcher
+hosts (``vmmkv.testing.spawn.world_store``, standing in for the engine's own rendezvous). Runs on GPUs (one process per
 GPU, or two sharing one) or, without a GPU, on the host backend.
 """
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import sys
 
 import torch
@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from vmmkv import ReplicatedKVCache  # noqa: E402
 from vmmkv.ops import insert_ds_mla, insert_indexer_k, warm_up  # noqa: E402
 from vmmkv.ops.formats import INDEXER_ENTRY_BYTES, MLA_ENTRY_BYTES  # noqa: E402
+from vmmkv.testing.spawn import WorldStore, world_store  # noqa: E402
 
 LAYERS = 2
 BLOCK_SIZE = 64  # tokens per block
@@ -66,10 +67,9 @@ def rank_inputs(rank: int, first_slot: int):
     return kv_c, k_pe, k, slots
 
 
-def engine_rank(rank: int, world: int, port: int, cuda: bool) -> None:
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}"
-    )
+def engine_rank(rank: int, world: int, store: WorldStore, cuda: bool) -> None:
+    os.environ.update(store.env)  # join the launcher's store as a client
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=store.init_method)
     try:
         ok = run_engine(rank, world, cuda)
         flags = [None] * world
@@ -155,17 +155,14 @@ def run_engine(rank: int, world: int, cuda: bool) -> bool:
         return ok
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> int:
     cuda = torch.cuda.is_available()
     world = max(2, torch.cuda.device_count()) if cuda else 2
-    try:  # one process per rank, as an engine starts its workers
-        mp.spawn(engine_rank, args=(world, free_port(), cuda), nprocs=world)
+    # The launcher hosts the group's store, as an engine's launcher does (vmmkv's own spawner
+    # hosts it the same way); one process per rank, as an engine starts its workers.
+    try:
+        with world_store() as store:
+            mp.spawn(engine_rank, args=(world, store, cuda), nprocs=world)
     except Exception as exc:
         print(f"engine example: FAILED: {exc}", file=sys.stderr)
         return 1

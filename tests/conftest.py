@@ -1,10 +1,63 @@
 """Shared test configuration: tests marked ``gpu`` skip cleanly unless CUDA VMM is usable; the
 long multi-process cases (``LONG``) carry the ``long`` marker, which the default run leaves out
-(``addopts`` in pyproject.toml) and ``python -m pytest -q -m long`` runs."""
+(``addopts`` in pyproject.toml) and ``python -m pytest -q -m long`` runs.
+
+Fixtures: ``world_store``, a store the test hosts for ranks that join groups themselves
+(``vmmkv.testing.spawn.world_store``). The modules that start vLLM (``test_vllm_*``) run in an
+environment of their own: a fresh, empty ``VLLM_CACHE_ROOT`` per module (for its module-scoped
+ranks) and per test, and none of the plugin's variables inherited from the caller's shell (each
+test sets those it means)."""
+
+import contextlib
+import os
 
 import pytest
 
 from vmmkv.alloc import driver
+from vmmkv.testing import spawn
+
+# the plugin's variables a vLLM test sets itself when it needs them (README, "Environment")
+_PLUGIN_ENV = (
+    "VLLM_USE_VMMKV",
+    "VLLM_VMMKV_ELASTIC",
+    "VMMKV_CHUNK_MIB",
+    "VMMKV_DIRECT",
+    "VMMKV_SLEEP_INNER_BACKEND",
+)
+
+
+@pytest.fixture
+def world_store():
+    with spawn.world_store() as store:
+        yield store
+
+
+@contextlib.contextmanager
+def _own_vllm_env(request, tmp_path_factory):
+    """In a ``test_vllm_*`` module: a fresh ``VLLM_CACHE_ROOT`` and no inherited plugin
+    variables for the block; elsewhere nothing."""
+    if not request.module.__name__.rpartition(".")[2].startswith("test_vllm_"):
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
+        for name in list(os.environ):
+            if name in _PLUGIN_ENV or name.startswith("VMMKV_ELASTIC_"):
+                mp.delenv(name)
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_module_env(request, tmp_path_factory):
+    with _own_vllm_env(request, tmp_path_factory):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _vllm_test_env(request, tmp_path_factory):
+    with _own_vllm_env(request, tmp_path_factory):
+        yield
+
 
 # The slow cases on the 2-core CPU machine CI runs on (``--durations``, 2026-12-04): the
 # multi-process fault, protocol, exit, soak and scale cases of 2 s or more, the sm_80 and sm_100

@@ -469,14 +469,33 @@ class ScriptRun(NamedTuple):
     stderr: str
 
 
-def run_rank_scripts(script: str, world: int, args=(), timeout: float = 60.0) -> list[ScriptRun]:
+def last_line(rank: int, returncode: int | None, stdout: bytes | str, stderr: bytes | str) -> str:
+    """The last line rank ``rank`` printed to stdout (its result). A rank that printed none died
+    before its result: AssertionError naming the rank, its exit status and its last stderr
+    lines, instead of an IndexError that hides why."""
+    out = stdout.decode(errors="replace") if isinstance(stdout, bytes) else stdout
+    lines = out.strip().splitlines()
+    if lines:
+        return lines[-1]
+    err = stderr.decode(errors="replace") if isinstance(stderr, bytes) else (stderr or "")
+    tail = "\n".join(err.strip().splitlines()[-20:]) or "(nothing on stderr)"
+    raise AssertionError(
+        f"rank {rank} ended before printing its result (exit status {returncode}); "
+        f"the end of its stderr:\n{tail}"
+    )
+
+
+def run_rank_scripts(
+    script: str, world: int, args=(), timeout: float = 60.0, env: dict[str, str] | None = None
+) -> list[ScriptRun]:
     """Run ``python -c script <rank> *args`` once per rank at the same time; results in rank order.
 
     For tests of a rank's own exit: the spawner's children return into its child loop (which
     destroys the group and sends a result) and share the parent's stderr, so these are plain
     interpreters whose exit is their own and whose stdout/stderr are kept apart (in files: no
     pipe can fill and block a rank). Each runs in its own session with the repository first on
-    ``PYTHONPATH``, the spawner's ``MULTICAST_OFF`` defaults and no ``VMMKV_DIRECT``. Bounded: a
+    ``PYTHONPATH``, the spawner's ``MULTICAST_OFF`` defaults, no ``VMMKV_DIRECT`` and ``env`` on
+    top (e.g. a ``world_store``'s). Bounded: a
     rank still running ``timeout`` seconds after the start is killed with its process group.
     Local; the caller owns nothing afterwards (every rank reaped, every file closed)."""
     import signal
@@ -491,9 +510,11 @@ def run_rank_scripts(script: str, world: int, args=(), timeout: float = 60.0) ->
     require_int("world", world, lo=1)
     timeout = require_timeout("timeout", timeout)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    extra = env or {}
     env = {**MULTICAST_OFF, **os.environ}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     env.pop("VMMKV_DIRECT", None)
+    env.update(extra)
     deadline = time.monotonic() + timeout
     files, procs, codes = [], [], []
     try:
@@ -724,15 +745,20 @@ VLLM_LAYOUTS = ("LBHNC", "LBNHC", "BLHNC", "BLNHC")
 
 def vllm_world_fixture(rank_fn, world: int, timeout: float):
     """A module-scoped fixture whose value is every rank's result of ``rank_fn(rank, world,
-    port)``, run once on ``world`` spawned ranks that join vLLM's groups themselves (on a free
-    ``port``; ``run_world(..., init_group=False)``). Assign it to the fixture's name."""
+    port)``, run once on ``world`` spawned ranks that join vLLM's groups themselves (on the
+    ``port`` of a ``world_store``; ``run_world(..., init_group=False)``). Assign it to the
+    fixture's name."""
     import pytest
 
-    from vmmkv.testing.spawn import free_port, run_world
+    from vmmkv.testing.spawn import run_world, world_store
 
     @pytest.fixture(scope="module")
     def ranks():
-        return run_world(rank_fn, world, args=(free_port(),), init_group=False, timeout=timeout)
+        with world_store() as store:
+            return run_world(
+                rank_fn, world, args=(store.port,), init_group=False, env=store.env,
+                timeout=timeout,
+            )  # fmt: skip
 
     return ranks
 

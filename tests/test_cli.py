@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import resource
 import subprocess
 import sys
 
@@ -15,8 +17,9 @@ from vmmkv.alloc import driver
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+def _run(*args: str, timeout: float = 240, env=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env or {})}
+    env["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
     return subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -29,6 +32,15 @@ def test_demo_runs_to_success_on_the_host_backend_with_two_processes():
     assert "PASS: every replica byte-identical to the oracle" in p.stdout
     assert "backend            host" in p.stdout and "direct publication" in p.stdout
     assert "host backend: timings are functional checks, not performance" in p.stdout
+    # the step-time line quotes the slowest rank of the table below it, in the table's digits
+    line = re.search(r"step time +direct ([0-9.]+) us, gather fallback ([0-9.]+) us", p.stdout)
+    rows = re.findall(r"^ +(\d+|max) +([0-9.]+) +([0-9.]+)$", p.stdout, re.M)
+    assert line and [r[0] for r in rows] == ["0", "1", "max"], p.stdout
+    ranks = [(float(d), float(g)) for name, d, g in rows[:2]]
+    assert rows[2][1:] == line.groups(), p.stdout
+    assert float(line[1]) == max(d for d, _ in ranks) and float(line[2]) == max(g for _, g in ranks)
+    assert not re.search(r"\d\.\d{6,}", p.stdout), p.stdout  # no raw floats
+    assert "{" not in p.stdout, p.stdout  # no dicts
 
 
 @pytest.mark.timeout(120)
@@ -109,6 +121,131 @@ def test_bench_help_names_where_bench_json_is_written():
 
     text = parser().format_help()
     assert "./vmmkv-bench/bench.json" in text, text
+
+
+# a wrong argument or environment variable, the one line it gives (after "<prog>: error: ")
+BAD_INVOCATIONS = {
+    "demo-blocks-0": (["demo", "--blocks", "0"], {}, "--blocks must be >= 2, got 0"),
+    "demo-layers-negative": (["demo", "--layers", "-1"], {}, "--layers must be >= 1, got -1"),
+    "demo-world-0": (["demo", "--world", "0"], {}, "--world must be >= 1, got 0"),
+    "demo-blocks-too-few": (
+        ["demo", "--blocks", "2", "--backend", "host"],
+        {},
+        "--blocks 2 is too few for 2 ranks: the first half of the blocks takes a step of 79 "
+        "tokens (64 per block): use --blocks 4 or more",
+    ),
+    "demo-blocks-not-a-number": (
+        ["demo", "--blocks", "x"],
+        {},
+        "argument --blocks: invalid int value: 'x'",
+    ),
+    "bench-iters-0": (["bench", "--iters", "0"], {}, "--iters must be >= 1, got 0"),
+    "bench-warmup-negative": (["bench", "--warmup", "-1"], {}, "--warmup must be >= 0, got -1"),
+    "direct": (
+        ["demo"],
+        {"VMMKV_DIRECT": "abc"},
+        "VMMKV_DIRECT must be 'auto', '0' or '1', got 'abc'",
+    ),
+    "barrier-timeout": (
+        ["bench", "--quick"],
+        {"VMMKV_BARRIER_TIMEOUT": "abc"},
+        "VMMKV_BARRIER_TIMEOUT must be a number of seconds, got 'abc'",
+    ),
+    "barrier-timeout-negative": (
+        ["demo"],
+        {"VMMKV_BARRIER_TIMEOUT": "-5"},
+        "VMMKV_BARRIER_TIMEOUT must be a finite number of seconds > 0, got -5.0",
+    ),
+    "chunk-mib": (
+        ["demo"],
+        {"VMMKV_CHUNK_MIB": "abc"},
+        "VMMKV_CHUNK_MIB must be a positive number of MiB (a whole number of bytes), got 'abc'",
+    ),
+    "chunk-mib-granularity": (
+        ["demo", "--backend", "host"],
+        {"VMMKV_CHUNK_MIB": str(1 / 1024)},  # 1 KiB: not whole pages
+        f"VMMKV_CHUNK_MIB='{1 / 1024}' is 1024 bytes: the host backend needs a multiple of "
+        f"{os.sysconf('SC_PAGE_SIZE')} bytes",
+    ),
+    "check-padding": (
+        ["demo"],
+        {"VMMKV_CHECK_PADDING": "yes"},
+        "VMMKV_CHECK_PADDING must be '0' or '1', got 'yes'",
+    ),
+    "fabric": (["bench"], {"VMMKV_FABRIC": "2"}, "VMMKV_FABRIC must be '0' or '1', got '2'"),
+    "barrier-trap": (
+        ["demo"],
+        {"VMMKV_BARRIER_TRAP": "on"},
+        "VMMKV_BARRIER_TRAP must be '0', '1', 'false' or 'true', got 'on'",
+    ),
+    "launch-api": (
+        ["demo"],
+        {"VMMKV_LAUNCH_API": "cffi"},
+        "VMMKV_LAUNCH_API must be 'bindings' or 'ctypes', got 'cffi'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INVOCATIONS))
+def test_a_wrong_argument_or_variable_exits_2_at_once_with_one_line_and_no_traceback(case):
+    args, env, message = BAD_INVOCATIONS[case]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    p = _run("-m", "vmmkv", *args, env=env, timeout=60)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.splitlines() == [f"python -m vmmkv {args[0]}: error: {message}"], p.stderr
+    assert p.stdout == "", p.stdout  # no banner: no rank was spawned
+    # CPU seconds, not wall time: a loaded machine slows the clock, not the work (no torch)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    assert cpu < 2.0, cpu
+
+
+def test_every_error_of_one_call_gets_its_own_line():
+    env = {"VMMKV_DIRECT": "x", "VMMKV_CHUNK_MIB": "0"}
+    p = _run("-m", "vmmkv", "demo", "--blocks", "0", "--layers", "0", env=env, timeout=60)
+    assert p.returncode == 2
+    assert [line.split(": error: ")[1].split(" ")[0] for line in p.stderr.splitlines()] == [
+        "--layers", "--blocks", "VMMKV_DIRECT", "VMMKV_CHUNK_MIB",
+    ], p.stderr  # fmt: skip
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.skipif(driver.cuda_usable(), reason="checks the machine without a GPU")
+def test_demo_on_cuda_without_a_gpu_says_to_use_the_host_backend():
+    p = _run("-m", "vmmkv", "demo", "--backend", "cuda", timeout=60)
+    assert (p.returncode, p.stdout) == (2, ""), p.stdout + p.stderr
+    assert p.stderr == "python -m vmmkv demo: error: no CUDA device: use --backend host\n"
+
+
+def test_bench_refuses_an_output_directory_it_cannot_write_before_the_sweep(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    p = _run("-m", "vmmkv", "bench", "--quick", "--out", str(blocker / "out"), timeout=60)
+    assert (p.returncode, p.stdout) == (2, ""), p.stdout + p.stderr
+    assert p.stderr == (
+        f"python -m vmmkv bench: error: --out {blocker / 'out'}: cannot write there "
+        "(Not a directory)\n"
+    )
+
+
+def test_demo_refuses_a_json_path_that_is_a_directory(tmp_path):
+    p = _run("-m", "vmmkv", "demo", "--json", str(tmp_path), timeout=60)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.endswith(f"--json {tmp_path}: cannot write there (it is a directory)\n")
+
+
+def test_version_prints_the_installed_distributions_version():
+    from importlib.metadata import version
+
+    p = _run("-m", "vmmkv", "--version", timeout=60)
+    assert p.returncode == 0 and p.stdout == f"vmmkv {version('vmmkv')}\n", p.stdout + p.stderr
+
+
+def test_the_demos_block_size_is_the_test_layouts():
+    from vmmkv.cli.demo import BLOCK_TOKENS
+    from vmmkv.testing.kv import BLOCK_SIZE
+
+    assert BLOCK_TOKENS == BLOCK_SIZE
 
 
 def test_unknown_commands_fail_with_usage():

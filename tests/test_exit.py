@@ -191,11 +191,13 @@ def _exit_case(how: str, backend: str) -> dict:
     survivor's report for the backend's own checks."""
     from tests.helpers import run_rank_scripts, stderr_noise
     from tests.test_faults import _assert_released
-    from vmmkv.testing.spawn import free_port
+    from vmmkv.testing.spawn import world_store
 
-    runs = run_rank_scripts(
-        _RANK, WORLD, args=(free_port(), how, backend), timeout=RUN_LIMIT[backend]
-    )
+    with world_store() as store:
+        runs = run_rank_scripts(
+            _RANK, WORLD, args=(store.port, how, backend), env=store.env,
+            timeout=RUN_LIMIT[backend],
+        )  # fmt: skip
     (rc0, out0, err0), (rc1, out1, err1) = runs
     assert rc1 == 0, ("victim", rc1, out1, err1)  # None: still running at the limit (a hang)
     assert stderr_noise(err1) == [], err1

@@ -128,7 +128,8 @@ _HELD = []  # the victim's region and watcher at interpreter shutdown
 def _exit_with_a_watcher_open(rank, port):
     """A real rendezvous; the watcher's thread polls the group's store without a pause, so that
     it is nearly always inside a C++ store call. Rank 1 destroys its group and exits with the
-    region and the watcher held by a module global; rank 0 (the store's host) outlives it."""
+    region and the watcher held by a module global; rank 0 and the store (hosted by the test's
+    process) outlive it."""
     import os
     import time
     from datetime import timedelta
@@ -148,7 +149,7 @@ def _exit_with_a_watcher_open(rank, port):
     _HELD.append((region, _GroupLiveness(region)))
     dist.barrier()
     if rank == 0:
-        time.sleep(3)  # the store outlives the victim's exit
+        time.sleep(3)  # the peer outlives the victim's exit
         os._exit(0)
     dist.destroy_process_group()
     time.sleep(0.2)  # the thread is in its store calls by now
@@ -160,9 +161,11 @@ def test_a_process_exiting_with_a_watcher_open_exits_cleanly():
     (10 of 10 here: "terminate called without an active exception", the poll thread ended
     inside a C++ store call by the interpreter's finalization)."""
     from tests.helpers import run_rank_scripts, stderr_noise
-    from vmmkv.testing.spawn import free_port
+    from vmmkv.testing.spawn import world_store
 
     for _ in range(3):
-        victim = run_rank_scripts(_EXIT_SCRIPT, 2, args=(free_port(),), timeout=60)[1]
+        with world_store() as store:
+            runs = run_rank_scripts(_EXIT_SCRIPT, 2, args=(store.port,), env=store.env, timeout=60)
+        victim = runs[1]
         assert victim.returncode == 0, victim
         assert stderr_noise(victim.stderr) == [], victim.stderr

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from tests.helpers import fail_peer_mapping_on
-from vmmkv.testing.spawn import capture_logs, run_world, run_world_raw
+from vmmkv.testing.spawn import capture_logs, run_world, run_world_raw, world_store
 
 CASES = [
     pytest.param("host", 2, id="host-2"),
@@ -432,9 +432,7 @@ def test_close_at_interpreter_exit_is_clean():
     script = textwrap.dedent(
         """
         import atexit, os, torch.distributed as dist
-        from vmmkv.testing.spawn import free_port
-        dist.init_process_group("gloo", rank=0, world_size=1,
-                                init_method=f"tcp://127.0.0.1:{free_port()}")
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method="env://")
         from vmmkv.ipc import SymmetricRegion
         sr = SymmetricRegion(1 << 22, "cpu", backend="host", initial_bytes=1 << 21)
         leaked = SymmetricRegion(1 << 22, "cpu", backend="host", initial_bytes=1 << 21)
@@ -443,14 +441,15 @@ def test_close_at_interpreter_exit_is_clean():
         """
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=50,
-        env={**os.environ, "PYTHONPATH": root},
-    )
+    with world_store() as store:  # env:// reads its address from store.env
+        proc = subprocess.run(
+            [sys.executable, "-c", script],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=50,
+            env={**os.environ, "PYTHONPATH": root, **store.env},
+        )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"
     assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr

@@ -63,13 +63,16 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import vllm_marks
-from vmmkv.testing.spawn import free_port, run_world
+from vmmkv.testing.spawn import run_world, world_store
 
 pytestmark = vllm_marks()
 
 BS, LAYERS, NUM_BLOCKS = 64, 2, 128
 TOKENS, SEQS = 256, 16  # max_num_batched_tokens (prompts up to 1300: chunked), max_num_seqs
 KNOBS = {
+    # as a deployment sets them: elastic mode needs the plugin on (vLLM's plugin loader, in any
+    # process it starts, refuses VLLM_VMMKV_ELASTIC=1 alone)
+    "VLLM_USE_VMMKV": "1",
     "VLLM_VMMKV_ELASTIC": "1",
     "VMMKV_CHUNK_MIB": "0.5",  # 5 blocks of 100,864 B (2 layers) per chunk: the quantum
     "VMMKV_ELASTIC_WATERMARK_BLOCKS": "16",
@@ -592,8 +595,9 @@ def _check_refused(runs, s):
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return run_world(_ranks, 2, args=(free_port(), [ASYNC, SYNC]), init_group=False,
-                     env=KNOBS, timeout=400)  # fmt: skip
+    with world_store() as store:
+        return run_world(_ranks, 2, args=(store.port, [ASYNC, SYNC]), init_group=False,
+                         env={**KNOBS, **store.env}, timeout=400)  # fmt: skip
 
 
 @pytest.mark.timeout(420)
@@ -610,6 +614,7 @@ def test_two_ranks_under_vllms_sync_scheduler_hold_the_reference_bytes_without_z
 
 @pytest.mark.timeout(600)
 def test_three_ranks_under_vllms_async_scheduler_hold_the_reference_bytes():
-    out = run_world(_ranks, 3, args=(free_port(), [ASYNC]), init_group=False, env=KNOBS,
-                    timeout=560)  # fmt: skip
+    with world_store() as store:
+        out = run_world(_ranks, 3, args=(store.port, [ASYNC]), init_group=False,
+                        env={**KNOBS, **store.env}, timeout=560)  # fmt: skip
     _check(out, ASYNC, 3)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import vllm_marks
-from vmmkv.testing.spawn import free_port, run_world
+from vmmkv.testing.spawn import run_world
 
 pytestmark = vllm_marks()
 
@@ -360,10 +360,12 @@ def _names(dcps):
 
 
 @pytest.mark.timeout(900)
-def test_two_pcp_ranks_match_vllms_own_path_for_every_pcp_manager_step_both_families_and_gather():
+def test_two_pcp_ranks_match_vllms_own_path_for_every_pcp_manager_step_both_families_and_gather(
+    world_store,
+):
     runs = [("LBNHC", True), ("BLNHC", True), ("LBNHC", False)]
-    out = run_world(_scenario, 2, args=(free_port(), 1, runs, (1, 2)), init_group=False,
-                    timeout=860)  # fmt: skip
+    out = run_world(_scenario, 2, args=(world_store.port, 1, runs, (1, 2)), init_group=False,
+                    env=world_store.env, timeout=860)  # fmt: skip
     for rank, o in enumerate(out):
         assert o["pcp_ranks"] == [0, 1] and o["tp_ranks"] == [rank]
         assert "cannot hold the KV cache of '/" in o["refused"] and "vmmkv-dsv32-" in o["refused"]
@@ -375,10 +377,12 @@ def test_two_pcp_ranks_match_vllms_own_path_for_every_pcp_manager_step_both_fami
 
 
 @pytest.mark.timeout(900)
-def test_four_pcp_ranks_match_vllms_own_path_for_every_pcp_manager_step_direct_and_gather():
+def test_four_pcp_ranks_match_vllms_own_path_for_every_pcp_manager_step_direct_and_gather(
+    world_store,
+):
     runs = [("LBNHC", True), ("LBNHC", False)]
-    out = run_world(_scenario, 4, args=(free_port(), 1, runs, (1, 2)), init_group=False,
-                    timeout=860)  # fmt: skip
+    out = run_world(_scenario, 4, args=(world_store.port, 1, runs, (1, 2)), init_group=False,
+                    env=world_store.env, timeout=860)  # fmt: skip
     for rank, o in enumerate(out):
         assert o["pcp_ranks"] == [0, 1, 2, 3]
         for name, rep in o["runs"].items():
@@ -387,10 +391,10 @@ def test_four_pcp_ranks_match_vllms_own_path_for_every_pcp_manager_step_direct_a
 
 
 @pytest.mark.timeout(900)
-def test_tp2_pcp2_groups_built_by_vllm_each_hold_only_their_own_pcp_replicas():
+def test_tp2_pcp2_groups_built_by_vllm_each_hold_only_their_own_pcp_replicas(world_store):
     out = run_world(
-        _scenario, 4, args=(free_port(), 2, [("LBNHC", True)], (2,)), init_group=False,
-        timeout=860,
+        _scenario, 4, args=(world_store.port, 2, [("LBNHC", True)], (2,)), init_group=False,
+        env=world_store.env, timeout=860,
     )  # fmt: skip
     # vLLM's order is [..., PCP, TP]: TP groups [0,1], [2,3]; PCP groups [0,2], [1,3]
     assert [o["tp_ranks"] for o in out] == [[0, 1], [0, 1], [2, 3], [2, 3]]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import vllm_marks
-from vmmkv.testing.spawn import free_port, run_world
+from vmmkv.testing.spawn import run_world
 
 pytestmark = vllm_marks()
 
@@ -99,10 +99,10 @@ def _scale(rank, world, port, nofile, chunk_mib):
     [(2, 4096, None, 64), (4, 4096, None, 64), (2, 4096, 0.0625, 2254), (4, 8192, 0.0625, 2254)],
 )
 def test_a_61_layer_cache_starts_sleeps_and_wakes_through_the_plugin_under_the_limit(
-    world, nofile, chunk_mib, chunks
+    world, nofile, chunk_mib, chunks, world_store
 ):
-    out = run_world(_scale, world, args=(free_port(), nofile, chunk_mib), init_group=False,
-                    timeout=280)  # fmt: skip
+    out = run_world(_scale, world, args=(world_store.port, nofile, chunk_mib), init_group=False,
+                    env=world_store.env, timeout=280)  # fmt: skip
     for rank, o in enumerate(out):
         assert o["chunks"] == chunks and o["views"] == 2 * LAYERS, o
         for step, blocks in (("start", BLOCKS), ("sleep", 0), ("wake", BLOCKS)):

@@ -2,8 +2,8 @@
 path selection says.
 
 - ``shared_settings(direct, lanes, barrier_timeout)``: the constructor's arguments and their
-  environment variables (``VMMKV_DIRECT``, ``VMMKV_BARRIER_TIMEOUT``, ``VMMKV_CHECK_PADDING``)
-  resolved into the dict the region's rendezvous compares across ranks (``must_match``), plus
+  environment variables (``VMMKV_DIRECT``, ``VMMKV_BARRIER_TIMEOUT``, ``VMMKV_CHECK_PADDING``,
+  each read by ``vmmkv._env``) resolved into the dict the region's rendezvous compares across ranks (``must_match``), plus
   this rank's first invalid one.
 - ``resolve_direct``: ``auto``, ``1`` or ``0`` (also ``vmmkv.cache.resolve_direct``).
 - ``barrier_trap``: ``VMMKV_BARRIER_TRAP`` (local, not compared).
@@ -17,12 +17,11 @@ the caller passes (the cache's, ``vmmkv.cache``).
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from typing import Any
 
+from . import _env
 from ._util import require_int, require_timeout
-from .gather import check_padding_enabled
 
 __all__ = ["barrier_trap", "log_selection", "resolve_direct", "shared_settings", "why_not_direct"]
 
@@ -31,12 +30,7 @@ def _barrier_timeout(value: float | None) -> float:
     """The host timeout of a barrier wait (docs/design.md "Barrier"): 600 s unless given or set
     by ``VMMKV_BARRIER_TIMEOUT``; the device diagnostic comes after min(10 s, it)."""
     if value is None:
-        env = os.environ.get("VMMKV_BARRIER_TIMEOUT", "600")
-        try:
-            value = float(env)
-        except ValueError:
-            msg = f"VMMKV_BARRIER_TIMEOUT must be a number of seconds, got {env!r}"
-            raise ValueError(msg) from None
+        return _env.barrier_timeout()
     return require_timeout("barrier_timeout", value)
 
 
@@ -50,7 +44,7 @@ def shared_settings(direct, lanes, barrier_timeout) -> tuple[dict[str, Any], Exc
         ("direct", lambda: resolve_direct(direct)),
         ("lanes", lambda: require_int("lanes", lanes, lo=1)),
         ("barrier_timeout", lambda: _barrier_timeout(barrier_timeout)),
-        ("check_padding", check_padding_enabled),
+        ("check_padding", _env.check_padding),
     ):
         try:
             match[key] = value()
@@ -65,16 +59,13 @@ def resolve_direct(direct: bool | None) -> str:
         if not isinstance(direct, bool):
             raise TypeError(f"direct must be None, True or False, got {direct!r}")
         return "1" if direct else "0"
-    value = os.environ.get("VMMKV_DIRECT", "auto").strip().lower()
-    if value not in ("auto", "0", "1"):
-        raise ValueError(f"VMMKV_DIRECT must be 'auto', '0' or '1', got {value!r}")
-    return value
+    return _env.direct()
 
 
 def barrier_trap() -> bool:
     """``VMMKV_BARRIER_TRAP=1``: a barrier wait past its timeout traps the device instead of
     being aborted by the watchdog (docs/design.md "Barrier")."""
-    return os.environ.get("VMMKV_BARRIER_TRAP", "0").strip().lower() in ("1", "true")
+    return _env.barrier_trap()
 
 
 def why_not_direct(region: Any, mode_requested: str) -> str:

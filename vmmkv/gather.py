@@ -63,7 +63,6 @@ no plan. ``close`` drops the buffers and plans (local, idempotent).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -71,7 +70,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import ops
+from . import _env, ops
 from ._store import check_inputs, own_slots
 from ._util import require_int, round_up
 from .ops.kv import KVTarget
@@ -93,10 +92,7 @@ class GatherTimeout(RuntimeError):
 
 def check_padding_enabled() -> bool:
     """``VMMKV_CHECK_PADDING``: '1' turns the debug check on, '0' or unset leaves it off."""
-    value = os.environ.get("VMMKV_CHECK_PADDING", "0").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"VMMKV_CHECK_PADDING must be '0' or '1', got {value!r}")
-    return value == "1"
+    return _env.check_padding()
 
 
 def pad_tokens(

@@ -13,16 +13,25 @@ Views keep the address range reserved: touching them after ``close()`` faults; C
 captured the addresses must not be replayed after ``close()``.
 """
 
-from .backend import Backend
-from .driver import CudaError, cuda_usable, primary_context
-from .region import (
-    Chunk,
-    PeerRegion,
-    RegionClosedError,
-    UnmapError,
-    VirtualRegion,
-    make_backend,
-)
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# The names below load on first use, so that ``vmmkv.alloc.driver`` imports without torch (the
+# CLI asks it whether CUDA is usable before it imports torch).
+_LAZY = {
+    "Backend": "backend",
+    "CudaError": "driver",
+    "cuda_usable": "driver",
+    "primary_context": "driver",
+    "Chunk": "region",
+    "PeerRegion": "region",
+    "RegionClosedError": "region",
+    "UnmapError": "region",
+    "VirtualRegion": "region",
+    "make_backend": "region",
+}
 
 __all__ = [
     "Backend",
@@ -36,3 +45,12 @@ __all__ = [
     "make_backend",
     "primary_context",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -3,8 +3,12 @@
 
 Each tool is a module of this package with ``parser()`` (its ``argparse`` parser, built with
 :func:`tool_parser`: ``--help`` prints the module docstring as plain text and every option's
-help, then exits 0) and ``main(argv) -> int`` (the exit status). Tools write for a person: they
-print, and every tool opens with one banner line from :func:`banner` (``vmmkv <tool>: ...``).
+help, then exits 0) and ``main(argv) -> int`` (the exit status). Tools check every argument and
+every environment variable they read (``vmmkv._env``) before they import torch or spawn a rank,
+through ``vmmkv.cli.checks``: a wrong one exits 2 with one line per error on stderr, no
+traceback.
+Tools write for a person: they print, and every tool opens with one banner line from
+:func:`banner` (``vmmkv <tool>: ...``).
 Timings taken on the host backend check that the steps run, nothing more: the tools that print
 them say so (:data:`HOST_TIMINGS`). Tools that start processes (demo, bench) do so through
 ``vmmkv.testing.spawn``, the only place that sets the NVLink-multicast-off variables.
@@ -21,7 +25,15 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["COMMANDS", "HOST_TIMINGS", "banner", "main", "plain", "rank_reports", "tool_parser"]
+__all__ = [
+    "COMMANDS",
+    "HOST_TIMINGS",
+    "banner",
+    "main",
+    "plain",
+    "rank_reports",
+    "tool_parser",
+]
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +55,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 USAGE = (
-    "usage: python -m vmmkv COMMAND [options]   (or: vmmkv COMMAND [options])\n\ncommands:\n"
+    "usage: python -m vmmkv COMMAND [options]   (or: vmmkv COMMAND [options])\n"
+    "       python -m vmmkv --version\n\ncommands:\n"
     + ("".join(f"  {name:<8} {summary}\n" for name, (_, summary) in COMMANDS.items()))
 )
 
@@ -62,10 +75,15 @@ def plain(text: str) -> str:
     return re.sub(r":(?:func|class|data|meth|mod):`~?([^`]*)`", r"\1", text)
 
 
+class _ToolParser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse adds the usage text)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def tool_parser(tool: str, doc: str) -> argparse.ArgumentParser:
     """The parser of ``python -m vmmkv <tool>``: ``doc`` (the tool's module docstring) as
-    plain text, its line breaks kept."""
-    return argparse.ArgumentParser(
+    plain text, its line breaks kept. A malformed option exits 2 with one line."""
+    return _ToolParser(
         prog=f"python -m vmmkv {tool}",
         description=plain(doc),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -111,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] == "--version":
+        from .. import __version__
+
+        print(f"vmmkv {__version__}")
+        return 0
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:
         print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)

@@ -10,7 +10,8 @@ region through the mapping) and reports publish bandwidth at the largest T again
 table, writes ``<--out>/bench.json`` always (default ``./vmmkv-bench/bench.json``) and
 ``<--out>/bench.png`` (latency against tokens, one line per path) where matplotlib is
 installed; without it one log line says the plot was skipped; the last line names the files
-written. ``--quick`` finishes within a minute. On the host backend the timings are functional
+written (the directory is checked before the sweep, with every argument and environment variable:
+a wrong one exits 2). ``--quick`` finishes within a minute. On the host backend the timings are functional
 checks, not performance: the output says so and ``bench.json`` has ``"timings": "functional"``
 (``"performance"`` on CUDA). The detailed kernel, region and rendezvous benchmarks live in the
 repository's ``benchmarks/``.
@@ -25,7 +26,7 @@ import os
 import sys
 from typing import Any
 
-from . import HOST_TIMINGS, add_group_args, banner, rank_reports, tool_parser
+from . import HOST_TIMINGS, add_group_args, banner, checks, rank_reports, tool_parser
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def _rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     sweep = opts["tokens"]
     nblk = ceil_div(max(sweep) * world, BLOCK_SIZE) + 1
     nbytes = nblk * block_stride(1)
-    chunk = (2 << 20) if backend == "cuda" else (1 << 16)
+    chunk = opts["chunk"]
     cap = round_up(nbytes, chunk)
     out: dict[str, Any] = {"rank": rank, "rows": []}
     with ReplicatedKVCache(
@@ -158,14 +159,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..alloc import driver
+    a = parser().parse_args(argv)
+    errors: list[str] = []
+    checks.at_least(errors, "--warmup", a.warmup, 0)
+    checks.at_least(errors, "--iters", a.iters, 1)
+    backend, world, chunk = checks.group(errors, a.backend, a.world)
+    errors += checks.writable("--out", a.out, directory=True)
+    if errors:
+        return checks.refuse("bench", errors)
     from ..ops.formats import INDEXER_ENTRY_BYTES, MLA_ENTRY_BYTES
 
-    a = parser().parse_args(argv)
-    backend = a.backend
-    if backend == "auto":
-        backend = "cuda" if driver.cuda_usable() else "host"
-    world = a.world or (max(2, driver.device_count()) if backend == "cuda" else 2)
     tokens = QUICK if a.quick else FULL
     if backend == "host":
         tokens = tuple(t for t in tokens if t <= 2048)
@@ -174,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens": list(tokens),
         "warmup": a.warmup if a.warmup is not None else (3 if a.quick else 20),
         "iters": a.iters if a.iters is not None else (10 if a.quick else 100),
+        "chunk": chunk,
     }
     banner("bench", f"{world} ranks, {backend} backend, tokens/rank {list(tokens)}")
     if backend == "host":
@@ -207,7 +211,6 @@ def main(argv: list[str] | None = None) -> int:
         print(" | ".join(f"{row[c]:>16.3g}" if isinstance(row[c], float) else f"{row[c]:>16}"
                          for c in cols))  # fmt: skip
     out_dir = os.path.abspath(a.out)
-    os.makedirs(out_dir, exist_ok=True)
     for k, v in summary.items():
         print(f"{k}: {v:.3g}")
     timings = "functional" if backend == "host" else "performance"

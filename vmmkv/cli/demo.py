@@ -5,8 +5,9 @@ the host backend), allocates a layer-interleaved MLA + Indexer cache through ``a
 the per-layer views, captures a CUDA graph of the stores + barrier, grows the cache after
 capture, replays with tokens landing in the newly committed blocks, verifies every replica
 against the pure-torch oracle over all ranks' tokens, times direct publication against the
-gather fallback, checks the fallback's bytes too, shrinks, closes, and prints a report. Exits
-non-zero on any mismatch or failure.
+gather fallback, checks the fallback's bytes too, shrinks, closes, and prints a report: a few
+lines and a table of each rank's median step times. Exits 1 on any mismatch or failure, 2 on a
+wrong argument or environment variable (checked before any rank starts).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import sys
 import time
 from typing import Any
 
-from . import HOST_TIMINGS, add_group_args, banner, rank_reports, tool_parser
+from . import HOST_TIMINGS, add_group_args, banner, checks, rank_reports, tool_parser
 
 DECODE = 2  # replicated decode tokens at the head of every step (num_local_only)
+TOKENS = (13, 64, 1, 0)  # each rank's own tokens per step (rank r: TOKENS[r % 4])
+BLOCK_TOKENS = 64  # vmmkv.testing.kv.BLOCK_SIZE, without importing torch (a test ties them)
 
 
 def _log(rank: int, t0: float, msg: str) -> None:
@@ -179,7 +182,7 @@ def _drive(cache, rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]
     # 4. time direct publication against the gather fallback
     timing = _time(cache, step_all, graph, dev, sync)
     report.update(timing)
-    _log(rank, t0, f"timed direct vs gather: {timing}")
+    _log(rank, t0, "timed direct publication and the gather fallback (table below)")
     # 5. the fallback writes the same bytes
     n, want = poison_and_oracle(2, new_blocks, 3)
     step_all(mode="gather")
@@ -213,33 +216,51 @@ def _time(cache, step_all, graph, dev, sync, iters: int = 20) -> dict[str, float
 
 
 def run(
-    world: int | None = None,
-    backend: str = "auto",
+    world: int,
+    backend: str,
     *,
+    chunk: int,
     layers: int = 4,
     blocks: int = 32,
-    tokens: tuple[int, ...] = (13, 64, 1, 0),
+    tokens: tuple[int, ...] = TOKENS,
     timeout: float = 600.0,
 ) -> list[dict]:
-    """Spawn the group, run the demo on every rank, return the per-rank reports (a failed
-    rank's report holds ``error``)."""
-
-    from ..alloc import driver
-
-    if backend == "auto":
-        backend = "cuda" if driver.cuda_usable() else "host"
-    if world is None:
-        world = max(2, driver.device_count()) if backend == "cuda" else 2
+    """Spawn the group (``backend`` 'cuda' or 'host', checked by the caller), run the demo on
+    every rank, return the per-rank reports (a failed rank's report holds ``error``)."""
     opts = {
         "backend": backend,
         "layers": layers,
         "blocks": blocks,
         "tokens": list(tokens),
-        "chunk": (2 << 20) if backend == "cuda" else (1 << 16),
+        "chunk": chunk,
         "t0": time.monotonic(),
     }
     banner("demo", f"spawning {world} ranks ({backend} backend)")
     return rank_reports(_run_rank, world, opts, timeout)
+
+
+def _step_tokens(world: int, tokens: tuple[int, ...] = TOKENS) -> int:
+    """Slots one step writes: the replicated decode tokens and every rank's own."""
+    return DECODE + sum(tokens[r % len(tokens)] for r in range(world))
+
+
+def _timing_table(reports: list[dict]) -> list[str]:
+    """Each rank's median step time (us) of direct publication and of the gather fallback, and
+    the slowest rank's, which the report's step-time line quotes."""
+
+    def us(value) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    rows = [r for r in reports if "gather_us" in r]
+    lines = [f"    {'rank':>4}  {'direct us':>10}  {'gather us':>10}"]
+    lines += [
+        f"    {r['rank']:>4}  {us(r['direct_us']):>10}  {us(r['gather_us']):>10}" for r in rows
+    ]
+    d = [r["direct_us"] for r in rows if r["direct_us"] is not None]
+    lines.append(
+        f"    {'max':>4}  {us(max(d) if d else None):>10}  {us(max(r['gather_us'] for r in rows)):>10}"
+    )
+    return lines
 
 
 def _print_report(reports: list[dict]) -> bool:
@@ -270,11 +291,15 @@ def _print_report(reports: list[dict]) -> bool:
                 f"  step time          direct {max(d):.1f} us, gather fallback {max(g):.1f} us "
                 f"(median, slowest rank; direct/gather = {max(d) / max(g):.2f})"
             )
+        if g:
+            print("  step time by rank (median of 20 steps)")
+            print("\n".join(_timing_table(reports)))
         if first["backend"] == "host":
             print(f"  timings            {HOST_TIMINGS}")
     for r in reports:
         if "error" in r:  # the exception's last line here, the whole traceback on stderr
-            print(f"  rank {r.get('rank', '?')} FAILED: {r['error'].strip().splitlines()[-1]}")
+            last = (r["error"].strip().splitlines() or ["ended without saying why"])[-1]
+            print(f"  rank {r.get('rank', '?')} FAILED: {last}")
             print(f"--- rank {r.get('rank', '?')} ---\n{r['error']}", file=sys.stderr)
     print(
         f"  verification       {'PASS: every replica byte-identical to the oracle' if ok else 'FAIL'}"
@@ -295,8 +320,23 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
+    errors: list[str] = []
+    checks.at_least(errors, "--layers", a.layers, 1)
+    checks.at_least(errors, "--blocks", a.blocks, 2)
+    backend, world, chunk = checks.group(errors, a.backend, a.world)
+    need = _step_tokens(world)
+    if a.blocks >= 2 and world >= 1 and (a.blocks // 2) * BLOCK_TOKENS < need:
+        least = 2 * -(-need // BLOCK_TOKENS)
+        errors.append(
+            f"--blocks {a.blocks} is too few for {world} ranks: the first half of the blocks "
+            f"takes a step of {need} tokens ({BLOCK_TOKENS} per block): use --blocks {least} or more"
+        )
+    if a.json:
+        errors += checks.writable("--json", a.json, directory=False)
+    if errors:
+        return checks.refuse("demo", errors)
     try:
-        reports = run(a.world, a.backend, layers=a.layers, blocks=a.blocks)
+        reports = run(world, backend, chunk=chunk, layers=a.layers, blocks=a.blocks)
     except Exception as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
         return 1

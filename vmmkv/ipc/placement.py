@@ -34,6 +34,7 @@ import socket
 import threading
 from typing import Any
 
+from .. import _env
 from ..alloc import driver as drv
 from ..alloc.fabric import boot_id
 from .comm import GroupError, StoreComm
@@ -57,7 +58,7 @@ log = logging.getLogger("vmmkv.ipc.peers")
 TEST_HOST_ENV = "VMMKV_TEST_HOST"
 TEST_DOMAIN_ENV = "VMMKV_TEST_NVLINK_DOMAIN"
 # '1' lets "auto" pick by-value handles across the hosts of one NVLink domain (module docstring)
-FABRIC_ENV = "VMMKV_FABRIC"
+FABRIC_ENV = _env.FABRIC
 NOT_OPTED_IN = (
     "by-value (CUDA fabric) handles across hosts are opt-in, since that path has not run on "
     f"multi-node NVLink hardware: set {FABRIC_ENV}=1 on every rank, or handle_type='fabric'"
@@ -184,10 +185,10 @@ def local_location(ordinal: int | None) -> dict[str, str]:
 def fabric_opt_in() -> str:
     """Local: this process's ``VMMKV_FABRIC``: ``"1"`` (opted in), ``"0"`` (unset, empty or
     '0'), or ``"invalid <value>"``."""
-    raw = os.environ.get(FABRIC_ENV, "").strip()
-    if raw in ("", "0", "1"):
-        return raw or "0"
-    return f"invalid {raw!r}"
+    try:
+        return "1" if _env.fabric() else "0"
+    except ValueError:
+        return f"invalid {os.environ[FABRIC_ENV].strip()!r}"
 
 
 def choose_handle_type(

@@ -15,7 +15,6 @@ Contract:
 from __future__ import annotations
 
 import ctypes
-import os
 import struct
 import threading
 from collections.abc import Mapping
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 
+from vmmkv import _env
 from vmmkv.alloc import driver
 from vmmkv.ops import build
 from vmmkv.ops.formats import STORE_KINDS
@@ -147,7 +147,7 @@ class PreparedLaunch:
     def __init__(
         self, kernel: Kernel, ordinal: int, block: int, fixed: tuple = (), api: str | None = None
     ):
-        api = api or os.environ.get("VMMKV_LAUNCH_API", "bindings")
+        api = api or _env.launch_api()
         if api not in ("bindings", "ctypes"):
             raise ValueError(f"api must be 'bindings' or 'ctypes', got {api!r}")
         n = len(kernel._offsets)

@@ -14,24 +14,36 @@ signal that killed it (``SIGSEGV``...) and the last ``STDERR_TAIL_LINES`` lines 
 a timed-out child with those lines too. With ``PYTHONFAULTHANDLER=1`` in the environment (the
 children inherit it) a crash also leaves the Python stack of the crashing thread in those lines.
 
+Rendezvous: :func:`world_store` is the one way ranks find each other. The spawning process hosts
+the world's ``torch.distributed`` store itself, a ``TCPStore`` bound to a port the kernel picks
+(port 0) and held until the world is done, so no port is chosen free and bound again later (no
+race with another run). The ranks join it as clients through torchrun's agent-store contract
+(``WorldStore.env``: ``TORCHELASTIC_USE_AGENT_STORE``, ``MASTER_ADDR``, ``MASTER_PORT``), whether
+they call ``init_process_group(init_method=WorldStore.init_method)`` themselves, go through a
+library that builds ``tcp://127.0.0.1:<port>`` from ``WorldStore.port`` (vLLM's
+``init_distributed_environment``), or are joined by ``run_world_raw(init_group=True)``. One store
+serves one world and one default group at a time: a rank that destroys its group and creates
+another in the same world would meet the first group's keys.
+
 Environment of the children: this is the one place that turns NVLink multicast off for the
 libraries a rank may load (``MULTICAST_OFF``: NCCL, torch symmetric memory, NVSHMEM); vmmkv itself
 never creates multicast objects. A variable already set in the parent's environment keeps its
 value; ``env`` is applied last and wins over both. ``CUDA_VISIBLE_DEVICES`` is passed through
-untouched. This module imports no torch: children import it only after their environment is
-set (``fn`` and ``args`` travel pickled and are unpickled in the child after that).
+untouched. This module imports no torch at import time (:func:`world_store` imports it when
+called): children import it only after their environment is set (``fn`` and ``args`` travel
+pickled and are unpickled in the child after that).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import pickle
 import signal
-import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import get_context
@@ -44,10 +56,11 @@ __all__ = [
     "MULTICAST_OFF",
     "STDERR_TAIL_LINES",
     "RankResult",
+    "WorldStore",
     "capture_logs",
-    "free_port",
     "run_world",
     "run_world_raw",
+    "world_store",
 ]
 
 # Set in every child unless already set: no NVLink multicast objects from the libraries a rank
@@ -79,11 +92,47 @@ class RankResult:
     stderr_tail: str = ""  # the last lines the child wrote to its stderr
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+_STORE_HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class WorldStore:
+    """The address of a world's store, hosted by the process inside :func:`world_store`:
+    ``port`` (bound for the store's whole life), ``init_method`` (``tcp://127.0.0.1:<port>``)
+    and ``env``, the variables a rank needs in its environment to join it as a client."""
+
+    port: int
+
+    @property
+    def init_method(self) -> str:
+        return f"tcp://{_STORE_HOST}:{self.port}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "MASTER_ADDR": _STORE_HOST,
+            "MASTER_PORT": str(self.port),
+        }
+
+
+@contextlib.contextmanager
+def world_store(timeout: float = 300.0) -> Iterator[WorldStore]:
+    """Host one world's ``torch.distributed`` store in this process for the block: a
+    ``TCPStore`` server on 127.0.0.1, on a port the kernel picks when it binds (never a port
+    chosen beforehand). Ranks started in the block with ``WorldStore.env`` join it as clients.
+    ``timeout``: the store's own wait limit. The block's end shuts the server down; the ranks
+    must be done with it by then. Local; imports torch."""
+    from torch.distributed import TCPStore
+
+    timeout = require_timeout("timeout", timeout)
+    server = TCPStore(
+        _STORE_HOST, 0, None, True, timedelta(seconds=timeout), wait_for_workers=False
+    )
+    try:
+        yield WorldStore(server.port)
+    finally:
+        del server
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -101,7 +150,7 @@ def _child_main(
     world_size: int,
     fn_and_args: bytes,
     conn: Any,
-    port: int,
+    init_method: str,
     init_group: bool,
     timeout: float,
     env: dict[str, str],
@@ -128,7 +177,7 @@ def _child_main(
                     "gloo",
                     rank=rank,
                     world_size=world_size,
-                    init_method=f"tcp://127.0.0.1:{port}",
+                    init_method=init_method,
                     timeout=timedelta(seconds=timeout),
                 )
             try:
@@ -159,8 +208,9 @@ def run_world_raw(
     env: dict[str, str] | None = None,
 ) -> list[RankResult]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; one result per
-    rank, in rank order. With ``init_group`` each child joins a gloo group over loopback first
-    (its timeout is ``timeout`` too). ``env``: extra environment variables of the children.
+    rank, in rank order. With ``init_group`` each child joins a gloo group over loopback first,
+    on a store this process hosts (:func:`world_store`; its timeout is ``timeout`` too). ``env``:
+    extra environment variables of the children.
     A rank that raised, died or timed out has ``ok=False`` and the reason in ``error``."""
     require_int("world_size", world_size, lo=1)
     timeout = require_timeout("timeout", timeout)
@@ -170,8 +220,19 @@ def run_world_raw(
         raise TypeError(
             f"fn must be a module-level function and args picklable (spawn): {exc}"
         ) from exc
+    if not init_group:
+        return _run_children(fn_and_args, world_size, timeout, "", dict(env or {}))
+    with world_store(timeout) as store:
+        env = {**store.env, **(env or {})}
+        return _run_children(fn_and_args, world_size, timeout, store.init_method, env)
+
+
+def _run_children(
+    fn_and_args: bytes, world_size: int, timeout: float, init_method: str, env: dict[str, str]
+) -> list[RankResult]:
+    """The children of :func:`run_world_raw`; ``init_method`` empty: no group."""
+    init_group = bool(init_method)
     ctx = get_context("spawn")
-    port = free_port() if init_group else 0
     readers: list[Any] = []
     err_readers: list[Any] = []
     tails = [_Tail() for _ in range(world_size)]
@@ -190,10 +251,10 @@ def run_world_raw(
                     world_size,
                     fn_and_args,
                     writer,
-                    port,
+                    init_method,
                     init_group,
                     timeout,
-                    dict(env or {}),
+                    env,
                     os.getpid(),
                     err_writer,
                 ),

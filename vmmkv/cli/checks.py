@@ -1,0 +1,79 @@
+"""The checks of the spawning tools (demo, bench), run before they import torch or start a
+rank: each appends one line per problem to the caller's ``errors`` list; :func:`refuse` prints
+them and gives the exit status 2. Local; imports neither torch nor CUDA (``vmmkv.alloc.driver``
+loads cuda.bindings only)."""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["at_least", "group", "refuse", "writable"]
+
+
+def refuse(tool: str, errors: list[str]) -> int:
+    """Print one line per error on stderr (``python -m vmmkv <tool>: error: ...``); the exit
+    status of a usage error, 2."""
+    for error in errors:
+        print(f"python -m vmmkv {tool}: error: {error}", file=sys.stderr)
+    return 2
+
+
+def at_least(errors: list[str], option: str, value: int | None, lo: int) -> None:
+    """Append an error when ``value`` (None: not given) is below ``lo``."""
+    if value is not None and value < lo:
+        errors.append(f"{option} must be >= {lo}, got {value}")
+
+
+def writable(option: str, path: str, *, directory: bool) -> list[str]:
+    """[] when the tool can write ``path``: a directory (created if missing) or a file in an
+    existing directory; else one line naming the option, the path and the reason. Probes by
+    creating and removing a temporary file there."""
+    import errno
+    import os
+    import tempfile
+
+    target = os.path.abspath(path)
+    where = target if directory else os.path.dirname(target)
+    try:
+        if directory:
+            os.makedirs(where, exist_ok=True)
+        elif os.path.isdir(target):
+            raise IsADirectoryError(errno.EISDIR, "it is a directory")
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as exc:
+        return [f"{option} {path}: cannot write there ({exc.strerror or exc})"]
+    return []
+
+
+def group(errors: list[str], backend: str, world: int | None) -> tuple[str, int, int]:
+    """The spawning tools' ``(backend, world, chunk_bytes)``: ``auto`` resolved (cuda where a GPU
+    is usable), ``world`` defaulted (the GPUs, at least 2), the chunk size from
+    ``VMMKV_CHUNK_MIB`` or the default (2 MiB on CUDA, 64 KiB on the host). Appends to
+    ``errors``: ``--world`` below 1, ``--backend cuda`` without a CUDA device, every invalid
+    environment variable, a chunk size that is not a multiple of the backend's granularity."""
+    import os
+
+    from .. import _env
+    from ..alloc import driver
+
+    at_least(errors, "--world", world, 1)
+    if backend == "auto":
+        backend = "cuda" if driver.cuda_usable() else "host"
+    elif backend == "cuda" and not driver.cuda_usable():
+        errors.append("no CUDA device: use --backend host")
+    if world is None:
+        world = max(2, driver.device_count()) if backend == "cuda" else 2
+    errors += _env.problems()
+    granularity = (2 << 20) if backend == "cuda" else os.sysconf("SC_PAGE_SIZE")
+    chunk = (2 << 20) if backend == "cuda" else (1 << 16)
+    try:
+        chunk = _env.chunk_bytes() or chunk
+    except ValueError:
+        pass  # in errors already, through _env.problems()
+    if chunk % granularity:
+        errors.append(
+            f"{_env.CHUNK_MIB}={os.environ.get(_env.CHUNK_MIB)!r} is {chunk} bytes: the {backend} "
+            f"backend needs a multiple of {granularity} bytes"
+        )
+    return backend, world, chunk
