@@ -25,7 +25,7 @@ import pytest
 from tests.helpers import vllm_marks
 from tests.test_vllm_pcp import BS, LAYERS, MIXES, NUM_BLOCKS, _call_sites, _pcp_step
 from tests.test_vllm_pcp import _vllm_reference as _reference
-from vmmkv.testing.spawn import free_port, run_world
+from vmmkv.testing.spawn import run_world
 
 pytestmark = vllm_marks()
 
@@ -292,9 +292,10 @@ def _check(rep, world, direct):
 
 
 @pytest.mark.timeout(900)
-def test_two_pcp_ranks_under_vllms_extensible_cache_follow_its_call_order_byte_equal():
+def test_two_pcp_ranks_under_vllms_extensible_cache_follow_its_call_order_byte_equal(world_store):
     runs = [("LBNHC", True), ("BLNHC", True), ("LBHNC", False)]
-    out = run_world(_scenario, 2, args=(free_port(), runs, (1, 2)), init_group=False,
+    out = run_world(_scenario, 2, args=(world_store.port, runs, (1, 2)), init_group=False,
+                    env=world_store.env,
                     timeout=840)  # fmt: skip
     for rank in range(2):
         for layout, direct in runs:
@@ -302,9 +303,10 @@ def test_two_pcp_ranks_under_vllms_extensible_cache_follow_its_call_order_byte_e
 
 
 @pytest.mark.timeout(900)
-def test_four_pcp_ranks_under_vllms_extensible_cache_follow_its_call_order_byte_equal():
+def test_four_pcp_ranks_under_vllms_extensible_cache_follow_its_call_order_byte_equal(world_store):
     runs = [("LBNHC", True), ("BLHNC", False)]
-    out = run_world(_scenario, 4, args=(free_port(), runs, (1,)), init_group=False,
+    out = run_world(_scenario, 4, args=(world_store.port, runs, (1,)), init_group=False,
+                    env=world_store.env,
                     timeout=840)  # fmt: skip
     for rank in range(4):
         for layout, direct in runs:
@@ -312,7 +314,9 @@ def test_four_pcp_ranks_under_vllms_extensible_cache_follow_its_call_order_byte_
 
 
 @pytest.mark.timeout(300)
-def test_pcp_size_one_keeps_vllms_own_extensible_tensor():
-    out = run_world(_pcp1, 1, args=(free_port(),), init_group=False, timeout=240)
+def test_pcp_size_one_keeps_vllms_own_extensible_tensor(world_store):
+    out = run_world(
+        _pcp1, 1, args=(world_store.port,), init_group=False, env=world_store.env, timeout=240
+    )
     assert out[0] == {"built": "ExtensibleTensor requires a cuda device, got cpu.",
                       "active": None}  # fmt: skip

@@ -189,11 +189,11 @@ def _scale_extensible(rank, world, port, nofile, chunk_mib, layout):
     "world,layout,chunk_mib", [(2, "LBNHC", 2), (2, "BLNHC", 2), (2, "LBNHC", 0.0625)]
 )
 def test_a_61_layer_cache_under_vllms_extensible_cache_commits_what_vllm_asks_under_the_limit(
-    world, layout, chunk_mib
+    world, layout, chunk_mib, world_store
 ):
     nofile = 4096
-    out = run_world(_scale_extensible, world, args=(free_port(), nofile, chunk_mib, layout),
-                    init_group=False, timeout=280)  # fmt: skip
+    out = run_world(_scale_extensible, world, args=(world_store.port, nofile, chunk_mib, layout),
+                    init_group=False, env=world_store.env, timeout=280)  # fmt: skip
     for rank, o in enumerate(out):
         assert o["views"] == 2 * LAYERS, o["views"]
         chunk, segments = o["chunk"], o["segments"]
