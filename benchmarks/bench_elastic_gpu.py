@@ -33,9 +33,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import arguments, median, table, write_json  # noqa: E402
-
-from vmmkv.testing.spawn import run_world_raw  # noqa: E402
+from common import arguments, device_name, median, ranks_per_config, table, write_json  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 MLA_BLOCK, IDX_BLOCK = 41984, 8448  # bytes per block and layer (64 tokens x 656 B, x 132 B)
@@ -269,9 +267,8 @@ def main() -> None:
     rows = []
     for world in (int(w) for w in a.ranks.split(",")):
         t0 = time.perf_counter()
-        results = run_world_raw(rank_main, world, args=(cfg,), timeout=a.timeout * 4 * len(configs))
-        per_rank = [r.value if r.ok else [{"rank": r.rank, "error": r.error[-600:]}] * len(configs)
-                    for r in results]  # fmt: skip
+        per_rank = ranks_per_config(rank_main, world, cfg, len(configs),
+                                    a.timeout * 4 * len(configs))  # fmt: skip
         for i, (layout, chunk) in enumerate(configs):
             row = summarize(world, layout, chunk, [ranks[i] for ranks in per_rank], cfg)
             print({k: v for k, v in row.items() if k != "ranks"}, file=sys.stderr, flush=True)
@@ -287,12 +284,7 @@ def main() -> None:
     print(table(rows, [c for c in cols if any(c in r for r in rows)]), flush=True)
     print(f"criterion: floor_ratio <= {CRITERION['ratio']} and grow_ms <= "
           f"{CRITERION['grow_ms']:g} (the issue's, for BL at 1000 blocks with 2 processes)")  # fmt: skip
-    device = "host"
-    if backend == "cuda":
-        import torch
-
-        device = torch.cuda.get_device_name(0)
-    write_json(a.out, "bench_elastic_gpu", rows, device=device, commit=git_commit(),
+    write_json(a.out, "bench_elastic_gpu", rows, device=device_name(backend), commit=git_commit(),
                command=[sys.executable, *sys.argv], settings={**cfg, "configs": a.configs})  # fmt: skip
 
 

@@ -44,9 +44,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_elastic_gpu import IDX_BLOCK, MLA_BLOCK, ElasticCache, git_commit  # noqa: E402
-from common import arguments, table, write_json  # noqa: E402
-
-from vmmkv.testing.spawn import run_world_raw  # noqa: E402
+from common import arguments, device_name, ranks_per_config, table, write_json  # noqa: E402
 
 MiB, GRANULE = 1 << 20, 2 << 20
 LAYOUTS = ("LB", "BL")
@@ -285,10 +283,8 @@ def main() -> None:
                warmup=a.warmup, chunk=chunk, backend=backend, timeout=a.timeout)  # fmt: skip
     rows = []
     for world in (int(w) for w in a.ranks.split(",")):
-        results = run_world_raw(rank_main, world, args=(cfg,),
-                                timeout=a.timeout * 4 * len(layouts))  # fmt: skip
-        per_rank = [r.value if r.ok else [{"rank": r.rank, "error": r.error[-600:]}] * len(layouts)
-                    for r in results]  # fmt: skip
+        per_rank = ranks_per_config(rank_main, world, cfg, len(layouts),
+                                    a.timeout * 4 * len(layouts))  # fmt: skip
         for i, layout in enumerate(layouts):
             rows += summarize(world, layout, [ranks[i] for ranks in per_rank])
     cols = ["pcp", "layout", "chunk_MiB", "path", "step", "ms", "blocks", "same_blocks",
@@ -297,12 +293,7 @@ def main() -> None:
     print(f"{backend}: {a.layers} layers, capacity {a.capacity}, warmup {a.warmup}, budget "
           f"{a.budget} blocks; ms: slowest rank; chunks, physical: rank 0's replica")  # fmt: skip
     print(table(rows, [c for c in cols if any(c in r for r in rows)]), flush=True)
-    device = "host"
-    if backend == "cuda":
-        import torch
-
-        device = torch.cuda.get_device_name(0)
-    write_json(a.out, "bench_extensible_gpu", rows, device=device, commit=git_commit(),
+    write_json(a.out, "bench_extensible_gpu", rows, device=device_name(backend), commit=git_commit(),
                command=[sys.executable, *sys.argv], settings={**cfg, "layouts": a.layouts})  # fmt: skip
 
 

@@ -15,10 +15,12 @@ from vmmkv.testing.timing import median, percentile, time_us
 
 __all__ = [
     "arguments",
+    "device_name",
     "machine",
     "median",
     "per_call_ns",
     "percentile",
+    "ranks_per_config",
     "table",
     "time_us",
     "timed",
@@ -89,6 +91,26 @@ def table(rows: list[dict[str, Any]], cols: list[str]) -> str:
     lines.append("-+-".join("-" * w for w in widths))
     lines += [" | ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
     return "\n".join(lines)
+
+
+def ranks_per_config(fn: Callable[..., Any], world: int, cfg: Any, count: int,
+                     timeout: float) -> list[list[dict[str, Any]]]:  # fmt: skip
+    """``fn(rank, world, cfg)`` on ``world`` spawned ranks, each returning one result per
+    configuration (``count``); a rank that failed gives ``count`` copies of its error."""
+    from vmmkv.testing.spawn import run_world_raw
+
+    results = run_world_raw(fn, world, args=(cfg,), timeout=timeout)
+    return [r.value if r.ok else [{"rank": r.rank, "error": r.error[-600:]}] * count
+            for r in results]  # fmt: skip
+
+
+def device_name(backend: str) -> str:
+    """What the JSON records as the device: the GPU's name, or ``host``."""
+    if backend != "cuda":
+        return "host"
+    import torch
+
+    return torch.cuda.get_device_name(0)
 
 
 def write_json(path: str, name: str, rows: list[dict[str, Any]], **extra: Any) -> None:

@@ -17,6 +17,8 @@ segment's blocks rounded up to the chunk (2 MiB, CUDA's granule, and 64 KiB).
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from tests.helpers import vllm_marks
@@ -34,20 +36,14 @@ def _mapped(vc) -> dict[str, list[int]]:
                       for r in range(sr.world_size) if r != sr.rank]}  # fmt: skip
 
 
-def _scale(rank, world, port, nofile, chunk_mib):
+@contextlib.contextmanager
+def _fd_limit(nofile: int, chunk_mib: float | None):
+    """RLIMIT_NOFILE soft = hard = ``nofile`` and ``VMMKV_CHUNK_MIB`` for this rank; yields the
+    peak of its open fds, sampled every 2 ms (a one-element list the step loop resets)."""
     import os
     import resource
     import threading
     import time
-
-    import torch
-    import torch.distributed as dist
-    from vllm.config import set_current_vllm_config
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-    from vllm.v1.worker.gpu import attn_utils
-
-    from vmmkv.integrations import vllm as integration
-    from vmmkv.integrations.vllm import testing
 
     resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
     if chunk_mib:
@@ -63,9 +59,37 @@ def _scale(rank, world, port, nofile, chunk_mib):
             time.sleep(0.002)
 
     threading.Thread(target=sample, daemon=True).start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+
+
+def _steps(steps, group, vc, peak, out) -> None:
+    """Each ``(name, call)`` after a barrier over ``group`` (None: no call), then this rank's
+    committed blocks, fd peak and chunks in ``out[name]``."""
+    import torch.distributed as dist
+
+    for step, call in steps:
+        if call is not None:
+            dist.barrier(group=group)
+            call()
+        out[step] = {"blocks": vc.committed_blocks, "peak_fds": peak[0], **_mapped(vc)}
+        peak[0] = 0
+
+
+def _scale(rank, world, port, nofile, chunk_mib):
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.gpu import attn_utils
+
+    from vmmkv.integrations import vllm as integration
+    from vmmkv.integrations.vllm import testing
+
     cfg = testing.vllm_config("LBNHC", BLOCKS, LAYERS, pcp=world)
     out = {}
-    try:
+    with _fd_limit(nofile, chunk_mib) as peak:
         with testing.vllm_groups(cfg, rank, world, port) as ps:
             cpu, lay = torch.device("cpu"), KVCacheLayout.LBNHC
             _, prof = testing.build_profiling_kv_cache_config(
@@ -79,17 +103,11 @@ def _scale(rank, world, port, nofile, chunk_mib):
                 vc = integration.active_cache()
                 out["chunks"] = -(-vc.cache.capacity_bytes // vc.cache.region.chunk_bytes)
                 out["views"] = len(views)
-                for step, call in (("start", None), ("sleep", lambda: vc.shrink(0)),
-                                   ("wake", lambda: vc.grow(vc.num_blocks))):  # fmt: skip
-                    if call is not None:
-                        dist.barrier(group=ps.get_pcp_group().cpu_group)
-                        call()
-                    out[step] = {"blocks": vc.committed_blocks, "peak_fds": peak[0], **_mapped(vc)}
-                    peak[0] = 0
+                steps = (("start", None), ("sleep", lambda: vc.shrink(0)),
+                         ("wake", lambda: vc.grow(vc.num_blocks)))  # fmt: skip
+                _steps(steps, ps.get_pcp_group().cpu_group, vc, peak, out)
                 del views
                 vc.close()
-    finally:
-        stop.set()
     return out
 
 
@@ -120,13 +138,7 @@ def _scale_extensible(rank, world, port, nofile, chunk_mib, layout):
     worker's order: the allocate hook (the null block), warmup commits and the shrink-remap to
     the minimum, the extend to every block, a sleep (``release_physical``) and a wake
     (``recommit``), then ``free``."""
-    import os
-    import resource
-    import threading
-    import time
-
     import torch
-    import torch.distributed as dist
     from vllm.config import set_current_vllm_config
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker import extensible_kv_cache as ekc
@@ -135,22 +147,9 @@ def _scale_extensible(rank, world, port, nofile, chunk_mib, layout):
     from vmmkv.integrations import vllm as integration
     from vmmkv.integrations.vllm import testing
 
-    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-    os.environ["VMMKV_CHUNK_MIB"] = str(chunk_mib)
-    peak, stop = [0], threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            try:
-                peak[0] = max(peak[0], len(os.listdir("/proc/self/fd")))
-            except OSError:
-                peak[0] = nofile
-            time.sleep(0.002)
-
-    threading.Thread(target=sample, daemon=True).start()
     cfg = testing.vllm_config(layout, BLOCKS, LAYERS, pcp=world)
     out = {}
-    try:
+    with _fd_limit(nofile, chunk_mib) as peak:
         with testing.vllm_groups(cfg, rank, world, port) as ps:
             cpu, lay = torch.device("cpu"), KVCacheLayout[layout]
             _, config = testing.build_kv_cache_config(layout, BLOCKS, LAYERS, pcp=world)
@@ -162,7 +161,6 @@ def _scale_extensible(rank, world, port, nofile, chunk_mib, layout):
                 out["views"] = len(views)
                 out["segments"] = list(zip(ext.segment_offsets, ext.segment_strides, strict=True))
                 out["chunk"] = vc.cache.region.chunk_bytes
-                pcp = ps.get_pcp_group().cpu_group
                 steps = (
                     ("null block", None),
                     ("warmup", lambda: ext.commit(BLOCKS // 3)),
@@ -171,16 +169,9 @@ def _scale_extensible(rank, world, port, nofile, chunk_mib, layout):
                     ("sleep", ext.release_physical),
                     ("wake", ext.recommit),
                 )
-                for step, call in steps:
-                    if call is not None:
-                        dist.barrier(group=pcp)
-                        call()
-                    out[step] = {"blocks": vc.committed_blocks, "peak_fds": peak[0], **_mapped(vc)}
-                    peak[0] = 0
+                _steps(steps, ps.get_pcp_group().cpu_group, vc, peak, out)
                 del views
                 ext.free()
-    finally:
-        stop.set()
     return out
 
 

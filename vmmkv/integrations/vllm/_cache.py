@@ -44,7 +44,6 @@ are invalid afterwards). The object owns its ``ReplicatedKVCache`` and closes it
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -129,23 +128,18 @@ def pcp_store_plan(
     return StorePlan("dcp-replicated-decodes", rows, nd, own, gathered)
 
 
-CHUNK_ENV = "VMMKV_CHUNK_MIB"
-
-
 def _chunk_bytes_from_env(granularity: int, capacity: int) -> int | None:
-    """The KV region's chunk size from ``VMMKV_CHUNK_MIB`` (MiB, a multiple of the allocation
-    granularity), or None: the region's default."""
-    raw = os.environ.get(CHUNK_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        chunk = int(float(raw) * (1 << 20))
-    except ValueError:
-        chunk = 0
-    if chunk <= 0 or chunk % granularity or chunk > capacity:
+    """The KV region's chunk size from ``VMMKV_CHUNK_MIB`` (``vmmkv._env.chunk_bytes``: MiB, a
+    whole number of bytes), which must be a multiple of the allocation granularity and at most
+    the KV capacity; or None: the region's default."""
+    from ..._env import CHUNK_MIB, chunk_bytes
+
+    chunk = chunk_bytes()
+    if chunk is not None and (chunk % granularity or chunk > capacity):
         raise ValueError(
-            f"{CHUNK_ENV}={raw!r}: expected a chunk size in MiB, a multiple of the allocation "
-            f"granularity ({granularity} bytes) and at most the KV capacity ({capacity} bytes)"
+            f"{CHUNK_MIB}={chunk / (1 << 20):g}: expected a chunk size in MiB, a multiple of the "
+            f"allocation granularity ({granularity} bytes) and at most the KV capacity "
+            f"({capacity} bytes)"
         )
     return chunk
 
