@@ -33,7 +33,16 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import arguments, device_name, median, ranks_per_config, table, write_json  # noqa: E402
+from common import (
+    arguments,
+    device_name,
+    median,
+    rank_device,
+    ranks_per_config,
+    resolve_backend,
+    table,
+    write_json,
+)  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 MLA_BLOCK, IDX_BLOCK = 41984, 8448  # bytes per block and layer (64 tokens x 656 B, x 132 B)
@@ -181,13 +190,7 @@ def run_config(dev: Any, cfg: dict[str, Any], layout: str, chunk: int) -> dict[s
 def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """Every configuration in turn on this rank (spawned, in a gloo group); one that raised
     gives ``{"error": ...}`` and the next one starts."""
-    import torch
-
-    if cfg["backend"] == "cuda":
-        dev = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(dev)
-    else:
-        dev = torch.device("cpu")
+    dev = rank_device(rank, cfg["backend"])
     results = []
     for layout, chunk in cfg["configs"]:
         try:
@@ -257,11 +260,7 @@ def main() -> None:
         configs = parse_configs(a.configs)
     except ValueError as exc:
         ap.error(str(exc))
-    backend = a.backend
-    if backend == "auto":
-        import torch
-
-        backend = "cuda" if torch.cuda.is_available() else "host"
+    backend = resolve_backend(a.backend)
     cfg = dict(configs=configs, layers=a.layers, max_blocks=a.max_blocks, floor=a.floor,
                step=a.step, reps=a.reps, backend=backend, timeout=a.timeout)  # fmt: skip
     rows = []

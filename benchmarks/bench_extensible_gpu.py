@@ -44,7 +44,15 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_elastic_gpu import IDX_BLOCK, MLA_BLOCK, ElasticCache, git_commit  # noqa: E402
-from common import arguments, device_name, ranks_per_config, table, write_json  # noqa: E402
+from common import (
+    arguments,
+    device_name,
+    rank_device,
+    ranks_per_config,
+    resolve_backend,
+    table,
+    write_json,
+)  # noqa: E402
 
 MiB, GRANULE = 1 << 20, 2 << 20
 LAYOUTS = ("LB", "BL")
@@ -212,13 +220,7 @@ def run_config(dev: Any, cfg: dict[str, Any], layout: str) -> dict[str, Any]:
 
 
 def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    import torch
-
-    if cfg["backend"] == "cuda":
-        dev = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(dev)
-    else:
-        dev = torch.device("cpu")
+    dev = rank_device(rank, cfg["backend"])
     results = []
     for layout in cfg["layouts"]:
         try:
@@ -274,11 +276,7 @@ def main() -> None:
     if not (2 < a.warmup < a.budget <= a.capacity and a.layers > 0 and a.chunk_mib > 0):
         ap.error("want 2 < --warmup < --budget <= --capacity, --layers > 0, --chunk-mib > 0")
     chunk = int(a.chunk_mib * MiB)
-    backend = a.backend
-    if backend == "auto":
-        import torch
-
-        backend = "cuda" if torch.cuda.is_available() else "host"
+    backend = resolve_backend(a.backend)
     cfg = dict(layouts=layouts, layers=a.layers, capacity=a.capacity, budget=a.budget,
                warmup=a.warmup, chunk=chunk, backend=backend, timeout=a.timeout)  # fmt: skip
     rows = []

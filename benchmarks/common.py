@@ -20,7 +20,9 @@ __all__ = [
     "median",
     "per_call_ns",
     "percentile",
+    "rank_device",
     "ranks_per_config",
+    "resolve_backend",
     "table",
     "time_us",
     "timed",
@@ -102,6 +104,27 @@ def ranks_per_config(fn: Callable[..., Any], world: int, cfg: Any, count: int,
     results = run_world_raw(fn, world, args=(cfg,), timeout=timeout)
     return [r.value if r.ok else [{"rank": r.rank, "error": r.error[-600:]}] * count
             for r in results]  # fmt: skip
+
+
+def resolve_backend(backend: str) -> str:
+    """``auto`` -> ``cuda`` when a GPU is visible, else ``host``; other names as given."""
+    if backend != "auto":
+        return backend
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "host"
+
+
+def rank_device(rank: int, backend: str) -> Any:
+    """The device of ``rank``: GPU ``rank % count`` (made current: ranks share the GPUs) under
+    ``cuda``, else the CPU."""
+    import torch
+
+    if backend != "cuda":
+        return torch.device("cpu")
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
 
 
 def device_name(backend: str) -> str:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -214,7 +215,7 @@ def make_buffer(
 
     from ._layout import UnsupportedKVCache
 
-    kv_cache_config, layout, strides = spec
+    kv_cache_config, layout = spec
     cfg = get_current_vllm_config_or_none()
     if cfg is not None:
         check_vllm_config(cfg)
@@ -239,15 +240,16 @@ def make_buffer(
         initial_blocks=0, chunk_bytes=_chunk_bytes(device, max_num_bytes),
     )  # fmt: skip
     try:
-        offsets = [0]
-        for c in list(segment_capacities)[:-1]:
-            offsets.append(offsets[-1] + c)
+        offsets = list(accumulate([0, *segment_capacities[:-1]]))
         ours = [off for off, _ in cache.plan.segments]
         if cache.plan.size != max_num_bytes or ours != offsets:
             raise UnsupportedKVCache(
                 f"vLLM's extensible KV cache lays out {max_num_bytes} B in segments at "
                 f"{offsets}, vmmkv's plan of the same config {cache.plan.size} B at {ours}"
             )
+        # the strides are the plan's: a commit whose sizes are not one block count of them
+        # (another placement than vLLM's) is refused by resize_segments_
+        strides = [bb for _, bb in cache.plan.segments]
         buffer = PeerKVBuffer(cache, offsets, segment_capacities, strides)
         cache.extensible = True
     except BaseException:
@@ -282,33 +284,17 @@ def _module() -> Any:
 
 
 def capture_spec(orig: Callable[..., Any]) -> Callable[..., Any]:
-    """``ExtensibleKVCache.__init__``: vLLM's, with the config, layout and segment strides it
-    computes handed to :func:`make_buffer` through the plugin state for its duration."""
+    """``ExtensibleKVCache.__init__``: vLLM's, with the config and layout it was given handed to
+    :func:`make_buffer` through the plugin state for its duration."""
 
     def __init__(self, kv_cache_config, device, layout, export_handle_types=0):
-        # vLLM computes the strides before it builds the buffer; _segments is pure
-        _, strides = type(self)._segments(_Shell(kv_cache_config, layout), _tensors(
-            kv_cache_config), layout)  # fmt: skip
-        _STATE.extensible_spec = (kv_cache_config, layout, strides)
+        _STATE.extensible_spec = (kv_cache_config, layout)
         try:
             orig(self, kv_cache_config, device, layout, export_handle_types)
         finally:
             _STATE.extensible_spec = None
 
     return __init__
-
-
-class _Shell:
-    """What ``ExtensibleKVCache._segments`` reads of ``self`` before the buffer exists."""
-
-    def __init__(self, kv_cache_config: Any, layout: Any) -> None:
-        tensors = _tensors(kv_cache_config)
-        self.size = tensors[0].size if tensors else 0
-        self.capacity_blocks = kv_cache_config.num_blocks
-
-
-def _tensors(kv_cache_config: Any) -> list[Any]:
-    return [t for t in kv_cache_config.kv_cache_tensors if not t.host_resident]
 
 
 def allocate_extensible(orig: Callable[..., Any], kv_cache_config: Any, device: Any,

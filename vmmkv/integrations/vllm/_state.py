@@ -55,7 +55,7 @@ class _State:
         self.released: _Released | None = None  # written by _sleep, read by _elastic_sites
         self.hook: Any = None  # the import hook of install_when_worker_starts, until it fires
         self.engine_hook: Any = None  # install_when_engine_core_loads', until it fires
-        # (kv_cache_config, layout, segment strides) while vLLM builds an ExtensibleKVCache
+        # (kv_cache_config, layout) while vLLM builds an ExtensibleKVCache
         self.extensible_spec: Any = None
 
 
