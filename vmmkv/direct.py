@@ -249,10 +249,7 @@ class DirectPath:
     def close(self) -> None:
         self._stores.clear()
         if self._liveness is not None:
-            # the poll thread leaves its store call before close returns: the engine may tear
-            # the group (and its store) down next, and a thread still inside a store call then
-            # aborted the process at exit now and then
-            self._liveness.stop(join_s=self._liveness._EXIT_JOIN_S)
+            self._liveness.stop()
             err = self.broken
             self._liveness.notify(f"broke: {err.reason}" if err else "closed its cache")
         self._barrier.close()

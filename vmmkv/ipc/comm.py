@@ -102,6 +102,14 @@ class StoreComm:
         self._prefix = self._join(f"vmmkv/{tag}")
         self._since = time.monotonic()  # when this rank finished the group's last step
 
+    def release_group(self) -> None:
+        """Local, idempotent: drop the reference to the process group, for an owner that
+        closed (no further collective is called). A group the engine destroys is then freed
+        at once, its gloo threads joined; kept alive by a closed object in a reference cycle,
+        it lived to interpreter exit, where a gloo thread freeing a finished work's tensors
+        aborted the process ("terminate called without an active exception")."""
+        self.group = None
+
     # -- properties ------------------------------------------------------------------------
     @property
     def step(self) -> int:

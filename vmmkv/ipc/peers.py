@@ -296,6 +296,7 @@ class PeerMap:
         steps += [p.close for p in self._peers.values()]
         steps.append(self._signal.close)
         run_all(steps)
+        self.group = None  # a closed map keeps no process group alive (StoreComm.release_group)
 
     def __enter__(self) -> PeerMap:
         return self

@@ -433,7 +433,8 @@ class SymmetricRegion:
             if self._closed:
                 return
             self._closed = True
-        run_all([self.peers.close if self.peers else lambda: None, self.region.close])
+        run_all([self.peers.close if self.peers else lambda: None, self.region.close,
+                 self._comm.release_group])  # fmt: skip
 
     def __enter__(self) -> SymmetricRegion:
         return self
