@@ -464,3 +464,5 @@ class GatherPath:
     def close(self) -> None:
         self._stores.clear()
         self._staging.clear()
+        # a closed path keeps no process group alive (``StoreComm.release_group`` says why)
+        self._cpu_group = self._device_group = None
