@@ -39,6 +39,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -153,8 +154,11 @@ def run_config(dev: Any, cfg: dict[str, Any], layout: str) -> dict[str, Any]:
         views = [full[o : o + STAMP] for o in sites]
 
         def stamp() -> None:
+            # A kernel, as vLLM's captured attention writes are: a captured memcpy node into
+            # reserved but not yet mapped memory fails at capture (cudaErrorInvalidValue on an
+            # H200), where a kernel's write is only resolved at replay.
             for v in views:
-                v.copy_(src)
+                torch.add(src, 0, out=v)
 
         graph = None
 
@@ -194,9 +198,12 @@ def run_config(dev: Any, cfg: dict[str, Any], layout: str) -> dict[str, Any]:
             dist.barrier()
             peak[0] = len(os.listdir("/proc/self/fd"))
             t0 = time.perf_counter()
-            call()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
+            try:
+                call()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+            except Exception as exc:
+                raise RuntimeError(f"rank {rank}, step {name!r}: {exc}") from exc
             ms = (time.perf_counter() - t0) * 1e3
             sr = cache.region
             blocks = adapter.committed_blocks
@@ -226,8 +233,11 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]
         try:
             results.append(run_config(dev, cfg, layout))
         except Exception as exc:
+            # The head of the message names the failure (a CUDA error's tail is boilerplate);
+            # the whole traceback goes to stderr.
+            traceback.print_exc()
             results.append({"rank": rank, "layout": layout,
-                            "error": f"{type(exc).__name__}: {exc}"[-600:]})  # fmt: skip
+                            "error": f"{type(exc).__name__}: {exc}"[:600]})  # fmt: skip
     return results
 
 
@@ -237,7 +247,7 @@ def summarize(world: int, layout: str, ranks: list[dict[str, Any]]) -> list[dict
     exactly its owner's chunks and every read found its stamps."""
     errors = [r["error"] for r in ranks if r.get("error")]
     if errors:
-        return [{"pcp": world, "layout": layout, "error": errors[0][-200:]}]
+        return [{"pcp": world, "layout": layout, "error": errors[0][:200]}]
     rows = []
     for i, first in enumerate(ranks[0]["steps"]):
         recs = [r["steps"][i] for r in ranks]
