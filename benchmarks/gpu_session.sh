@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine call. Logs and JSON go to $OUT (the folder whose files come back). Usage:
-#   bash benchmarks/gpu_session.sh tests|tests-a|tests-b|bench|all|ops-tests|ops-bench|ops|bw|scale|elastic|extensible
+#   bash benchmarks/gpu_session.sh tests|tests-a|tests-b|bench|all|ops-tests|ops-bench|ops|bw|scale|elastic|extensible|sparse
 # - scale: DeepSeek-V3.2 caches at full size (`bench_scale.py`): 2 x 50, 4 x 25 and 8 x 12 GiB
 #   per rank (ranks share the GPUs), LBNHC and BLNHC, at the machine's open-file limit and at
 #   4096: start, sleep, wake, byte-exact stores; the chunk-budget rule and 12,800 chunks of
@@ -11,6 +11,10 @@
 #   size (`bench_extensible_gpu.py`: 9000 blocks reserved, ~27 GiB per rank, extend to 8500, a
 #   CUDA graph captured before the extend and replayed after it and every wake), LB and BL, 2
 #   and 4 ranks sharing the GPUs; logged to $OUT/extensible.log, JSON beside it.
+# - sparse: what the block layout costs a DSA sparse read (`bench_sparse_read.py`): a 40 GiB
+#   DeepSeek-V3.2 cache, 128 queries x 61 layers x 2048 top-k rows (656 + 132 B), LBNHC and
+#   BLNHC over torch.empty and a VirtualRegion in 2 and 64 MiB chunks, each checked against a
+#   torch reference; logged to $OUT/sparse.log, JSON to $OUT/sparse-read.json.
 # - tests: the GPU suite + CLI on the GPU; bench: every benchmark; all: both.
 # - tests-a / tests-b: the suite in two device calls (the whole suite does not fit one
 #   10-minute call with a machine start): a = every GPU test but the kernel tests, the
@@ -36,7 +40,7 @@ OUT=${OUT:-$PWD/bench-out}
 mkdir -p "$OUT"
 what=${1:-all}
 LOG=/dev/null
-case "$what" in ops*) LOG="$OUT/ops.log" ;; bw) LOG="$OUT/bw.log" ;; scale) LOG="$OUT/scale.log" ;; elastic) LOG="$OUT/elastic.log" ;; extensible) LOG="$OUT/extensible.log" ;; esac
+case "$what" in ops*) LOG="$OUT/ops.log" ;; bw) LOG="$OUT/bw.log" ;; scale) LOG="$OUT/scale.log" ;; elastic) LOG="$OUT/elastic.log" ;; extensible) LOG="$OUT/extensible.log" ;; sparse) LOG="$OUT/sparse.log" ;; esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
 SPLIT="tests/test_kernels_gpu.py tests/test_quant_exact_gpu.py tests/test_soak.py"
 if [ "$what" = tests-b ]; then
@@ -100,6 +104,9 @@ if [ "$what" = elastic ]; then
 fi
 if [ "$what" = extensible ]; then
     python3 benchmarks/bench_extensible_gpu.py --out "$OUT/extensible-gpu.json" 2>&1 | tee -a "$LOG"
+fi
+if [ "$what" = sparse ]; then
+    python3 benchmarks/bench_sparse_read.py --out "$OUT/sparse-read.json" 2>&1 | tee -a "$LOG"
 fi
 if [ "$what" = bw ]; then
     ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
