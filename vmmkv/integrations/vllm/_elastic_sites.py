@@ -18,6 +18,7 @@ Worker (``WORKER_SITES``, added to the plugin's sites in elastic mode):
 |---|---|
 | ``GPUModelRunner.update_requests`` | a step without a resize request refused (an engine core without the engine sites); the step's resize request applied (collective, once per sequence number, before vLLM's zeroing and block copies, outside any graph), every block id the step adds checked committed, then vLLM's |
 | ``GPUModelRunner.execute_model``, ``sample_tokens`` | vLLM's; the output stamped ``(seq, committed blocks, error)`` |
+| ``Worker.extend_kv_cache`` | vLLM's (its extensible KV cache commits the budget on every rank), then, under vmmkv's buffer, every rank down to the floor, vLLM's count of committed blocks with it (``_extensible.settle_elastic``) |
 
 Why the worker may resize there: every PCP rank receives the same ``SchedulerOutput``s in the
 same order and runs ``update_requests`` for each (even a step of 0 tokens), before any graph
@@ -25,7 +26,10 @@ replay; vmmkv's resize checks that every rank asks for the same size. A grow ref
 group leaves every rank at its old size with the same error; the worker reports it on its
 output instead of failing the step, because the scheduler hands out the new blocks only after a
 confirmation. A resize that reaches a worker while the sleep-mode backend holds its cache
-released commits nothing: it becomes the size the wake restores (every rank alike). Local
+released commits nothing: it becomes the size the wake restores (every rank alike). Under
+vLLM's extensible KV cache every resize also sets vLLM's count of committed blocks, so vLLM's
+own recommit (wake, the end of a lending) commits the size elastic mode holds; a target above
+the budget vLLM committed at extend is refused on the stamp. Local
 state: one :class:`ElasticWorker` per worker process, reset with each cache.
 """
 

@@ -38,8 +38,15 @@ before capture, ``extend_kv_cache`` (a ``collective_rpc``), sleep, wake and disc
 (``collective_rpc``), shutdown (``free``, local). The one per-rank decision, lending for a
 weight update, is agreed here.
 
-Contract: :func:`make_buffer`, ``resize_segments_``, ``release_physical`` and the lending
-decision are collective over the PCP group; the views, ``free`` (idempotent; closes the cache
+Elastic mode (``VLLM_VMMKV_ELASTIC=1``, docs/design.md "Elastic KV in vLLM"): the engine
+core's pool lives below the budget ``extend_kv_cache`` commits; :func:`settle_elastic` brings
+every rank down to the floor right after it, and ``_elastic_sites`` keeps vLLM's count of
+committed blocks equal to vmmkv's (:func:`vllm_cache_of` finds vLLM's cache), so that vLLM's
+recommit commits the elastic size; :attr:`PeerKVBuffer.released` says that vLLM holds the
+memory released (nothing is committed for a resize then).
+
+Contract: :func:`make_buffer`, ``resize_segments_``, ``release_physical``,
+:func:`settle_elastic` and the lending decision are collective over the PCP group; the views, ``free`` (idempotent; closes the cache
 and clears the plugin's active cache) and the properties are local. Not capture-safe: vLLM
 commits outside graph capture. The buffer owns its ``VllmKVCache``; vLLM owns the buffer
 (``ExtensibleKVCache.free`` at the runner's shutdown).
