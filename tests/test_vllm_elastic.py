@@ -26,6 +26,9 @@ pytestmark = vllm_marks()
 N = 2048
 W = 160
 KNOBS = {
+    # as a deployment sets them: vLLM's plugin loader, in any process vLLM starts (its model
+    # inspection too), refuses VLLM_VMMKV_ELASTIC=1 without the plugin on
+    "VLLM_USE_VMMKV": "1",
     "VLLM_VMMKV_ELASTIC": "1",
     "VMMKV_CHUNK_MIB": "1.5",  # 15 blocks of 100,864 B per chunk
     "VMMKV_ELASTIC_WATERMARK_BLOCKS": str(W),
@@ -51,7 +54,7 @@ def engine(monkeypatch):
 def _run(trace="burst", seed=0, **kw):
     from vmmkv.integrations.vllm.trace import TraceRun
 
-    run = TraceRun(trace=trace, seed=seed, num_blocks=N, **kw)
+    run = TraceRun(trace=trace, seed=seed, **{"num_blocks": N, **kw})
     run.run()
     return run
 
@@ -78,6 +81,31 @@ def test_committed_memory_follows_load_and_vllms_own_order_does_not(engine, seed
     # the same trace gives the same committed sizes step by step
     again = _run(seed=seed)
     assert [s.committed for s in again.steps] == [s.committed for s in run.steps]
+
+
+def test_under_vllms_extensible_cache_the_pool_is_the_measured_budget_and_keeps_its_figures(
+    engine,
+):
+    """vLLM 0.34's extensible KV cache: the planner reserves more blocks than fit after
+    capture; the engine core builds the scheduler with the config vLLM's
+    ``finalize_extensible_kv_cache`` shrank to the measured budget. The pool's capacity and
+    every setting derive from that budget, no step uses a block at or above it, and the
+    figures against the budget are those of a pool of that size."""
+    capacity = N + 512  # reserved; N fit after capture
+    run = _run(num_blocks=capacity, budget=N)
+    plain = _run(num_blocks=capacity, budget=N, elastic=False)
+    assert run.scheduler.kv_cache_config.num_blocks == run.el.s.num_blocks == N
+    assert run.pool.num_gpu_blocks == N and run.capacity == N
+    assert max(s.committed for s in run.steps) <= N  # the limit never passes the budget
+    m = run.phase_means()
+    assert m["steady"]["committed"] <= 0.85 * N, m["steady"]
+    assert m["drain"]["committed"] <= 0.6 * N, m["drain"]
+    assert m["idle"]["end"] == run.el.s.floor
+    assert run.hit_tokens >= 0.95 * plain.hit_tokens > 0
+    assert plain.phase_means()["steady"]["committed"] == N
+    # the settings are those of a pool of N blocks planned directly
+    direct = _run(trace="ranks")
+    assert run.el.s == direct.el.s
 
 
 def test_async_scheduling_follows_load_without_touching_uncommitted_blocks(engine):
@@ -182,6 +210,7 @@ def test_what_elastic_mode_has_not_been_tested_with_is_refused_by_name(engine):
 
     from vmmkv.integrations.vllm import _patches
     from vmmkv.integrations.vllm._elastic_sites import check_elastic_config
+    from vmmkv.integrations.vllm._extensible import _elastic_chunk
     from vmmkv.integrations.vllm._layout import UnsupportedKVCache
     from vmmkv.integrations.vllm.testing import build_kv_cache_config
 
@@ -204,10 +233,14 @@ def test_what_elastic_mode_has_not_been_tested_with_is_refused_by_name(engine):
             object.__setattr__(owner, name, old)
     with pytest.raises(UnsupportedKVCache, match="needs a block-major KV cache layout, got LBNHC"):
         _patches._elastic_kwargs(cfg, kvc, KVCacheLayout.LBNHC)
+    with pytest.raises(UnsupportedKVCache, match="needs a block-major KV cache layout, got LBNHC"):
+        _elastic_chunk(cfg, KVCacheLayout.LBNHC)  # under vLLM's extensible KV cache
+    assert _elastic_chunk(cfg, KVCacheLayout.BLNHC) == int(1.5 * (1 << 20))
     got = _patches._elastic_kwargs(cfg, kvc, KVCacheLayout.BLNHC)
     assert got == {"initial_blocks": 75, "chunk_bytes": int(1.5 * (1 << 20))}  # 64 -> 5 chunks
     engine.delenv("VLLM_VMMKV_ELASTIC")
     assert _patches._elastic_kwargs(cfg, kvc, KVCacheLayout.LBNHC) == {}
+    assert _elastic_chunk(cfg, KVCacheLayout.LBNHC) is None
 
 
 def test_register_refuses_elastic_without_the_plugin(engine):

@@ -320,3 +320,285 @@ def test_pcp_size_one_keeps_vllms_own_extensible_tensor(world_store):
     )
     assert out[0] == {"built": "ExtensibleTensor requires a cuda device, got cpu.",
                       "active": None}  # fmt: skip
+
+
+# -- elastic KV on vLLM's extensible KV cache ----------------------------------------------------
+#
+# The "ranks" trace of tests/test_vllm_elastic_ranks.py (its knobs, its per-rank worker step and
+# checks), with the cache built by vLLM's ExtensibleKVCache in the worker's order and extended
+# through vLLM's Worker.extend_kv_cache (the patched site): the reserved capacity is EL_CAPACITY,
+# the budget measured after capture (the same on every rank) the trace's 128 blocks, and the
+# scheduler is built as EngineCore builds it, from the config vLLM's finalize_extensible_kv_cache
+# shrank to the budget. At the second idle release the engine sleeps first (vLLM's Worker.sleep:
+# the cache released), the pool's idle release reaches the sleeping workers, then vLLM's
+# Worker.wake_up recommits.
+
+EL_CAPACITY = 139  # reserved by the planner; the ranks trace's 128 blocks fit after capture
+
+
+def _extend_replay(runner, kv_cache_config, num_blocks):
+    """vLLM's ``extend_kv_cache`` as far as it runs without a device or a forward context: the
+    commit of the budget (a shrink-remap when warmup committed more), the runner's count, the
+    views re-built over the committed blocks at the same addresses."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    ext = runner.extensible_kv_cache
+    lay = KVCacheLayout[kv_cache_config.kv_cache_layout]
+    ext.commit(num_blocks, defragment=False, shrink=True)
+    runner.kv_cache_config.num_blocks = ext.num_committed_blocks
+    committed = ext.committed_views(runner.kv_cache_config, lay, [BS])
+    runner.views = {n: (committed or {}).get(n, v) for n, v in runner.views.items()}
+
+
+def _elastic_rank_class():
+    from tests.test_vllm_elastic_ranks import _blocks, _Rank
+
+    class _ExtRank(_Rank):
+        """A rank of the ranks trace whose cache is vLLM's ``ExtensibleKVCache`` over vmmkv;
+        sleep and wake through vLLM's own ``Worker``."""
+
+        def step(self, n, blob):
+            stamp = super().step(n, blob)
+            if self.ext.num_committed_blocks != self.vc.committed_blocks:
+                self.problems.append(
+                    f"step {n}: vLLM counts {self.ext.num_committed_blocks} committed blocks, "
+                    f"vmmkv holds {self.vc.committed_blocks}"
+                )
+            return stamp
+
+        def sleep_idle(self, n, seq, target):
+            """vLLM's Worker.sleep (its extensible cache released), the pool's idle release
+            while asleep (the engine's ``collective_rpc`` body), vLLM's Worker.wake_up (its
+            recommit): what every phase left committed and mapped."""
+            import vllm.device_allocator as dalloc
+
+            from tests.test_vllm_scale import _mapped
+            from tests.test_vllm_sleep import _HostAccelerator, _RecordingAllocator
+            from vmmkv.integrations.vllm import _elastic_sites
+
+            vc, ext, w = self.vc, self.ext, self.worker
+            rec, real = _RecordingAllocator(vc), dalloc.get_mem_allocator_instance
+            dalloc.get_mem_allocator_instance = lambda: rec
+            seen = {"before": (vc.committed_blocks, ext.num_committed_blocks)}
+            try:
+                with _HostAccelerator():
+                    w.sleep(level=1)
+                    seen["asleep"] = {"blocks": vc.committed_blocks, **_mapped(vc)}
+                    stamp = _elastic_sites.worker_resize(None, seq, target)
+                    seen["idle asleep"] = {"blocks": vc.committed_blocks, **_mapped(vc),
+                                           "vllm": ext.num_committed_blocks}  # fmt: skip
+                    w.wake_up(None)
+            finally:
+                dalloc.get_mem_allocator_instance = real
+            seen["stamps"] = self.gather(stamp)
+            seen["awake"] = (vc.committed_blocks, ext.num_committed_blocks)
+            seen["zeroed"] = all(
+                int(b.count_nonzero()) == 0 for b in _blocks(self.got, vc, 0, vc.committed_blocks)
+            )
+            for b in _blocks(self.want, vc, 0, vc.committed_blocks):  # a recommit zeroes
+                b.zero_()
+            seen["step"], seen["calls"] = n, rec.calls
+            self.events["sleep"] = seen
+            self.agree(f"wake at step {n}", (n, seq, vc.committed_blocks))
+            return stamp
+
+    return _ExtRank
+
+
+def _elastic_one_run(ps, world, async_depth):
+    import copy
+    import pickle
+    from unittest import mock
+
+    import torch
+    import torch.distributed as dist
+    from vllm.config import set_current_vllm_config
+    from vllm.utils import torch_utils
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker import extensible_kv_cache as ekc
+    from vllm.v1.worker import gpu_worker
+    from vllm.v1.worker import utils as worker_utils
+    from vllm.v1.worker.gpu import attn_utils
+
+    from tests.test_vllm_elastic_ranks import LAYERS, SEQS, TOKENS, _poison, _scheduled
+    from tests.test_vllm_elastic_ranks import NUM_BLOCKS as BUDGET
+    from tests.test_vllm_pcp import _flat
+    from tests.test_vllm_sleep import _worker
+    from tests.test_vllm_zero_grow import _HostZeroKernel, _zeroer
+    from vmmkv.integrations import vllm as integration
+    from vmmkv.integrations.vllm import _patches, testing
+    from vmmkv.integrations.vllm.trace import TraceRun
+
+    cfg, config = testing.build_kv_cache_config("BLNHC", EL_CAPACITY, LAYERS, pcp=world)
+    sc = cfg.scheduler_config
+    sc.max_num_batched_tokens, sc.max_num_seqs = TOKENS, SEQS
+    sc.async_scheduling = async_depth > 1
+    cfg.model_config.sleep_mode_backend = "cumem"
+    cpu, lay = torch.device("cpu"), KVCacheLayout.BLNHC
+    config = ekc.pad_kv_cache_segments(config, lay, GRANULE)  # Worker.initialize_from_config
+    real_kernel = worker_utils._zero_kv_blocks_kernel
+    worker_utils._zero_kv_blocks_kernel = _HostZeroKernel()
+    torch_utils.PIN_MEMORY = False
+    try:
+        with set_current_vllm_config(cfg), integration.patched():
+            # MRV2's initialize_kv_cache, warmup commits and the two shrink-remaps before capture
+            ext = ekc.ExtensibleKVCache(config, cpu, lay)
+            vc = ext.buffer.cache
+            views = attn_utils.allocate_kv_cache(config, cpu, lay, [BS], allocate=ext.allocate)
+            ext.commit(WARMUP_BLOCKS)
+            ext.commit(ext.min_committed_blocks, shrink=True)
+            ext.commit(ext.min_committed_blocks, shrink=True)
+            # EngineCore: executor.extend_kv_cache(budget) -> every worker's Worker.extend_kv_cache
+            w = _worker(cfg)
+            w.cache_config, w._kv_cache_config = cfg.cache_config, config
+            w.model_runner.extensible_kv_cache = ext
+            w.model_runner.kv_cache_config = copy.copy(config)
+            w.model_runner.views = views
+            with mock.patch.object(gpu_worker, "extend_kv_cache", _extend_replay):
+                w.extend_kv_cache(BUDGET)
+            views = w.model_runner.views
+            extended = (ext.num_committed_blocks, vc.committed_blocks,
+                        sorted({v.shape[0] for v in views.values()}),
+                        cfg.cache_config.num_gpu_blocks)  # fmt: skip
+            plain = worker_utils.allocate_kv_cache(config, cpu, lay, [BS])
+            want = _flat(next(iter(plain.values())), config.kv_cache_tensors[0].size)
+            zeroer = _zeroer(w.model_runner.kv_cache_config, views)  # over the re-built views
+            r = _elastic_rank_class()(ps, vc, views, plain, want, zeroer, cfg,
+                                      None)  # fmt: skip
+            r.ext, r.worker = ext, w
+            r.events["extended"] = extended
+            _poison(r)
+            dist.barrier(group=r.group)
+            if r.rank == 0:
+                _patches.install_engine()
+                run = TraceRun(trace="ranks", seed=0, num_blocks=EL_CAPACITY, budget=BUDGET,
+                               async_depth=async_depth, world=world, layers=LAYERS,
+                               max_num_batched_tokens=TOKENS, max_num_seqs=SEQS)  # fmt: skip
+                run.build()
+                el, sched = run.el, []
+                r.events["pool at start"] = (el.limit, el.s.num_blocks, el.s.floor)
+
+                def on_step(so):
+                    n = len(run.steps)
+                    sched.append((n, el.limit, el.counts["grows"], *_scheduled(so)))
+                    msg = ("step", n, pickle.dumps(so))
+                    r.broadcast(msg)
+                    return r.step(n, msg[2])
+
+                def on_idle(resize):
+                    n = len(run.steps)
+                    if len(run.idle_releases) == 2:  # EngineCore.sleep, idle, wake_up
+                        r.events["reset_prefix_cache"] = run.scheduler.reset_prefix_cache()
+                        r.broadcast(("sleep_idle", n, *resize))
+                        stamp = r.sleep_idle(n, *resize)
+                        r.events["limit at wake"] = el.limit
+                        return stamp
+                    r.broadcast(("idle", n, *resize))
+                    return r.idle(n, *resize)
+
+                try:
+                    run.run(on_step=on_step, on_idle=on_idle)
+                finally:
+                    r.broadcast(("lend",))
+                    r.events["lend"] = _lend(ext, {world - 1}, set(), r.rank)
+                    r.broadcast(("done",))
+                r.events["scheduler"] = {
+                    "floor": el.s.floor, "counts": dict(el.counts), "limit": el.limit,
+                    "idle_releases": run.idle_releases, "left": len(run.scheduler.requests),
+                    "steps": sched, "hit_tokens": run.hit_tokens,
+                }  # fmt: skip
+            else:
+                while (msg := r.broadcast()) != ("done",):
+                    if msg == ("lend",):
+                        r.events["lend"] = _lend(ext, {world - 1}, set(), r.rank)
+                    else:
+                        getattr(r, msg[0])(*msg[1:])
+            r.events["final"] = (vc.committed_blocks, ext.num_committed_blocks)
+            ext.free()
+            return {"records": r.records, "problems": r.problems, "events": r.events}
+    finally:
+        worker_utils._zero_kv_blocks_kernel = real_kernel
+
+
+def _elastic_ranks(rank, world, port, async_depth):
+    import torch.distributed as dist
+
+    from tests.test_vllm_elastic_ranks import LAYERS
+    from vmmkv.integrations.vllm import testing
+
+    cfg = testing.vllm_config("BLNHC", EL_CAPACITY, LAYERS, pcp=world)
+    ps = testing.join_vllm_groups(cfg, rank, world, port)
+    try:
+        out = _elastic_one_run(ps, world, async_depth)
+        dist.barrier(group=ps.get_world_group().cpu_group)
+    finally:
+        ps.destroy_model_parallel()
+        ps.destroy_distributed_environment()
+    return out
+
+
+def _check_elastic(out, world):
+    from tests.test_vllm_elastic_ranks import NUM_BLOCKS as BUDGET
+
+    for rank, o in enumerate(out):
+        assert o["problems"] == [], (rank, o["problems"][:5])
+    ev0 = out[0]["events"]
+    s = ev0["scheduler"]
+    floor = s["floor"]
+    # after extend: every rank at the floor, vLLM's count with it, vLLM's views of the budget;
+    # the pool starts at the same floor with the budget as its capacity
+    for o in out:
+        assert o["events"]["extended"] == (floor, floor, [BUDGET], BUDGET), o["events"]["extended"]
+    assert ev0["pool at start"] == (floor, BUDGET, floor) and floor < BUDGET
+    heads = [[rec[:4] for rec in o["records"]] for o in out]
+    assert all(h == heads[0] for h in heads), "ranks saw different steps"
+    assert heads[0][0][2] == floor  # the first stamp reports the floor
+    assert max(rec[2] for rec in out[0]["records"]) <= BUDGET
+    counts = s["counts"]
+    assert counts["grows"] >= 3 and counts["releases"] >= 2 and counts["refused"] == 0, counts
+    assert s["left"] == 0 and s["hit_tokens"] > 0
+    assert len(s["idle_releases"]) >= 2
+    assert ev0["reset_prefix_cache"] is True
+    for o in out:
+        sl = o["events"]["sleep"]
+        before, _ = sl["before"]
+        assert before > floor, sl  # the cache had grown: vLLM's own count would recommit more
+        assert sl["asleep"] == {"blocks": 0, "own": [], "peers": [[]] * (world - 1)}, sl
+        # the idle release reached the sleeping worker: nothing committed, vLLM's count retargeted
+        assert sl["idle asleep"] == {"blocks": 0, "own": [], "peers": [[]] * (world - 1),
+                                     "vllm": floor}, sl  # fmt: skip
+        assert [st[1] for st in sl["stamps"]] == [floor] * world, sl["stamps"]
+        assert sl["awake"] == (floor, floor) and sl["zeroed"], sl
+        assert [c[0] for c in sl["calls"]] == ["sleep", "wake_up"], sl["calls"]
+        # lending for a weight update: every rank lends, vLLM's recommit restores the size
+        final, vllm_count = o["events"]["final"]
+        assert o["events"]["lend"] == ("ok", 0, final) and vllm_count == final, o["events"]
+    assert ev0["limit at wake"] == floor
+    assert s["limit"] == out[0]["events"]["final"][0]  # the scheduler's limit == committed
+    wake = ev0["sleep"]["step"]
+    assert any(n > wake and tokens for n, *_, tokens in out[0]["records"])  # the trace went on
+
+
+@pytest.mark.timeout(600)
+def test_elastic_kv_under_vllms_extensible_cache_starts_at_the_floor_and_follows_the_scheduler():
+    from tests.test_vllm_elastic_ranks import KNOBS
+    from vmmkv.testing.spawn import world_store
+
+    with world_store() as store:
+        out = run_world(_elastic_ranks, 2, args=(store.port, 2), init_group=False,
+                        env={**KNOBS, **store.env}, timeout=560)  # fmt: skip
+    _check_elastic(out, 2)
+
+
+@pytest.mark.timeout(600)
+def test_elastic_kv_under_vllms_extensible_cache_over_three_ranks_with_the_sync_scheduler():
+    # three ranks, as tests/test_vllm_elastic_ranks.py: over four ranks that trace's harness
+    # reports rank 3's replica differing from the reference at a few steps on vmmkv's own
+    # allocation too (not understood yet)
+    from tests.test_vllm_elastic_ranks import KNOBS
+    from vmmkv.testing.spawn import world_store
+
+    with world_store() as store:
+        out = run_world(_elastic_ranks, 3, args=(store.port, 1), init_group=False,
+                        env={**KNOBS, **store.env}, timeout=560)  # fmt: skip
+    _check_elastic(out, 3)

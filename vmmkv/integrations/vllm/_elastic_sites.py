@@ -18,6 +18,7 @@ Worker (``WORKER_SITES``, added to the plugin's sites in elastic mode):
 |---|---|
 | ``GPUModelRunner.update_requests`` | a step without a resize request refused (an engine core without the engine sites); the step's resize request applied (collective, once per sequence number, before vLLM's zeroing and block copies, outside any graph), every block id the step adds checked committed, then vLLM's |
 | ``GPUModelRunner.execute_model``, ``sample_tokens`` | vLLM's; the output stamped ``(seq, committed blocks, error)`` |
+| ``Worker.extend_kv_cache`` | vLLM's (its extensible KV cache commits the budget on every rank), then, under vmmkv's buffer, every rank down to the floor, vLLM's count of committed blocks with it (``_extensible.settle_elastic``) |
 
 Why the worker may resize there: every PCP rank receives the same ``SchedulerOutput``s in the
 same order and runs ``update_requests`` for each (even a step of 0 tokens), before any graph
@@ -25,7 +26,10 @@ replay; vmmkv's resize checks that every rank asks for the same size. A grow ref
 group leaves every rank at its old size with the same error; the worker reports it on its
 output instead of failing the step, because the scheduler hands out the new blocks only after a
 confirmation. A resize that reaches a worker while the sleep-mode backend holds its cache
-released commits nothing: it becomes the size the wake restores (every rank alike). Local
+released commits nothing: it becomes the size the wake restores (every rank alike). Under
+vLLM's extensible KV cache every resize also sets vLLM's count of committed blocks, so vLLM's
+own recommit (wake, the end of a lending) commits the size elastic mode holds; a target above
+the budget vLLM committed at extend is refused on the stamp. Local
 state: one :class:`ElasticWorker` per worker process, reset with each cache.
 """
 
@@ -37,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._elastic import RESIZE, STAMP, ElasticPool, elastic_settings
+from ._extensible import PeerKVBuffer, settle_elastic, vllm_cache_of
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +56,16 @@ def block_bytes(kv_cache_config: Any) -> int:
     return max(t.size for t in kv_cache_config.kv_cache_tensors) // kv_cache_config.num_blocks
 
 
-def settings_for(vllm_config: Any, kv_cache_config: Any, chunk_bytes: int):
-    """:func:`~._elastic.elastic_settings` from vLLM's configs, identical in every process."""
+def settings_for(vllm_config: Any, kv_cache_config: Any, chunk_bytes: int,
+                 num_blocks: int | None = None):  # fmt: skip
+    """:func:`~._elastic.elastic_settings` from vLLM's configs, identical in every process.
+    ``num_blocks``: the pool's size when it is not the config's (a worker under vLLM's
+    extensible KV cache: the budget ``extend_kv_cache`` commits, which the engine core's
+    config holds once vLLM has shrunk it; the block's bytes are the same)."""
     sc = vllm_config.scheduler_config
     return elastic_settings(
-        kv_cache_config.num_blocks, block_bytes(kv_cache_config), chunk_bytes,
+        kv_cache_config.num_blocks if num_blocks is None else num_blocks,
+        block_bytes(kv_cache_config), chunk_bytes,
         block_size=vllm_config.cache_config.block_size,
         max_num_batched_tokens=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs,
         async_scheduling=bool(sc.async_scheduling),
@@ -110,6 +120,10 @@ class ElasticWorker:
             return
         seq, target = resize
         self.seq, self.error = seq, None
+        ext = vllm_cache_of(cache)
+        if ext is not None:
+            self._apply_extensible(cache, ext, target)
+            return
         released = _released(cache)
         if released is not None:
             log.info(
@@ -130,8 +144,45 @@ class ElasticWorker:
             self.error = f"rank {cache.rank}: {type(exc).__name__}: {exc}"
             log.warning("vmmkv: elastic resize %d -> %d refused: %s", before, target, self.error)
 
+    def _apply_extensible(self, cache: Any, ext: Any, target: int) -> None:
+        """Under vLLM's extensible KV cache: resize, and set vLLM's count of committed blocks
+        to the outcome, so that vLLM's own recommit (wake, the end of a lending) commits the
+        size elastic mode holds. While vLLM holds the memory released nothing is committed:
+        the target becomes vLLM's count (every rank alike, no collective). A target above
+        the budget vLLM committed at extend (its views end there) is refused."""
+        buffer = ext.buffer
+        if buffer.released:
+            log.info(
+                "vmmkv: rank %d: elastic resize to %d blocks while vLLM holds the KV cache "
+                "released: its recommit commits %d blocks, not %d", cache.rank, target,
+                target, ext.num_committed_blocks,
+            )  # fmt: skip
+            ext.num_committed_blocks = target
+            return
+        before = cache.committed_blocks
+        try:
+            if buffer.budget is None or target > buffer.budget:
+                raise ValueError(
+                    f"elastic target {target} blocks above vLLM's committed budget "
+                    f"{buffer.budget} (extend_kv_cache)"
+                )
+            if target != before:
+                (cache.grow if target > before else cache.shrink)(target)
+        except Exception as exc:
+            if cache.committed_blocks != before:
+                raise
+            self.error = f"rank {cache.rank}: {type(exc).__name__}: {exc}"
+            log.warning("vmmkv: elastic resize %d -> %d refused: %s", before, target, self.error)
+        finally:
+            ext.num_committed_blocks = cache.committed_blocks
+
     def stamp(self, cache: Any) -> tuple[int, int, str | None]:
-        """``(seq, committed blocks, error)``; while released, the blocks the wake restores."""
+        """``(seq, committed blocks, error)``; while released, the blocks the wake restores
+        (vmmkv's sleep-mode backend, or vLLM's recommit under its extensible KV cache)."""
+        ext = vllm_cache_of(cache)
+        if ext is not None:
+            blocks = ext.num_committed_blocks if ext.buffer.released else cache.committed_blocks
+            return (self.seq, blocks, self.error)
         released = _released(cache)
         blocks = cache.committed_blocks if released is None else released.blocks
         return (self.seq, blocks, self.error)
@@ -232,6 +283,16 @@ def _update_requests(orig: Callable[..., Any]) -> Callable[..., Any]:
     return update_requests
 
 
+def _extend(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def extend_kv_cache(self, num_blocks):
+        orig(self, num_blocks)
+        ext = getattr(self.model_runner, "extensible_kv_cache", None)
+        if ext is not None and isinstance(ext.buffer, PeerKVBuffer):
+            settle_elastic(ext, self.vllm_config, self._kv_cache_config, num_blocks)
+
+    return extend_kv_cache
+
+
 def _stamping(orig: Callable[..., Any]) -> Callable[..., Any]:
     def stamped(self, *args, **kwargs):
         from ._state import active_cache
@@ -256,6 +317,7 @@ WORKER_SITES: tuple[tuple[str, str, Callable[..., Any], tuple[str, ...]], ...] =
         "vllm.v1.worker.gpu.model_runner", "GPUModelRunner.sample_tokens", _stamping,
         ("self", "grammar_output"),
     ),
+    ("vllm.v1.worker.gpu_worker", "Worker.extend_kv_cache", _extend, ("self", "num_blocks")),
 )  # fmt: skip
 
 

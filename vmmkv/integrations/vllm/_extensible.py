@@ -38,8 +38,15 @@ before capture, ``extend_kv_cache`` (a ``collective_rpc``), sleep, wake and disc
 (``collective_rpc``), shutdown (``free``, local). The one per-rank decision, lending for a
 weight update, is agreed here.
 
-Contract: :func:`make_buffer`, ``resize_segments_``, ``release_physical`` and the lending
-decision are collective over the PCP group; the views, ``free`` (idempotent; closes the cache
+Elastic mode (``VLLM_VMMKV_ELASTIC=1``, docs/design.md "Elastic KV in vLLM"): the engine
+core's pool lives below the budget ``extend_kv_cache`` commits; :func:`settle_elastic` brings
+every rank down to the floor right after it, and ``_elastic_sites`` keeps vLLM's count of
+committed blocks equal to vmmkv's (:func:`vllm_cache_of` finds vLLM's cache), so that vLLM's
+recommit commits the elastic size; :attr:`PeerKVBuffer.released` says that vLLM holds the
+memory released (nothing is committed for a resize then).
+
+Contract: :func:`make_buffer`, ``resize_segments_``, ``release_physical``,
+:func:`settle_elastic` and the lending decision are collective over the PCP group; the views, ``free`` (idempotent; closes the cache
 and clears the plugin's active cache) and the properties are local. Not capture-safe: vLLM
 commits outside graph capture. The buffer owns its ``VllmKVCache``; vLLM owns the buffer
 (``ExtensibleKVCache.free`` at the runner's shutdown).
@@ -56,7 +63,7 @@ import torch
 
 from ._state import _STATE
 
-__all__ = ["PeerKVBuffer", "allocate_extensible", "make_buffer"]
+__all__ = ["PeerKVBuffer", "allocate_extensible", "make_buffer", "settle_elastic", "vllm_cache_of"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +83,10 @@ class PeerKVBuffer:
         self._strides = list(strides)
         self._device = torch.device(cache.cache.device)
         self._closed = False
+        # vLLM released the memory (sleep, discard, lending) and has not committed since
+        self.released = False
+        # elastic mode: the blocks vLLM's extend_kv_cache committed (the scheduler's capacity)
+        self.budget: int | None = None
 
     # -- what vLLM uses ------------------------------------------------------------------------
     @property
@@ -117,12 +128,14 @@ class PeerKVBuffer:
                 f"{self.cache.committed_blocks} committed"
             )
         self.cache.grow(n)
+        self.released = False
 
     def release_physical(self) -> None:
         """Collective: every replica drops all its memory (peers unmapped first); addresses and
         views stay valid, and nothing may be written until the next commit."""
         self._check_open("release_physical")
         self.cache.shrink(0)
+        self.released = True
 
     def segments_backed_by_one_chunk(self, sizes: Sequence[int]) -> list[bool]:
         # vLLM asks only to defragment for a connector that registers the KV cache for RDMA,
@@ -219,14 +232,7 @@ def make_buffer(
     cfg = get_current_vllm_config_or_none()
     if cfg is not None:
         check_vllm_config(cfg)
-    from ._elastic import elastic_enabled
-
-    if elastic_enabled():
-        raise UnsupportedKVCache(
-            "elastic KV (VLLM_VMMKV_ELASTIC=1) is not built on vLLM's extensible KV cache yet: "
-            "add --no-enable-extensible-kv-cache (elastic mode then runs on vmmkv's own "
-            "allocation)"
-        )
+    chunk = _elastic_chunk(cfg, layout) or _chunk_bytes(device, max_num_bytes)
     if export_handle_types:
         raise UnsupportedKVCache(
             f"vLLM asks the KV cache to be exportable to other processes (handle types "
@@ -237,7 +243,7 @@ def make_buffer(
     close_active("vLLM allocates a new KV cache")
     cache = build_cache(
         cfg, pcp, "ExtensibleKVCache", kv_cache_config, layout, device=device,
-        initial_blocks=0, chunk_bytes=_chunk_bytes(device, max_num_bytes),
+        initial_blocks=0, chunk_bytes=chunk,
     )  # fmt: skip
     try:
         offsets = list(accumulate([0, *segment_capacities[:-1]]))
@@ -264,6 +270,31 @@ def make_buffer(
     return buffer
 
 
+def _elastic_chunk(cfg: Any, layout: Any) -> int | None:
+    """Elastic mode (``VLLM_VMMKV_ELASTIC=1``): its chunk (``_cache.elastic_chunk_bytes``), after
+    the refusals of vmmkv's own allocation in elastic mode (what it has not been tested with; a
+    layer-major layout, whose blocks span every layer's segment); the worker's applied resize
+    requests reset. None otherwise. Local."""
+    from ._elastic import elastic_enabled
+
+    if not elastic_enabled():
+        return None
+    from ._cache import elastic_chunk_bytes
+    from ._elastic_sites import WORKER, check_elastic_config
+    from ._layout import UnsupportedKVCache
+
+    if cfg is None:
+        raise UnsupportedKVCache("elastic KV needs vLLM's config in the allocating worker")
+    check_elastic_config(cfg)
+    if not layout.is_block_outermost:
+        raise UnsupportedKVCache(
+            f"elastic KV (VLLM_VMMKV_ELASTIC=1) needs a block-major KV cache layout, got "
+            f"{layout.name}: set VLLM_KV_CACHE_LAYOUT=BLNHC"
+        )
+    WORKER.reset()  # a new cache: no resize applied yet
+    return elastic_chunk_bytes()
+
+
 def _chunk_bytes(device: Any, size: int) -> int:
     """``VMMKV_CHUNK_MIB``, else the allocation granularity: vLLM sizes the cache after capture
     from its own estimate of a commit's physical bytes (each segment rounded up to the
@@ -288,13 +319,65 @@ def capture_spec(orig: Callable[..., Any]) -> Callable[..., Any]:
     :func:`make_buffer` through the plugin state for its duration."""
 
     def __init__(self, kv_cache_config, device, layout, export_handle_types=0):
+        import weakref
+
         _STATE.extensible_spec = (kv_cache_config, layout)
         try:
             orig(self, kv_cache_config, device, layout, export_handle_types)
         finally:
             _STATE.extensible_spec = None
+        if isinstance(self.buffer, PeerKVBuffer):
+            _STATE.extensible = weakref.ref(self)
 
     return __init__
+
+
+def vllm_cache_of(cache: Any) -> Any:
+    """vLLM's ``ExtensibleKVCache`` whose buffer holds ``cache``, or None (vmmkv's own
+    allocation, or that cache gone). Local."""
+    ext = _STATE.extensible() if _STATE.extensible is not None else None
+    buffer = getattr(ext, "buffer", None)
+    return ext if isinstance(buffer, PeerKVBuffer) and buffer.cache is cache else None
+
+
+def settle_elastic(ext: Any, vllm_config: Any, kv_cache_config: Any, budget: int) -> int:
+    """Elastic mode, right after vLLM's ``extend_kv_cache`` committed ``budget`` blocks on every
+    rank: every rank comes down to the floor the engine core's pool starts at (both computed
+    from ``budget``, the scheduler's block count, and the same config and environment), and
+    vLLM's count of committed blocks with it, so that a wake or a lending's recommit commits
+    what elastic mode holds. Collective over the PCP group (vLLM extends through a
+    ``collective_rpc``). ``kv_cache_config``: the worker's (reserved capacity). Returns the
+    committed blocks.
+
+    Why after the commit of ``budget``, not instead of it: ``extend_kv_cache`` re-binds views of
+    ``budget`` blocks and checks its count against them, and mapping ``budget`` once on every
+    rank proves at start that the pool's largest size can be mapped. CUDA graphs captured
+    before (over the reserved range, the minimum committed) stay valid: their kernels resolve
+    block addresses at replay, and the pool hands out no block at or above the floor until a
+    grow to it is confirmed."""
+    from ._cache import elastic_chunk_bytes
+    from ._elastic_sites import settings_for
+    from ._layout import UnsupportedKVCache
+
+    buffer = ext.buffer
+    settings = settings_for(vllm_config, kv_cache_config, elastic_chunk_bytes(), budget)
+    if settings.floor < ext.min_committed_blocks:
+        raise UnsupportedKVCache(
+            f"elastic KV: a floor of {settings.floor} blocks is below the "
+            f"{ext.min_committed_blocks} blocks vLLM's extensible KV cache keeps committed under "
+            "a block-major layout; raise VMMKV_ELASTIC_FLOOR_BLOCKS"
+        )
+    buffer.budget = budget
+    cache = buffer.cache
+    if cache.committed_blocks > settings.floor:
+        cache.shrink(settings.floor)
+    ext.num_committed_blocks = cache.committed_blocks
+    log.info(
+        "vmmkv: elastic KV under vLLM's extensible KV cache: %d of %d committed blocks kept "
+        "(the floor) on PCP rank %d of %d", cache.committed_blocks, budget, cache.rank,
+        cache.world_size,
+    )  # fmt: skip
+    return cache.committed_blocks
 
 
 def allocate_extensible(orig: Callable[..., Any], kv_cache_config: Any, device: Any,

@@ -57,6 +57,9 @@ class _State:
         self.engine_hook: Any = None  # install_when_engine_core_loads', until it fires
         # (kv_cache_config, layout) while vLLM builds an ExtensibleKVCache
         self.extensible_spec: Any = None
+        # a weak reference to the ExtensibleKVCache over the active cache (_extensible):
+        # elastic mode keeps vLLM's count of committed blocks equal to vmmkv's
+        self.extensible: Any = None
 
 
 _STATE = _State()

@@ -30,6 +30,7 @@ Local; each :class:`TraceRun` owns its scheduler.
 
 from __future__ import annotations
 
+import copy
 import random
 from collections import deque
 from collections.abc import Callable
@@ -116,7 +117,11 @@ class TraceStep:
 class TraceRun:
     """A seeded trace through vLLM's scheduler. ``elastic``: install the elastic pool (through
     the plugin's patched ``Scheduler.__init__``; the caller installs the engine sites);
-    ``order``: the elastic queue's order ("lowest" or vLLM's "lifo")."""
+    ``order``: the elastic queue's order ("lowest" or vLLM's "lifo"). ``budget``: vLLM 0.34's
+    extensible KV cache: ``num_blocks`` is the reserved capacity, and the scheduler is built,
+    as ``EngineCore`` builds it, with the config vLLM's ``finalize_extensible_kv_cache``
+    shrank to the budget the workers measured; the figures are then against the budget
+    (:attr:`capacity`)."""
 
     trace: str = "burst"
     seed: int = 0
@@ -132,6 +137,12 @@ class TraceRun:
     preemptions: int = 0
     outputs: list[Any] = field(default_factory=list)
     idle_releases: list[int] = field(default_factory=list)  # steps of the idle releases
+    budget: int | None = None
+
+    @property
+    def capacity(self) -> int:
+        """The scheduler's block count: the budget under the extensible KV cache."""
+        return self.num_blocks if self.budget is None else self.budget
 
     def build(self) -> Any:
         from vllm.config import set_current_vllm_config
@@ -153,6 +164,15 @@ class TraceRun:
         self.worker_kv_cache_config = kvc
         kvc = generate_scheduler_kv_cache_config([kvc])
         cfg.cache_config.num_gpu_blocks = kvc.num_blocks
+        if self.budget is not None:  # EngineCore._initialize_kv_caches, extensible KV cache
+            from vllm.v1.core.kv_cache_planning import finalize_extensible_kv_cache
+            from vllm.v1.worker.worker_base import CompilationTimes
+
+            cfg.cache_config.enable_extensible_kv_cache = True
+            measured = [CompilationTimes(0.0, 0.0, num_kv_blocks=self.budget)] * self.world
+            with set_current_vllm_config(cfg):
+                finalize_extensible_kv_cache(cfg, [copy.copy(self.worker_kv_cache_config)],
+                                             kvc, measured)  # fmt: skip
         cfg.cache_config.enable_prefix_caching = True
         for c in (cfg.model_config, cfg.scheduler_config):
             c.max_model_len = 4096
@@ -301,7 +321,7 @@ class TraceRun:
 
     def _record(self, step: int, phase: str, ran: bool) -> TraceStep:
         blocks = self.pool.blocks
-        limit = self.el.limit if self.el is not None else self.num_blocks
+        limit = self.el.limit if self.el is not None else self.capacity
         in_use = sum(1 for b in blocks if b.ref_cnt > 0 and not b.is_null)
         cached = sum(1 for b in blocks[:limit] if b.ref_cnt == 0 and b.block_hash is not None)
         return TraceStep(step, phase, in_use, cached, limit, ran)
