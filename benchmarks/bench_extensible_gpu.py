@@ -7,8 +7,8 @@ size: 61 layers, MLA 41,984 B + indexer 8,448 B per block and layer. Layouts: ``
 122 segments, the indexer regions then the MLA regions, each padded onto the 2 MiB granule as
 vLLM's ``pad_kv_cache_segments`` does) and ``BL`` (BLNHC: one segment of packed blocks). The
 buffer sits on a ``ReplicatedKVCache`` with that block layout, grown as ``VllmKVCache.grow``
-does (``bench_elastic_gpu.ElasticCache``), in chunks of ``--chunk-mib`` (default: the 2 MiB
-granule, the plugin's default under the extensible cache).
+does (``bench_elastic_gpu.ElasticCache``), in chunks of ``--chunk-mib`` (default: the plugin's
+under the extensible cache, 2 MiB for LB and 64 MiB for BL).
 
 Steps, each after a ``dist.barrier()`` and ending with the device synchronized (vLLM's commit
 rule replayed by :func:`commit`: a shrink releases everything and recommits the prefix):
@@ -57,6 +57,8 @@ from common import (
 
 MiB, GRANULE = 1 << 20, 2 << 20
 LAYOUTS = ("LB", "BL")
+# the plugin's chunk under vLLM's extensible cache (``_extensible._chunk_bytes`` on CUDA)
+PLUGIN_CHUNK = {"LB": GRANULE, "BL": 64 * MiB}
 STAMP = 64  # bytes written per stamped block
 
 
@@ -76,9 +78,10 @@ def padded_geometry(layout: str, layers: int, capacity: int) -> tuple[list[tuple
     return segs, off
 
 
-def estimate(segs: list[tuple[int, int]], blocks: int) -> int:
-    """vLLM's ``physical_bytes_for(blocks)``: each segment's bytes rounded up to the granule."""
-    return sum(-(-blocks * stride // GRANULE) * GRANULE for _, stride in segs)
+def estimate(segs: list[tuple[int, int]], blocks: int, unit: int) -> int:
+    """vLLM's ``physical_bytes_for(blocks)``: each segment's bytes rounded up to the buffer's
+    ``granularity`` (``unit``: the plugin's buffer reports its chunk)."""
+    return sum(-(-blocks * stride // unit) * unit for _, stride in segs)
 
 
 class Replay:
@@ -122,7 +125,7 @@ def run_config(dev: Any, cfg: dict[str, Any], layout: str) -> dict[str, Any]:
     cap = round_up(size, make_backend(dev, cfg["backend"]).granularity)
     cache = ReplicatedKVCache(
         dist.group.WORLD, cap, dev, initial_bytes=0, lanes=1, timeout=cfg["timeout"],
-        chunk_bytes=min(cfg["chunk"], cap), backend=cfg["backend"],
+        chunk_bytes=min(cfg["chunk"] or PLUGIN_CHUNK[layout], cap), backend=cfg["backend"],
     )  # fmt: skip
     rank = cache.rank
     out: dict[str, Any] = {"rank": rank, "capacity": cap, "chunk_bytes": cache.chunk_bytes,
@@ -208,7 +211,7 @@ def run_config(dev: Any, cfg: dict[str, Any], layout: str) -> dict[str, Any]:
             sr = cache.region
             blocks = adapter.committed_blocks
             rec = {"step": name, "ms": ms, "blocks": blocks, "peak_fds": peak[0],
-                   "physical": buf.physical_bytes, "estimate": estimate(segs, blocks),
+                   "physical": buf.physical_bytes, "estimate": estimate(segs, blocks, buf.granularity),
                    "own": [c.offset for c in sr.region.chunks()],
                    "peers": {str(r): [c.offset for c in sr.peers.mapped_chunks(r)]
                              for r in range(sr.world_size) if r != rank}}  # fmt: skip
@@ -276,15 +279,20 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=9000, help="blocks reserved (LB: ~27 GiB)")
     ap.add_argument("--budget", type=int, default=8500, help="blocks of the extend")
     ap.add_argument("--warmup", type=int, default=512, help="blocks warmup commits")
-    ap.add_argument("--chunk-mib", type=float, default=2.0, help="the region's chunk in MiB")
+    ap.add_argument(
+        "--chunk-mib",
+        type=float,
+        default=0.0,
+        help="the region's chunk in MiB (0: the plugin's, 2 for LB, 64 for BL)",
+    )
     ap.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"))
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per collective")
     a = ap.parse_args()
     layouts = [x.strip() for x in a.layouts.split(",") if x.strip()]
     if not layouts or any(x not in LAYOUTS for x in layouts):
         ap.error(f"--layouts: a comma-separated subset of {LAYOUTS}, got {a.layouts!r}")
-    if not (2 < a.warmup < a.budget <= a.capacity and a.layers > 0 and a.chunk_mib > 0):
-        ap.error("want 2 < --warmup < --budget <= --capacity, --layers > 0, --chunk-mib > 0")
+    if not (2 < a.warmup < a.budget <= a.capacity and a.layers > 0 and a.chunk_mib >= 0):
+        ap.error("want 2 < --warmup < --budget <= --capacity, --layers > 0, --chunk-mib >= 0")
     chunk = int(a.chunk_mib * MiB)
     backend = resolve_backend(a.backend)
     cfg = dict(layouts=layouts, layers=a.layers, capacity=a.capacity, budget=a.budget,

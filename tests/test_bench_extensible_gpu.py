@@ -32,7 +32,11 @@ def test_lb_regions_start_on_the_granule_and_bl_is_one_packed_segment():
     assert segs[1][0] == -(-9000 * IDX // (2 * MiB)) * 2 * MiB
     assert size == segs[-1][0] + -(-9000 * MLA // (2 * MiB)) * 2 * MiB
     assert bx.padded_geometry("BL", 61, 9000) == ([(0, 61 * (MLA + IDX))], 9000 * 61 * (MLA + IDX))
-    assert bx.estimate([(0, 3 * MiB)], 1) == 4 * MiB and bx.estimate([(0, 10)], 0) == 0
+    assert (
+        bx.estimate([(0, 3 * MiB)], 1, 2 * MiB) == 4 * MiB
+        and bx.estimate([(0, 10)], 0, 2 * MiB) == 0
+    )
+    assert bx.estimate([(0, 3 * MiB), (9 * MiB, MiB)], 2, 64 * MiB) == 128 * MiB
     with pytest.raises(ValueError, match="layout must be one of"):
         bx.padded_geometry("LBNHC", 61, 10)
 

@@ -95,7 +95,10 @@ class PeerKVBuffer:
 
     @property
     def granularity(self) -> int:
-        return int(self.cache.cache.region.region.granularity)
+        # The unit a commit maps: vLLM's physical_bytes_for rounds every segment up to it,
+        # so vLLM sizes the cache after capture by what vmmkv maps (the region's chunk, a
+        # multiple of the driver's granule), not by the granule.
+        return int(self.cache.cache.region.chunk_bytes)
 
     @property
     def physical_bytes(self) -> int:
@@ -232,7 +235,7 @@ def make_buffer(
     cfg = get_current_vllm_config_or_none()
     if cfg is not None:
         check_vllm_config(cfg)
-    chunk = _elastic_chunk(cfg, layout) or _chunk_bytes(device, max_num_bytes)
+    chunk = _elastic_chunk(cfg, layout) or _chunk_bytes(device, max_num_bytes, layout)
     if export_handle_types:
         raise UnsupportedKVCache(
             f"vLLM asks the KV cache to be exportable to other processes (handle types "
@@ -295,17 +298,29 @@ def _elastic_chunk(cfg: Any, layout: Any) -> int | None:
     return elastic_chunk_bytes()
 
 
-def _chunk_bytes(device: Any, size: int) -> int:
-    """``VMMKV_CHUNK_MIB``, else the allocation granularity: vLLM sizes the cache after capture
-    from its own estimate of a commit's physical bytes (each segment rounded up to the
-    granule), so a commit must map exactly that; larger chunks would map up to one chunk per
-    segment more (122 segments under DeepSeek-V3.2's layer-major layouts)."""
+def _chunk_bytes(device: Any, size: int, layout: Any) -> int:
+    """``VMMKV_CHUNK_MIB``; else, under a block-major layout (one segment),
+    ``ELASTIC_CHUNK_MIB`` (64 MiB) clamped to the range; else the allocation granularity.
+
+    vLLM sizes the cache after capture from its estimate of a commit's physical bytes, each
+    segment rounded up to the buffer's ``granularity``, which is this chunk: so what vLLM
+    budgets is what vmmkv maps, and a large chunk costs at most one chunk per segment of the
+    budget. Under a layer-major layout that is one per layer region (122 under DeepSeek-V3.2),
+    so those keep the granule. A commit's time is per chunk (an extend of ~25 GiB: 5.4 s in
+    2 MiB chunks at 2 ranks sharing an H200, BENCHMARKS.md "vLLM 0.34's extensible cache"),
+    which is why the one-segment layouts take large ones."""
     from ..._util import round_up
     from ...alloc.region import make_backend
     from ._cache import _chunk_bytes_from_env
+    from ._elastic import ELASTIC_CHUNK_MIB
 
     gran = make_backend(device, "auto").granularity
-    return _chunk_bytes_from_env(gran, round_up(size, gran)) or gran
+    env = _chunk_bytes_from_env(gran, round_up(size, gran))
+    if env:
+        return env
+    if layout.is_block_outermost:
+        return min(round_up(ELASTIC_CHUNK_MIB << 20, gran), round_up(size, gran))
+    return gran
 
 
 def _module() -> Any:
