@@ -141,6 +141,8 @@ LONG = frozenset(
         "test_segments.py::test_block_growth_lands_stores_only_in_committed_blocks_and_a_failed_grow_rolls_back[3-ranks-fail-in-exchange]",
         "test_soak.py::test_two_hundred_grow_replay_shrink_cycles_stay_byte_exact_and_leak_nothing[host]",
         "test_vllm_elastic_ranks.py::test_three_ranks_under_vllms_async_scheduler_hold_the_reference_bytes",
+        "test_vllm_elastic_ranks.py::test_four_ranks_under_vllms_async_scheduler_hold_the_reference_bytes_with_a_late_reader",
+        "test_vllm_extensible.py::test_elastic_kv_under_vllms_extensible_cache_over_four_ranks_with_the_async_scheduler",
     }
 )
 

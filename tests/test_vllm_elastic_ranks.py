@@ -82,6 +82,7 @@ KNOBS = {
 }
 FAIL_RANK, FAIL_GROW = 1, 2  # rank 1's 2nd grow fails at its commit
 SLEEP_AT = 2  # sleep and wake at the 2nd idle release
+LATE = (3, 0.03)  # at four ranks, rank 3 reads its replica 30 ms late in every check
 # (name, async depth, vLLM's zeroing on, the grow rank FAIL_RANK fails or None, sleep at)
 ASYNC = ("async", 2, True, FAIL_GROW, SLEEP_AT)
 SYNC = ("sync", 1, False, None, SLEEP_AT)
@@ -102,6 +103,8 @@ def _blocks(flat, vc, lo, hi):
 
 class _Rank:
     """One PCP rank's worker side: the cache, the reference, MRV2's per-request state."""
+
+    read_delay_s = 0.0  # a rank that reads its replica late: it sleeps this long first
 
     def __init__(self, ps, vc, views, plain, want, zeroer, cfg, fail_grow):
         import torch
@@ -139,9 +142,16 @@ class _Rank:
     # -- the state every rank must agree on ------------------------------------------------
     def agree(self, what: str, head: tuple) -> None:
         """``head`` (step, seq, committed, ...) and the chunk sets equal on every rank; each
-        rank maps exactly the chunks its peers committed; the replica equals the reference."""
+        rank maps exactly the chunks its peers committed; the replica equals the reference.
+
+        The replica is read before the gather: a peer leaves the gather into its next step,
+        whose direct stores write into this replica with no collective in between (the cache
+        barrier after a store orders the stores of one step, not this rank's reading of the
+        step before), so the gather is what holds every peer's next stores back until every
+        rank has read its replica."""
         from tests.test_vllm_scale import _mapped
 
+        same = self.equal()
         m = _mapped(self.vc)
         peers = [r for r in range(self.world) if r != self.rank]
         mine = (
@@ -158,12 +168,15 @@ class _Rank:
         for q, d in mine[2].items():
             if d != owns[q]:
                 self.problems.append(f"{what}: rank {self.rank} maps rank {q}'s chunks wrongly")
-        if not self.equal():
+        if not same:
             self.problems.append(f"{what}: rank {self.rank}'s committed blocks differ")
 
     def equal(self) -> bool:
+        import time
+
         import torch
 
+        time.sleep(self.read_delay_s)
         c = self.vc.committed_blocks
         pairs = zip(
             _blocks(self.got, self.vc, 0, c), _blocks(self.want, self.vc, 0, c), strict=True
@@ -398,9 +411,9 @@ def _scheduled(so) -> tuple:
     )
 
 
-def _one_run(ps, world, spec):
+def _one_run(ps, world, spec, late=None):
     """One trace on every rank; returns this rank's records and events (rank 0: the
-    scheduler's too)."""
+    scheduler's too). ``late``: (rank, seconds), a rank that reads its replica late."""
     import pickle
     import time
 
@@ -434,6 +447,8 @@ def _one_run(ps, world, spec):
             plain = worker_utils.allocate_kv_cache(config, cpu, lay, [BS])
             want = _flat(next(iter(plain.values())), config.kv_cache_tensors[0].size)
             r = _Rank(ps, vc, views, plain, want, _zeroer(config, views), cfg, fail_grow)
+            if late is not None and r.rank == late[0]:
+                r.read_delay_s = late[1]
             r.events["start"] = {"blocks": vc.committed_blocks, "direct": vc.direct,
                                  "chunk": vc.cache.region.chunk_bytes}  # fmt: skip
             _poison(r)
@@ -486,7 +501,7 @@ def _one_run(ps, world, spec):
         worker_utils._zero_kv_blocks_kernel = real_kernel
 
 
-def _ranks(rank, world, port, specs):
+def _ranks(rank, world, port, specs, late=None):
     import torch.distributed as dist
 
     from vmmkv.integrations.vllm import testing
@@ -494,7 +509,7 @@ def _ranks(rank, world, port, specs):
     cfg = testing.vllm_config("BLNHC", NUM_BLOCKS, LAYERS, pcp=world)
     ps = testing.join_vllm_groups(cfg, rank, world, port)
     try:
-        out = {spec[0]: _one_run(ps, world, spec) for spec in specs}
+        out = {spec[0]: _one_run(ps, world, spec, late) for spec in specs}
         # rank 0 hosts the store every group uses: it tears down only after every rank is done
         dist.barrier(group=ps.get_world_group().cpu_group)
     finally:
@@ -618,3 +633,15 @@ def test_three_ranks_under_vllms_async_scheduler_hold_the_reference_bytes():
         out = run_world(_ranks, 3, args=(store.port, [ASYNC]), init_group=False,
                         env={**KNOBS, **store.env}, timeout=560)  # fmt: skip
     _check(out, ASYNC, 3)
+
+
+@pytest.mark.timeout(600)
+def test_four_ranks_under_vllms_async_scheduler_hold_the_reference_bytes_with_a_late_reader():
+    """Four ranks, two chunks per rank of every prefill, one owner per decode; rank 3 reads its
+    replica late in every check: no peer's next step may write into it before every rank has
+    read it (``_Rank.agree``), else the next step's rows show up in a replica checked against
+    this step's reference."""
+    with world_store() as store:
+        out = run_world(_ranks, 4, args=(store.port, [ASYNC], LATE), init_group=False,
+                        env={**KNOBS, **store.env}, timeout=560)  # fmt: skip
+    _check(out, ASYNC, 4)

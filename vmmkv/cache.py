@@ -349,8 +349,11 @@ class ReplicatedKVCache:
 
     def barrier(self, lane: int = 0) -> None:
         """Direct mode: every rank's earlier stores are visible in every replica afterwards
-        (device-side system-scope barrier on CUDA; capture-safe). Gather mode: nothing to
-        wait for (each rank inserted everything itself), returns at once."""
+        (device-side system-scope barrier on CUDA; capture-safe). It does not hold back later
+        stores: a peer past the barrier may store into this replica at once, so a read that
+        must not see the peers' next stores needs a collective of its own between the two.
+        Gather mode: nothing to wait for (each rank inserted everything itself), returns at
+        once."""
         self._check_open()
         self._stores.barrier(lane)
 

@@ -7,7 +7,9 @@ Contract:
   its barrier (a :class:`vmmkv.ops.DeviceBarrier` on CUDA, a bounded host barrier over the
   group's store on the host backend) and closes it in ``close`` (local, idempotent).
 - ``store`` is local: no collective, no host synchronization; capture-safe on CUDA once the
-  kernels are loaded. The stores of a rank become visible to its peers after ``barrier``.
+  kernels are loaded. The stores of a rank become visible to its peers after ``barrier``;
+  a peer past a barrier may store into this replica again at once (nothing waits for this
+  rank's reads of the replica).
 - ``barrier`` is collective in effect: every rank calls it for the same lane the same number of
   times. On CUDA it is a device-side system-scope barrier (capture-safe); on the host backend a
   host barrier bounded by vmmkv's timeout (not the group's), ``SymmetricRegion.host_barrier``.
