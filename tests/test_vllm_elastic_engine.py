@@ -34,6 +34,10 @@ pytestmark = vllm_marks()
 
 IDLE_S = 1.0  # the idle wait under test; the checks allow a quarter of it
 KNOBS = {
+    # as a deployment sets them: vLLM's plugin loader, in any process vLLM starts (its model
+    # inspection too, when no earlier test of the process has cached it), refuses
+    # VLLM_VMMKV_ELASTIC=1 without the plugin on
+    "VLLM_USE_VMMKV": "1",
     "VLLM_VMMKV_ELASTIC": "1",
     "VMMKV_CHUNK_MIB": "0.5",  # 5 blocks of 100,864 B (2 layers) per chunk
     "VMMKV_ELASTIC_WATERMARK_BLOCKS": "16",
@@ -424,7 +428,7 @@ def _asleep_to_wake(seen, start):
 
 @pytest.mark.timeout(300)
 def test_sleep_an_idle_loop_and_wake_keep_the_limit_equal_to_every_workers_size():
-    out = run_world(_sleep_ranks, 2, env={"VLLM_USE_VMMKV": "1", **KNOBS}, timeout=240)
+    out = run_world(_sleep_ranks, 2, env=KNOBS, timeout=240)
     r0 = out[0]
     grown, floor = r0["grown"], r0["floor"]
     assert grown > floor
@@ -493,7 +497,7 @@ def _forked_engine_core(q):
 
 @pytest.mark.timeout(300)
 def test_engine_sites_install_when_the_plugins_load_before_the_engine_core_module():
-    env = {"VLLM_USE_VMMKV": "1", "VLLM_PLUGINS": "vmmkv", **KNOBS}
+    env = {"VLLM_PLUGINS": "vmmkv", **KNOBS}
     (out,) = run_world(_plugins_before_the_engine_core, 1, env=env, init_group=False, timeout=240)
     assert out["engine.core imported before the plugins"] is False and out["registered"]
     child = out["child"]
