@@ -377,9 +377,18 @@ class SymmetricRegion:
 
     @property
     def committed_blocks(self) -> int | None:
-        """Blocks every segment holds (the kernels' bound), or None without a block layout."""
+        """The top of the committed block set (one past its highest block: the kernels' bound;
+        the block count when the set is a prefix), or None without a block layout."""
         layout = self._resizer.block_layout
         return None if layout is None else layout.blocks
+
+    @property
+    def committed_block_set(self) -> tuple[tuple[int, int], ...] | None:
+        """The committed block set (``vmmkv._blockset``: sorted, disjoint ``(start, end)``
+        block intervals; the prefix ``[0, n)`` is ``((0, n),)``), or None without a block
+        layout."""
+        layout = self._resizer.block_layout
+        return None if layout is None else layout.set
 
     def set_block_layout(self, segments: Any, max_blocks: int, *, refuse: str = "") -> None:
         """Collective: from now on the region is sized by blocks (see the module docstring).
@@ -421,6 +430,20 @@ class SymmetricRegion:
         docstring). Returns the new block count. Same protocol and failure rules as
         ``resize``; refused (on every rank) when no block layout is set."""
         return self._resize(blocks, direction, blocks=True)
+
+    def resize_block_set(
+        self, intervals: Any, *, direction: str | None = None
+    ) -> tuple[tuple[int, int], ...]:
+        """Collective: every segment of the block layout holds exactly the blocks of
+        ``intervals`` (``(start, end)`` block pairs inside ``[0, max_blocks]``, any order,
+        overlapping or touching ones merged) afterwards: the chunks covering them in every
+        segment are committed on every rank, peers map exactly those, every other chunk is
+        released (see the module docstring). Returns the canonical set. ``direction``:
+        ``"grow"`` refuses a set that drops a committed block, ``"shrink"`` one that adds a
+        block. Same protocol and failure rules as ``resize``; a set that both adds and drops
+        blocks is a grow to the union, then a shrink."""
+        self._check_open()
+        return self._resizer.resize_set(intervals, direction, peers=self.peers)
 
     def _resize(self, size: Any, direction: str | None, *, blocks: bool) -> int:
         self._check_open()
