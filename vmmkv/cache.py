@@ -7,7 +7,7 @@ into the own replica). Both write the same bytes.
 
 Contract:
 - Collective (every rank of ``cpu_group``, same order): the constructor, ``grow``, ``shrink``,
-  ``set_block_layout``, ``grow_blocks``, ``shrink_blocks``, the stores in gather mode (they
+  ``set_block_layout``, ``grow_blocks``, ``shrink_blocks``, ``set_committed_blocks``, the stores in gather mode (they
   all-gather), ``barrier`` and ``publish_layer`` in direct mode (every rank calls them for the
   same lane the same number of times).
 - Local: ``allocate``, ``bind``, ``stats``, ``close`` (idempotent; a peer may be dead). Direct
@@ -42,6 +42,7 @@ Growth: by a byte prefix (default) or by blocks (a block layout, for layer-major
     cache.grow(nbytes) / cache.shrink(nbytes)          # the committed prefix, chunk-rounded
     cache.set_block_layout(segments, max_blocks)       # once, before any bind, nothing committed
     cache.grow_blocks(n) / cache.shrink_blocks(n)      # n blocks of every segment
+    cache.set_committed_blocks([(0, a), (b, c)])       # a block set: holes released
 
 - ``segments``: ``(offset_bytes, block_bytes)`` pairs in region byte offsets (what
   ``allocate()`` views have: ``view.data_ptr() - cache.region.base_ptr``); segment ``i`` spans

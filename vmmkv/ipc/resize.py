@@ -7,7 +7,8 @@ Contract:
   ``VirtualRegion``, its lock (which also orders ``close``) and, per call, its ``PeerMap``; it
   closes none of them. It owns the layout, ``table`` (the device int64 bound table the region
   exposes as ``committed_table``) and ``broken``.
-- Collective (every rank of the group, same order of calls): ``resize`` and
+- Collective (every rank of the group, same order of calls): ``resize``, ``resize_set`` (a
+  block set: a grow to the union of the old and new sets, then a shrink to the new one) and
   ``set_block_layout``. Each gathers every rank's request first (a bad one raises on every rank:
   the offending rank its own TypeError/ValueError/RuntimeError, the others
   :class:`RendezvousError` naming it) and ends with one outcome on every rank

@@ -3,7 +3,7 @@ rank, resized collectively.
 
 Contract:
 - Collective (every rank of the group, same order of calls): the constructor, ``resize``,
-  ``set_block_layout``, ``resize_blocks``, ``agree``, ``host_barrier``. Each ends with one outcome on every rank (``vmmkv.ipc.comm``):
+  ``set_block_layout``, ``resize_blocks``, ``resize_block_set``, ``agree``, ``host_barrier``. Each ends with one outcome on every rank (``vmmkv.ipc.comm``):
   all ranks succeed, or all raise. Local: ``close`` (idempotent; a peer may be dead), views and
   properties.
 - ``peers`` selects peer mapping: ``"require"`` maps every peer or raises on every rank
@@ -44,6 +44,12 @@ Contract:
     ``bound_for(start, end)`` is the 1-element view of it for a view inside one segment.
     ``resize`` refuses on a region with a block layout and ``resize_blocks`` on one without,
     on every rank.
+  - block sets (holes): ``resize_block_set(intervals)`` commits exactly the chunks covering
+    the blocks of a set of ``(start, end)`` block intervals in some segment (``resize_blocks(n)``
+    is the set ``((0, n),)``); a hole releases the chunks no block of the set needs in any
+    segment. ``committed_block_set`` is the set, ``committed_blocks`` its top, and every
+    element of ``committed_table`` is ``offset_i + top * block_bytes_i``: the kernels do not
+    see holes below the top, so the caller never hands out a block outside the set.
   Kernels read ``committed_table`` as their bound on every launch, so growth after CUDA-graph
   capture needs no new arguments; every resize updates all its elements in one device write.
 - ``resize``/``resize_blocks`` are refused during CUDA stream capture on the calling thread (a
