@@ -10,7 +10,9 @@ an adapter that grows as ``VllmKVCache.grow`` does (``grow_blocks``, the new blo
 segment zeroed in the own replica, the cache barrier) and shrinks with ``shrink_blocks``.
 
 Steps per configuration (layout, chunk size, ranks): 0 -> ``--floor`` (1000), then ``--reps``
-times a watermark grow ``+--step`` (256) and its release back to the floor, then a full grow to
+times a watermark grow ``+--step`` (256) and its release back to the floor, then a hole: the
+``--step`` blocks in the middle of the floor released (``(seq, block set)``, the chunks wholly
+inside them decommitted) and recommitted (``(seq, floor)``), then a full grow to
 ``--max-blocks`` (4000, like a wake) and a release to 0. Each step starts after a
 ``dist.barrier()`` and ends when the device is synchronized; per step and rank: ms, chunks
 committed or released on this rank, committed blocks, and ``committed_bytes / (blocks x
@@ -103,10 +105,27 @@ class ElasticCache:
         self.cache, self.buffer, self.segments = cache, buffer, segments
 
     rank = property(lambda self: self.cache.rank)
+    num_blocks = property(lambda self: self.cache.region.max_blocks)
+    committed_block_set = property(lambda self: self.cache.committed_block_set or ())
 
     @property
     def committed_blocks(self) -> int:
         return int(self.cache.committed_blocks or 0)
+
+    def set_committed_blocks(self, intervals: Any) -> Any:
+        """Collective: as ``VllmKVCache.set_committed_blocks`` (the blocks that joined the set
+        zeroed in the own replica, then the cache barrier)."""
+        from vmmkv import _blockset as blockset
+
+        old = self.committed_block_set
+        new = self.cache.set_committed_blocks(intervals)
+        added = blockset.difference(new, old)
+        for off, bb in self.segments:
+            for start, end in added:
+                self.buffer[off + start * bb : off + end * bb].zero_()
+        if added:
+            self.cache.barrier()
+        return new
 
     def grow(self, n: int) -> int:
         """Collective: ``grow_blocks(n)``, the new blocks of every segment zeroed in the own
@@ -123,11 +142,20 @@ class ElasticCache:
         return self.cache.shrink_blocks(n)
 
 
-def plan(floor: int, step: int, max_blocks: int, reps: int) -> list[tuple[str, int]]:
-    """The ``(step name, target blocks)`` sequence of one configuration."""
-    out = [("floor", floor)]
+def hole(floor: int, step: int) -> tuple[tuple[int, int], ...]:
+    """The floor with ``step`` blocks released in its middle: the hole step's block set."""
+    lo = max(0, floor // 2 - step // 2)
+    hi = min(floor, lo + step)
+    return tuple(iv for iv in ((0, lo), (hi, floor)) if iv[0] < iv[1])
+
+
+def plan(floor: int, step: int, max_blocks: int, reps: int) -> list[tuple[str, Any]]:
+    """The ``(step name, target)`` sequence of one configuration: a target is a block count
+    (the prefix) or a block set (the hole)."""
+    out: list[tuple[str, Any]] = [("floor", floor)]
     for _ in range(reps):
         out += [("grow", floor + step), ("release", floor)]
+    out += [("hole", hole(floor, step)), ("recommit", floor)]
     return out + [("full", max_blocks), ("zero", 0)]
 
 
@@ -172,12 +200,14 @@ def run_config(dev: Any, cfg: dict[str, Any], layout: str, chunk: int) -> dict[s
                 error = f"{type(exc).__name__}: {exc}"
             ms = (time.perf_counter() - t0) * 1e3
             blocks, committed = adapter.committed_blocks, cache.committed_bytes
+            held = [list(iv) for iv in adapter.committed_block_set]
+            count = sum(b - a for a, b in held)
             error = error or worker.error or ""
             out["steps"].append({
-                "step": name, "target": target, "ms": ms, "blocks": blocks,
+                "step": name, "target": target, "ms": ms, "blocks": blocks, "held": held,
                 "committed_bytes": committed,
                 "chunks": ceil_div(abs(committed - before), cache.chunk_bytes),
-                "ratio": committed / (blocks * block_bytes) if blocks else None, "error": error,
+                "ratio": committed / (count * block_bytes) if count else None, "error": error,
             })  # fmt: skip
             if error:
                 break
@@ -198,6 +228,13 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]
         except Exception as exc:
             results.append({"rank": rank, "error": f"{type(exc).__name__}: {exc}"[-600:]})
     return results
+
+
+def _held(target: Any) -> list[list[int]]:
+    """A step's target as the committed set its ranks report (JSON lists)."""
+    if isinstance(target, int):
+        return [[0, target]] if target else []
+    return [list(iv) for iv in target]
 
 
 def summarize(world: int, layout: str, chunk: int, ranks: list[dict[str, Any]],
@@ -221,9 +258,9 @@ def summarize(world: int, layout: str, chunk: int, ranks: list[dict[str, Any]],
     n = min(len(s) for s in done)
     want = plan(cfg["floor"], cfg["step"], cfg["max_blocks"], cfg["reps"])
     row["blocks_ok"] = n == len(want) and all(  # every rank at every step's target
-        {s[i]["blocks"] for s in done} == {target} for i, (_, target) in enumerate(want)
+        all(s[i]["held"] == _held(target) for s in done) for i, (_, target) in enumerate(want)
     )
-    for name in ("floor", "grow", "release", "full", "zero"):
+    for name in ("floor", "grow", "release", "hole", "recommit", "full", "zero"):
         idx = [i for i in range(n) if done[0][i]["step"] == name]
         if not idx:
             continue
@@ -275,7 +312,7 @@ def main() -> None:
         print(f"pcp {world}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     cols = ["pcp", "layout", "chunk_MiB", "segments", "path", "floor_ms", "floor_chunks",
             "floor_ratio", "grow_ms", "grow_max_ms", "grow_chunks", "grow_ratio", "release_ms",
-            "release_chunks", "full_ms", "full_chunks", "zero_ms", "zero_chunks", "blocks_ok",
+            "release_chunks", "hole_ms", "hole_chunks", "recommit_ms", "recommit_chunks", "full_ms", "full_chunks", "zero_ms", "zero_chunks", "blocks_ok",
             "criterion", "error"]  # fmt: skip
     print(f"{backend}: {a.layers} layers, floor {a.floor}, +{a.step} x {a.reps}, full "
           f"{a.max_blocks}; ms: slowest rank, median over repetitions (max: the worst); chunks "

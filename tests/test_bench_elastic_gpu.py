@@ -51,7 +51,8 @@ def test_configs_are_layout_and_mib_or_kib():
 def test_the_plan_is_floor_then_grow_release_pairs_then_full_and_zero():
     assert be.plan(1000, 256, 4000, 2) == [
         ("floor", 1000), ("grow", 1256), ("release", 1000), ("grow", 1256),
-        ("release", 1000), ("full", 4000), ("zero", 0),
+        ("release", 1000), ("hole", ((0, 372), (628, 1000))), ("recommit", 1000),
+        ("full", 4000), ("zero", 0),
     ]  # fmt: skip
 
 
@@ -91,15 +92,16 @@ def test_the_adapter_zeroes_exactly_the_new_blocks_of_every_segment():
     assert run_world(_zeroing_rank, 1, timeout=60) == [[0] * 6]
 
 
-def _covering(layout: str, base: int, blocks: int, chunk: int, cap: int) -> tuple[int, int]:
-    """(chunks, bytes) covering the first ``blocks`` blocks of every segment: the grid of
-    ``chunk`` over ``[0, cap)``, its last chunk cut at ``cap``."""
+def _covering(layout: str, base: int, blocks, chunk: int, cap: int) -> tuple[int, int]:
+    """(chunks, bytes) covering ``blocks`` (the first n, or a block set) of every segment: the
+    grid of ``chunk`` over ``[0, cap)``, its last chunk cut at ``cap``."""
+    held = ((0, blocks),) if isinstance(blocks, int) else blocks
     if layout == "BL":
-        ranges = [(base, base + blocks * BLOCK)]
+        ranges = [(base + a * BLOCK, base + b * BLOCK) for a, b in held]
     else:
         ranges, off = [], base
         for bb in [IDX] * LAYERS + [MLA] * LAYERS:
-            ranges.append((off, off + blocks * bb))
+            ranges += [(off + a * bb, off + b * bb) for a, b in held]
             off += MAX * bb
     ks = {k for s, e in ranges if e > s for k in range(s // chunk, -(-e // chunk))}
     return len(ks), sum(min(chunk, cap - k * chunk) for k in ks)
@@ -152,12 +154,21 @@ def test_every_rank_reaches_every_target_with_the_covering_chunks_committed(run)
         assert [r["rank"] for r in ranks] == [0, 1]
         for r in ranks:
             assert r["chunk_bytes"] == CHUNK and r["capacity"] == MAX * BLOCK  # 4 KiB pages
-            assert [(s["step"], s["target"]) for s in r["steps"]] == steps
+            assert [(s["step"], s["target"]) for s in r["steps"]] == [
+                (name, json.loads(json.dumps(t))) for name, t in steps
+            ]
             prev = 0
             for s in r["steps"]:
-                n = s["target"]
-                want_chunks, want_bytes = _covering(layout, r["base"], n, CHUNK, r["capacity"])
-                assert (s["blocks"], s["committed_bytes"], s["error"]) == (n, want_bytes, "")
+                target = (
+                    s["target"]
+                    if isinstance(s["target"], int)
+                    else tuple(tuple(iv) for iv in s["target"])
+                )
+                want_chunks, want_bytes = _covering(layout, r["base"], target, CHUNK, r["capacity"])
+                n = target if isinstance(target, int) else sum(b - a for a, b in target)
+                top = target if isinstance(target, int) else target[-1][1]
+                assert (s["blocks"], s["committed_bytes"], s["error"]) == (top, want_bytes, "")
+                assert s["held"] == be._held(target)
                 assert s["chunks"] == abs(want_chunks - prev)
                 prev = want_chunks
                 if n == 0:
@@ -165,7 +176,9 @@ def test_every_rank_reaches_every_target_with_the_covering_chunks_committed(run)
                     continue
                 assert s["ratio"] == pytest.approx(want_bytes / (n * BLOCK))
                 # at most one partly used chunk at each end of every segment (BL: one in all)
-                share = (1 if layout == "BL" else 4 * LAYERS) * CHUNK / (n * BLOCK)
+                # (a hole adds the partly used chunks at its two edges)
+                parts = 2 * len(s["held"]) - 1 if layout == "BL" else 4 * LAYERS * len(s["held"])
+                share = parts * CHUNK / (n * BLOCK)
                 assert 1.0 <= s["ratio"] < 1.0 + share
         for i in range(len(steps)):  # the same size on every rank at every step
             assert len({(r["steps"][i]["blocks"], r["steps"][i]["committed_bytes"])
@@ -182,12 +195,15 @@ def test_the_bl_numbers_are_the_hand_computed_ones(run):
     assert row["grow_ratio"] == round(37 * CHUNK / (24 * BLOCK), 4)
     assert row["full_ratio"] == 1.0 and "zero_ratio" not in row
     assert row["criterion"] is False  # 1.0152 > 1.01: a 64 KiB chunk is 4 % of 16 blocks
+    # the hole: blocks [4, 12) of 16, bytes [403,456, 1,210,368): chunks 7..17 wholly inside
+    assert be.hole(FLOOR, STEP) == ((0, 4), (12, 16))
+    assert (row["hole_chunks"], row["recommit_chunks"]) == (11, 11)
 
 
 def test_the_summary_is_the_slowest_rank_per_repetition_then_the_median(run):
     data, stdout = run
     for row in data["rows"]:
-        for name in ("floor", "grow", "release", "full", "zero"):
+        for name in ("floor", "grow", "release", "hole", "recommit", "full", "zero"):
             idx = [i for i, s in enumerate(row["ranks"][0]["steps"]) if s["step"] == name]
             worst = [max(r["steps"][i]["ms"] for r in row["ranks"]) for i in idx]
             assert all(w > 0 for w in worst)

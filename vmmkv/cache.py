@@ -7,7 +7,7 @@ into the own replica). Both write the same bytes.
 
 Contract:
 - Collective (every rank of ``cpu_group``, same order): the constructor, ``grow``, ``shrink``,
-  ``set_block_layout``, ``grow_blocks``, ``shrink_blocks``, the stores in gather mode (they
+  ``set_block_layout``, ``grow_blocks``, ``shrink_blocks``, ``set_committed_blocks``, the stores in gather mode (they
   all-gather), ``barrier`` and ``publish_layer`` in direct mode (every rank calls them for the
   same lane the same number of times).
 - Local: ``allocate``, ``bind``, ``stats``, ``close`` (idempotent; a peer may be dead). Direct
@@ -42,6 +42,7 @@ Growth: by a byte prefix (default) or by blocks (a block layout, for layer-major
     cache.grow(nbytes) / cache.shrink(nbytes)          # the committed prefix, chunk-rounded
     cache.set_block_layout(segments, max_blocks)       # once, before any bind, nothing committed
     cache.grow_blocks(n) / cache.shrink_blocks(n)      # n blocks of every segment
+    cache.set_committed_blocks([(0, a), (b, c)])       # a block set: holes released
 
 - ``segments``: ``(offset_bytes, block_bytes)`` pairs in region byte offsets (what
   ``allocate()`` views have: ``view.data_ptr() - cache.region.base_ptr``); segment ``i`` spans
@@ -209,7 +210,12 @@ class ReplicatedKVCache:
     committed_bytes = property(lambda self: self._sr.committed_bytes)
     committed_blocks = property(
         lambda self: self._sr.committed_blocks,
-        doc="Blocks every segment holds (None without a block layout: a prefix cache).",
+        doc="The top of the committed block set: the block count when it is a prefix, the "
+        "kernels' bound (None without a block layout: a prefix cache).",
+    )
+    committed_block_set = property(
+        lambda self: self._sr.committed_block_set,
+        doc="The committed block set, ``((start, end), ...)`` (None without a block layout).",
     )
     lanes = property(lambda self: self._stores.lanes)
     region = property(lambda self: self._sr, doc="The SymmetricRegion under the cache.")
@@ -303,7 +309,19 @@ class ReplicatedKVCache:
         Returns the block count."""
         return self._resize(self._sr.resize_blocks, n, "shrink")
 
-    def _resize(self, resize: Any, n: int, direction: str) -> int:
+    def set_committed_blocks(
+        self, intervals: Any, *, direction: str | None = None
+    ) -> tuple[tuple[int, int], ...]:
+        """Collective: every segment of the block layout holds exactly the blocks of
+        ``intervals`` (``(start, end)`` pairs) afterwards, in every replica: holes release the
+        chunks no block of the set needs in any segment and recommit them later, zeroed
+        (``SymmetricRegion.resize_block_set``). Allowed after graph capture; refused during
+        capture. Returns the canonical set. The kernels' bound is the top of the set: a slot
+        in a hole below it is not skipped, so the caller never hands out a block outside the
+        set (vLLM's worker checks every block id a step adds)."""
+        return self._resize(self._sr.resize_block_set, intervals, direction)
+
+    def _resize(self, resize: Any, n: Any, direction: str | None) -> Any:
         self._check_open()
         size = resize(n, direction=direction)
         self._out_of_range.warn()  # a host sync point: report skipped slots, once per cache

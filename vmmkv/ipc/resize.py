@@ -7,7 +7,8 @@ Contract:
   ``VirtualRegion``, its lock (which also orders ``close``) and, per call, its ``PeerMap``; it
   closes none of them. It owns the layout, ``table`` (the device int64 bound table the region
   exposes as ``committed_table``) and ``broken``.
-- Collective (every rank of the group, same order of calls): ``resize`` and
+- Collective (every rank of the group, same order of calls): ``resize``, ``resize_set`` (a
+  block set: a grow to the union of the old and new sets, then a shrink to the new one) and
   ``set_block_layout``. Each gathers every rank's request first (a bad one raises on every rank:
   the offending rank its own TypeError/ValueError/RuntimeError, the others
   :class:`RendezvousError` naming it) and ends with one outcome on every rank
@@ -37,6 +38,8 @@ from typing import Any
 
 import torch
 
+from .. import _blockset as blockset
+from .._blockset import BlockSet
 from .._util import require_int, run_all
 from ..alloc import Chunk, VirtualRegion
 from ..alloc.region import covering_chunks
@@ -90,7 +93,7 @@ class _Prefix:
         pass  # the size is the region's own committed size
 
 
-def _new_chunks(layout: _Prefix | _Segments, size: int) -> int:
+def _new_chunks(layout: _Prefix | _Segments, size: Any) -> int:
     """How many chunks ``layout.commit(size)`` would add (pure geometry, no driver call)."""
     region = layout._region
     have = {c.offset for c in region.chunks()}
@@ -99,7 +102,15 @@ def _new_chunks(layout: _Prefix | _Segments, size: int) -> int:
 
 
 class _Segments:
-    """A block layout: sizes in blocks, one bound per segment (``offset_i + n * block_i``)."""
+    """A block layout: sizes are block sets (``vmmkv._blockset``: sorted block intervals; the
+    prefix of ``n`` blocks is ``((0, n),)``), one bound per segment (``offset_i + top *
+    block_i``, ``top`` one past the set's highest block).
+
+    The chunks a set needs are those covering its blocks' bytes in every segment (their union):
+    a chunk is released only when it holds no block of the set in any segment, so a hole
+    releases the chunks that lie wholly inside the hole in every segment (block-major, one
+    segment: the whole chunks inside it) and keeps the others committed; their hole blocks are
+    outside the set (never handed out) as the tail beyond a prefix is."""
 
     unit = "blocks"
 
@@ -109,31 +120,41 @@ class _Segments:
         self._region = region
         self.segments = segments
         self.max_blocks = self.limit = max_blocks
-        self.blocks = 0
+        self.set: BlockSet = ()
         self._by_start = sorted(
             (off, off + max_blocks * block, i) for i, (off, block) in enumerate(segments)
         )
 
-    def current(self) -> int:
-        return self.blocks
+    @property
+    def blocks(self) -> int:
+        """The top of the committed set (its block count when it is a prefix): the bound."""
+        return blockset.top(self.set)
 
-    def rounded(self, blocks: int) -> int:
+    def current(self) -> BlockSet:
+        return self.set
+
+    def rounded(self, blocks: BlockSet) -> BlockSet:
         return blocks
 
-    def ranges(self, blocks: int) -> list[tuple[int, int]]:
-        return [(off, off + blocks * block) for off, block in self.segments]
+    def ranges(self, blocks: BlockSet) -> list[tuple[int, int]]:
+        return [
+            (off + start * block, off + end * block)
+            for off, block in self.segments
+            for start, end in blocks
+        ]
 
-    def commit(self, blocks: int) -> list[Chunk]:
-        """Commit the chunks of ``blocks`` blocks per segment; the new blocks read zero. Fresh
-        chunks are zero already; new blocks in chunks that stayed committed (a segment's tail
-        chunk after a shrink, a chunk shared with a neighbour) still hold old bytes: they are
-        zeroed first (beyond every bound, so nothing writes there) and synchronized before the
-        agreement lets any peer write into them. A grow that then fails leaves them zero."""
+    def commit(self, blocks: BlockSet) -> list[Chunk]:
+        """Commit the chunks of the set ``blocks`` (a superset of the committed one); the new
+        blocks read zero. Fresh chunks are zero already; new blocks in chunks that stayed
+        committed (a segment's tail chunk after a shrink, the edge chunk of a hole, a chunk
+        shared with a neighbour) still hold old bytes: they are zeroed first (outside the set,
+        so nothing writes there) and synchronized before the agreement lets any peer write
+        into them. A grow that then fails leaves them zero. Blocks that stay in the set keep
+        their bytes."""
         chunk = self._region.chunk_bytes
         old = {c.offset for c in self._region.chunks()}
         stale = []
-        for off, block in self.segments:
-            lo, hi = off + self.blocks * block, off + blocks * block
+        for lo, hi in self.ranges(blockset.difference(blocks, self.set)):
             stale += [
                 (max(lo, c), min(hi, c + chunk))
                 for c in range(lo - lo % chunk, hi, chunk)
@@ -147,17 +168,18 @@ class _Segments:
             self._region.synchronize()
         return self._region.commit_ranges(self.ranges(blocks))
 
-    def decommit(self, blocks: int) -> None:
+    def decommit(self, blocks: BlockSet) -> None:
         self._region.decommit_outside(self.ranges(blocks))
 
-    def unmap_peers(self, peers: PeerMap, blocks: int) -> None:
+    def unmap_peers(self, peers: PeerMap, blocks: BlockSet) -> None:
         peers.unmap_peers_outside(self.ranges(blocks))
 
-    def bounds(self, blocks: int) -> list[int]:
-        return [off + blocks * block for off, block in self.segments]
+    def bounds(self, blocks: BlockSet) -> list[int]:
+        top = blockset.top(blocks)
+        return [off + top * block for off, block in self.segments]
 
-    def moved(self, blocks: int) -> None:
-        self.blocks = blocks
+    def moved(self, blocks: BlockSet) -> None:
+        self.set = blocks
 
     def containing(self, start: int, end: int) -> int | None:
         """The index of the segment that contains ``[start, end)``, or None."""
@@ -238,6 +260,27 @@ def _layout_differences(layouts: list[Any]) -> str:
     return "; ".join(parts)
 
 
+def _show(s: BlockSet, limit: int = 8) -> str:
+    """A block set in words: its intervals (the first ``limit``) and its block count."""
+    shown = ", ".join(f"[{a}, {b})" for a, b in s[:limit])
+    more = f", ... {len(s) - limit} more" if len(s) > limit else ""
+    return f"{{{shown}{more}}} ({blockset.count(s)} blocks)" if s else "{} (0 blocks)"
+
+
+def _show_size(s: BlockSet) -> str:
+    """A committed block set: ``n`` when it is the prefix ``[0, n)``, else the set."""
+    n = blockset.as_prefix(s)
+    return str(n) if n is not None else _show(s)
+
+
+def _size_words(size: Any, unit: str) -> str:
+    """A resize target in words: ``n blocks`` for a prefix, the set otherwise; bytes as is."""
+    if not isinstance(size, tuple):
+        return f"{size} {unit}"
+    n = blockset.as_prefix(size)
+    return f"{n} blocks" if n is not None else f"the block set {_show(size)}"
+
+
 # --------------------------------------------------------------------------------------------
 # the collective resize
 # --------------------------------------------------------------------------------------------
@@ -284,8 +327,10 @@ class Resizer:
         layout = self.block_layout
         total = self.region.committed_bytes
         if layout is not None:
+            n = blockset.as_prefix(layout.set)
+            held = f"{n}" if n is not None else f"the block set {_show(layout.set)}"
             return (
-                f"with a block layout, {layout.blocks} of {layout.max_blocks} blocks of each of "
+                f"with a block layout, {held} of {layout.max_blocks} blocks of each of "
                 f"its {len(layout.segments)} segments are committed ({total} bytes in chunks of "
                 f"{self.region.chunk_bytes})"
             )
@@ -371,7 +416,10 @@ class Resizer:
     def resize(
         self, size: Any, direction: str | None, *, blocks: bool, peers: PeerMap | None
     ) -> int:
-        """Collective: ``SymmetricRegion.resize`` (``blocks=False``) or ``resize_blocks``."""
+        """Collective: ``SymmetricRegion.resize`` (``blocks=False``) or ``resize_blocks``
+        (the block set ``[0, size)``; returns its top)."""
+        if blocks:
+            return blockset.top(self.resize_set(size, direction, peers=peers))
         problem, kind = self._resize_problem(size, direction, blocks)
         with self._lock:
             # A fresh nonce per exchange names its sockets: unpredictable before this step.
@@ -391,6 +439,76 @@ class Resizer:
             elif layout.rounded(size) < current:
                 self._shrink(size, peers)
             return layout.current()
+
+    def resize_set(self, request: Any, direction: str | None, *, peers: PeerMap | None) -> BlockSet:
+        """Collective: ``SymmetricRegion.resize_block_set`` (``request`` a block set) or
+        ``resize_blocks`` (``request`` an int ``n``: the prefix ``[0, n)``). A change that both
+        adds and drops blocks runs as a grow to the union of the old and the new set, then a
+        shrink to the new one: each phase keeps its failure rule (a failed grow leaves every
+        rank at the old set, a failed shrink leaves ``broken``)."""
+        target, problem, kind = self._set_problem(request, direction)
+        with self._lock:
+            # A fresh nonce per exchange names its sockets: unpredictable before this step.
+            shown = request if isinstance(request, int) and not problem else None
+            wire = None if problem else [list(iv) for iv in target]
+            reqs = self._gather((wire, problem, secrets.token_hex(16), shown), "resize request")
+            self._raise_problems(reqs, problem, kind, "resize rejected")
+            sets = [tuple(tuple(iv) for iv in req[0]) for req in reqs]
+            if any(s != sets[0] for s in sets):
+                show = [req[3] if req[3] is not None else req[0] for req in reqs]
+                differ = [r for r, s in enumerate(sets) if s != sets[0]]
+                raise RendezvousError(
+                    "resize: the target block set must be identical on all ranks (ranks "
+                    f"{differ} differ from rank 0), got "
+                    + ", ".join(f"rank {r}: {n}" for r, n in enumerate(show))
+                )
+            layout = self.layout
+            old = layout.current()
+            grown = blockset.union(old, target)
+            if grown != old:
+                self._grow(old, grown, reqs[0][2], peers)
+            if target != grown:
+                self._shrink(target, peers)
+            return layout.current()
+
+    def _set_problem(self, request: Any, direction: str | None) -> tuple[BlockSet, str, type]:
+        """(the canonical target set, '', None) when this rank's block request is valid, else
+        ((), reason, exception type)."""
+        layout = self.layout
+        if not isinstance(layout, _Segments):
+            why = "no block layout is set: resize by bytes (resize; ReplicatedKVCache.grow/shrink)"
+            return (), why, RuntimeError
+        if isinstance(request, int) and not isinstance(request, bool):
+            if not 0 <= request <= layout.limit:
+                return (), f"blocks={request} outside [0, {layout.limit}]", ValueError
+            target = blockset.prefix(request)
+            name = f"{request}"
+        elif isinstance(request, bool) or not isinstance(request, (tuple, list)):
+            what = "blocks must be an int or a block set ((start, end), ...)"
+            return (), f"{what}, got {type(request).__name__}", TypeError
+        else:
+            try:
+                target = blockset.block_set(request, layout.limit, "block set")
+            except (TypeError, ValueError) as exc:
+                return (), str(exc), type(exc)
+            name = f"the block set {_show(target)}"
+        if direction not in (None, "grow", "shrink"):
+            return (), f"direction must be None, 'grow' or 'shrink', got {direction!r}", ValueError
+        current = layout.current()
+        plain = blockset.as_prefix(current) is not None and blockset.as_prefix(target) is not None
+        if direction == "grow" and not blockset.is_subset(current, target):
+            lost = "" if plain else f" (it drops {_show(blockset.difference(current, target))})"
+            below = f"below the committed {_show_size(current)}{lost}"
+            return (), f"grow to {name} is {below}; use shrink", ValueError
+        if direction == "shrink" and not blockset.is_subset(target, current):
+            gained = "" if plain else f" (it adds {_show(blockset.difference(target, current))})"
+            above = f"above the committed {_show_size(current)}{gained}"
+            return (), f"shrink to {name} is {above}; use grow", ValueError
+        if self.region.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return (), "refused during CUDA stream capture (resize before or after)", RuntimeError
+        if self.broken:
+            return (), f"unusable after {self.broken}; close it", RuntimeError
+        return target, "", type(None)
 
     def _gather(self, request: Any, what: str) -> list[Any]:
         try:
@@ -435,9 +553,9 @@ class Resizer:
             return f"unusable after {self.broken}; close it", RuntimeError
         return "", type(None)
 
-    def _grow(self, current: int, size: int, nonce: str, peers: PeerMap | None) -> None:
+    def _grow(self, current: Any, size: Any, nonce: str, peers: PeerMap | None) -> None:
         layout = self.layout
-        what = f"grow to {size} {layout.unit}"
+        what = f"grow to {_size_words(size, layout.unit)}"
         deadline = time.monotonic() + self._comm.timeout
         added: list[Chunk] = []
         error: Exception | None = None
@@ -474,7 +592,7 @@ class Resizer:
             raise as_rendezvous_error(exc) from error
         self._set_bounds(layout, size, bounds)
 
-    def _release_local(self, current: int, peers: PeerMap | None) -> None:
+    def _release_local(self, current: Any, peers: PeerMap | None) -> None:
         """Roll a failed grow back to ``current``: peers' new chunks first, then our own. Errors
         are logged, not raised: the grow's own error is the one the caller raises."""
         layout = self.layout
@@ -489,7 +607,7 @@ class Resizer:
             self.broken = f"a failed grow rollback ({exc})"
             log.error("rank %d: rolling back a failed grow: %s", self.rank, exc)
 
-    def _shrink(self, size: int, peers: PeerMap | None) -> None:
+    def _shrink(self, size: Any, peers: PeerMap | None) -> None:
         # Kernels stop writing past the new bounds from here on. If anything below fails, the
         # bounds stay lowered (writes beyond them are skipped and counted, never faulting) and
         # the object refuses further resizes: some ranks may have unmapped their peers' chunks.
@@ -507,17 +625,17 @@ class Resizer:
             self._comm.agree(error, "shrink: peers unmapped")
             layout.decommit(size)
         except BaseException as exc:
-            self.broken = f"a failed shrink to {layout.rounded(size)} {layout.unit} ({exc})"
+            self.broken = f"a failed shrink to {_size_words(size, layout.unit)} ({exc})"
             if isinstance(exc, GroupError):
                 raise as_rendezvous_error(exc) from exc
             raise
 
     @staticmethod
-    def _bounds_tensor(layout: _Prefix | _Segments, size: int) -> torch.Tensor:
+    def _bounds_tensor(layout: _Prefix | _Segments, size: Any) -> torch.Tensor:
         return torch.tensor(layout.bounds(size), dtype=torch.int64)
 
     def _set_bounds(
-        self, layout: _Prefix | _Segments, size: int, bounds: torch.Tensor | None = None
+        self, layout: _Prefix | _Segments, size: Any, bounds: torch.Tensor | None = None
     ) -> None:
         """Every element of the bound table in one device write, then a synchronize."""
         if bounds is None:

@@ -3,7 +3,7 @@ rank, resized collectively.
 
 Contract:
 - Collective (every rank of the group, same order of calls): the constructor, ``resize``,
-  ``set_block_layout``, ``resize_blocks``, ``agree``, ``host_barrier``. Each ends with one outcome on every rank (``vmmkv.ipc.comm``):
+  ``set_block_layout``, ``resize_blocks``, ``resize_block_set``, ``agree``, ``host_barrier``. Each ends with one outcome on every rank (``vmmkv.ipc.comm``):
   all ranks succeed, or all raise. Local: ``close`` (idempotent; a peer may be dead), views and
   properties.
 - ``peers`` selects peer mapping: ``"require"`` maps every peer or raises on every rank
@@ -44,6 +44,12 @@ Contract:
     ``bound_for(start, end)`` is the 1-element view of it for a view inside one segment.
     ``resize`` refuses on a region with a block layout and ``resize_blocks`` on one without,
     on every rank.
+  - block sets (holes): ``resize_block_set(intervals)`` commits exactly the chunks covering
+    the blocks of a set of ``(start, end)`` block intervals in some segment (``resize_blocks(n)``
+    is the set ``((0, n),)``); a hole releases the chunks no block of the set needs in any
+    segment. ``committed_block_set`` is the set, ``committed_blocks`` its top, and every
+    element of ``committed_table`` is ``offset_i + top * block_bytes_i``: the kernels do not
+    see holes below the top, so the caller never hands out a block outside the set.
   Kernels read ``committed_table`` as their bound on every launch, so growth after CUDA-graph
   capture needs no new arguments; every resize updates all its elements in one device write.
 - ``resize``/``resize_blocks`` are refused during CUDA stream capture on the calling thread (a
@@ -377,9 +383,18 @@ class SymmetricRegion:
 
     @property
     def committed_blocks(self) -> int | None:
-        """Blocks every segment holds (the kernels' bound), or None without a block layout."""
+        """The top of the committed block set (one past its highest block: the kernels' bound;
+        the block count when the set is a prefix), or None without a block layout."""
         layout = self._resizer.block_layout
         return None if layout is None else layout.blocks
+
+    @property
+    def committed_block_set(self) -> tuple[tuple[int, int], ...] | None:
+        """The committed block set (``vmmkv._blockset``: sorted, disjoint ``(start, end)``
+        block intervals; the prefix ``[0, n)`` is ``((0, n),)``), or None without a block
+        layout."""
+        layout = self._resizer.block_layout
+        return None if layout is None else layout.set
 
     def set_block_layout(self, segments: Any, max_blocks: int, *, refuse: str = "") -> None:
         """Collective: from now on the region is sized by blocks (see the module docstring).
@@ -421,6 +436,20 @@ class SymmetricRegion:
         docstring). Returns the new block count. Same protocol and failure rules as
         ``resize``; refused (on every rank) when no block layout is set."""
         return self._resize(blocks, direction, blocks=True)
+
+    def resize_block_set(
+        self, intervals: Any, *, direction: str | None = None
+    ) -> tuple[tuple[int, int], ...]:
+        """Collective: every segment of the block layout holds exactly the blocks of
+        ``intervals`` (``(start, end)`` block pairs inside ``[0, max_blocks]``, any order,
+        overlapping or touching ones merged) afterwards: the chunks covering them in every
+        segment are committed on every rank, peers map exactly those, every other chunk is
+        released (see the module docstring). Returns the canonical set. ``direction``:
+        ``"grow"`` refuses a set that drops a committed block, ``"shrink"`` one that adds a
+        block. Same protocol and failure rules as ``resize``; a set that both adds and drops
+        blocks is a grow to the union, then a shrink."""
+        self._check_open()
+        return self._resizer.resize_set(intervals, direction, peers=self.peers)
 
     def _resize(self, size: Any, direction: str | None, *, blocks: bool) -> int:
         self._check_open()

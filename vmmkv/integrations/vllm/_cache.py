@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from ... import _blockset as blockset
 from ..._util import require_int, round_up
 from ...alloc.region import make_backend
 from ...cache import Binding, ReplicatedKVCache
@@ -235,8 +236,15 @@ class VllmKVCache:
 
     @property
     def committed_blocks(self) -> int:
-        """Blocks ``[0, n)`` of every layer that are committed in every replica."""
+        """The top of the committed block set (one past its highest block); the block count
+        when the set is the prefix ``[0, n)`` of every layer, as it is unless
+        :meth:`set_committed_blocks` made holes."""
         return int(self.cache.committed_blocks or 0)
+
+    @property
+    def committed_block_set(self) -> tuple[tuple[int, int], ...]:
+        """The blocks of every layer committed in every replica, ``((start, end), ...)``."""
+        return self.cache.committed_block_set or ()
 
     # -- growth ----------------------------------------------------------------------------
     def grow(self, num_blocks: int) -> int:
@@ -244,13 +252,9 @@ class VllmKVCache:
         blocks of the own replica are zeroed, then the cache barrier runs (a peer publishes
         into them only afterwards). Allowed after CUDA-graph capture. Returns the block count."""
         require_int("num_blocks", num_blocks, lo=0, hi=self.plan.num_blocks)
-        old = self.committed_blocks
+        old = self.committed_block_set
         new = self.cache.grow_blocks(num_blocks)
-        if new > old:
-            base = self.buffer.data_ptr() - self.cache.region.base_ptr
-            for off, bb in self.segments:
-                self.buffer[off - base + old * bb : off - base + new * bb].zero_()
-            self.cache.barrier()
+        self._zero_new(old)
         return new
 
     def shrink(self, num_blocks: int) -> int:
@@ -259,15 +263,54 @@ class VllmKVCache:
         require_int("num_blocks", num_blocks, lo=0, hi=self.plan.num_blocks)
         return self.cache.shrink_blocks(num_blocks)
 
+    def set_committed_blocks(self, intervals: Any) -> tuple[tuple[int, int], ...]:
+        """Collective: every layer holds exactly the blocks of ``intervals`` (``(start, end)``
+        block pairs) in every replica (``ReplicatedKVCache.set_committed_blocks``: a hole
+        releases the chunks no block of the set needs). Blocks that stay keep their bytes; the
+        new ones are zeroed in the own replica, then the cache barrier runs, as in
+        :meth:`grow`. Returns the canonical set."""
+        old = self.committed_block_set
+        new = self.cache.set_committed_blocks(intervals)
+        self._zero_new(old)
+        return new
+
+    def _zero_new(self, old: tuple[tuple[int, int], ...]) -> None:
+        """Zero the blocks the committed set gained over ``old`` in the own replica, then the
+        cache barrier (nothing when it gained none)."""
+        added = blockset.difference(self.committed_block_set, old)
+        if not added:
+            return
+        base = self.buffer.data_ptr() - self.cache.region.base_ptr
+        for off, bb in self.segments:
+            for start, end in added:
+                self.buffer[off - base + start * bb : off - base + end * bb].zero_()
+        self.cache.barrier()
+
     def check_blocks(self, block_ids: Sequence[int]) -> None:
-        """Refuse (ValueError) block ids beyond the committed blocks, before anything writes
-        into them (vLLM's block pool does not know vmmkv's committed size)."""
-        if block_ids and max(block_ids) >= self.committed_blocks:
-            raise ValueError(
-                f"rank {self.rank}: vLLM uses KV block {max(block_ids)} but vmmkv committed "
-                f"{self.committed_blocks} of {self.num_blocks} blocks: grow() first, or keep "
-                "vLLM's block pool below the committed count"
-            )
+        """Refuse (ValueError) block ids outside the committed block set (beyond its top or in
+        a hole), before anything writes into them: vLLM's block pool does not know vmmkv's
+        committed set, and the kernels' bound (the top) does not see holes."""
+        if not block_ids:
+            return
+        held = self.committed_block_set
+        n = blockset.as_prefix(held)
+        if n is not None:
+            if max(block_ids) < n:
+                return
+            bad = max(block_ids)
+        else:
+            bad = next((b for b in block_ids if not blockset.contains(held, b)), None)
+            if bad is None:
+                return
+        where = (
+            f"committed {n} of {self.num_blocks} blocks"
+            if n is not None
+            else f"committed the blocks {list(held)} of {self.num_blocks}"
+        )
+        raise ValueError(
+            f"rank {self.rank}: vLLM uses KV block {bad} but vmmkv {where}: grow() first, or "
+            "keep vLLM's block pool inside the committed blocks"
+        )
 
     # -- stores ----------------------------------------------------------------------------
     def binding(self, kv_cache: torch.Tensor, family: str) -> Binding | None:

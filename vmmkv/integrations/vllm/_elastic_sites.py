@@ -40,6 +40,7 @@ import queue
 from collections.abc import Callable
 from typing import Any
 
+from ... import _blockset as blockset
 from ._elastic import RESIZE, STAMP, ElasticPool, elastic_settings
 from ._extensible import PeerKVBuffer, settle_elastic, vllm_cache_of
 
@@ -101,7 +102,14 @@ def check_elastic_config(cfg: Any) -> None:
 
 
 class ElasticWorker:
-    """A worker's applied resize requests: the last sequence number and its outcome."""
+    """A worker's applied resize requests: the last sequence number and its outcome.
+
+    A request is ``(seq, target)``: ``target`` an int ``n`` (blocks ``[0, n)``, the prefix) or
+    a block set ``((start, end), ...)`` (``VllmKVCache.set_committed_blocks``: holes release
+    the chunks no block of the set needs). The stamp is ``(seq, committed, error)``:
+    ``committed`` an int while the committed set is a prefix (always, unless a set made
+    holes), else the canonical set itself (a few intervals: the engine core confirms a grow
+    by ``blockset.is_subset(target, blockset.as_set(committed))``)."""
 
     def __init__(self) -> None:
         self.reset()
@@ -110,7 +118,7 @@ class ElasticWorker:
         self.seq = 0
         self.error: str | None = None
 
-    def apply(self, cache: Any, resize: tuple[int, int] | None) -> None:
+    def apply(self, cache: Any, resize: tuple[int, Any] | None) -> None:
         """Collective when ``resize`` carries a new sequence number: every PCP rank gets the
         same one in the same step. A refused resize (the group's error, every size unchanged)
         is recorded for the stamp; one that left this rank's size changed re-raises. While the
@@ -122,17 +130,19 @@ class ElasticWorker:
         self.seq, self.error = seq, None
         ext = vllm_cache_of(cache)
         if ext is not None:
-            self._apply_extensible(cache, ext, target)
+            self._apply_extensible(cache, ext, _as_int_if_prefix(target))
             return
         released = _released(cache)
         if released is not None:
-            log.info(
-                "vmmkv: rank %d: elastic resize to %d blocks while the KV cache is released "
-                "(sleep or discard): the wake restores %d blocks, not %d", cache.rank, target,
-                target, released.blocks,
-            )  # fmt: skip
-            released.blocks = target
+            self._retarget_released(cache, released, target)
             return
+        held = getattr(cache, "committed_block_set", None)
+        if isinstance(target, int) and (held is None or blockset.as_prefix(held) is not None):
+            self._resize_prefix(cache, target)
+        else:
+            self._resize_set(cache, target)
+
+    def _resize_prefix(self, cache: Any, target: int) -> None:
         before = cache.committed_blocks
         if target == before:
             return
@@ -141,16 +151,56 @@ class ElasticWorker:
         except Exception as exc:
             if cache.committed_blocks != before:
                 raise
-            self.error = f"rank {cache.rank}: {type(exc).__name__}: {exc}"
-            log.warning("vmmkv: elastic resize %d -> %d refused: %s", before, target, self.error)
+            self._refused(cache, before, target, exc)
 
-    def _apply_extensible(self, cache: Any, ext: Any, target: int) -> None:
+    def _resize_set(self, cache: Any, target: Any) -> None:
+        """A block set (or a prefix over a set with holes), collectively on every rank."""
+        before = cache.committed_block_set
+        try:
+            want = blockset.prefix(target) if isinstance(target, int) else target
+            if blockset.block_set(want, cache.num_blocks, "elastic target") == before:
+                return
+            cache.set_committed_blocks(want)
+        except Exception as exc:
+            if cache.committed_block_set != before:
+                raise
+            self._refused(cache, before, target, exc)
+
+    def _refused(self, cache: Any, before: Any, target: Any, exc: Exception) -> None:
+        self.error = f"rank {cache.rank}: {type(exc).__name__}: {exc}"
+        log.warning("vmmkv: elastic resize %s -> %s refused: %s", before, target, self.error)
+
+    def _retarget_released(self, cache: Any, released: Any, target: Any) -> None:
+        """The wake restores ``target`` (a prefix or a set): nothing is committed now."""
+        try:
+            want = blockset.as_set(target) if isinstance(target, int) else target
+            want = blockset.block_set(want, cache.num_blocks, "elastic target")
+        except (TypeError, ValueError) as exc:
+            self._refused(cache, released.blocks, target, exc)
+            return
+        log.info(
+            "vmmkv: rank %d: elastic resize to %s while the KV cache is released (sleep or "
+            "discard): the wake restores it, not %s", cache.rank, target, released.committed,
+        )  # fmt: skip
+        released.set_committed(want)
+
+    def _apply_extensible(self, cache: Any, ext: Any, target: Any) -> None:
         """Under vLLM's extensible KV cache: resize, and set vLLM's count of committed blocks
         to the outcome, so that vLLM's own recommit (wake, the end of a lending) commits the
         size elastic mode holds. While vLLM holds the memory released nothing is committed:
         the target becomes vLLM's count (every rank alike, no collective). A target above
-        the budget vLLM committed at extend (its views end there) is refused."""
+        the budget vLLM committed at extend (its views end there) is refused, and so is a
+        block set with holes: vLLM's recommit commits a prefix of its count, so a hole would
+        come back committed after every wake (refused on the stamp, every size unchanged)."""
         buffer = ext.buffer
+        if not isinstance(target, int):
+            self.error = (
+                f"rank {cache.rank}: ValueError: elastic target {target} is not a prefix: refused "
+                "under vLLM's extensible KV cache, whose recommit (wake, the end of a lending) "
+                "commits a prefix of its num_committed_blocks"
+            )
+            log.warning("vmmkv: elastic resize refused: %s", self.error)
+            return
         if buffer.released:
             log.info(
                 "vmmkv: rank %d: elastic resize to %d blocks while vLLM holds the KV cache "
@@ -171,21 +221,36 @@ class ElasticWorker:
         except Exception as exc:
             if cache.committed_blocks != before:
                 raise
-            self.error = f"rank {cache.rank}: {type(exc).__name__}: {exc}"
-            log.warning("vmmkv: elastic resize %d -> %d refused: %s", before, target, self.error)
+            self._refused(cache, before, target, exc)
         finally:
             ext.num_committed_blocks = cache.committed_blocks
 
-    def stamp(self, cache: Any) -> tuple[int, int, str | None]:
-        """``(seq, committed blocks, error)``; while released, the blocks the wake restores
-        (vmmkv's sleep-mode backend, or vLLM's recommit under its extensible KV cache)."""
+    def stamp(self, cache: Any) -> tuple[int, Any, str | None]:
+        """``(seq, committed, error)``: ``committed`` the committed blocks, an int while they
+        are a prefix, else the block set; while released, what the wake restores (vmmkv's
+        sleep-mode backend, or vLLM's recommit under its extensible KV cache)."""
         ext = vllm_cache_of(cache)
         if ext is not None:
             blocks = ext.num_committed_blocks if ext.buffer.released else cache.committed_blocks
             return (self.seq, blocks, self.error)
         released = _released(cache)
-        blocks = cache.committed_blocks if released is None else released.blocks
-        return (self.seq, blocks, self.error)
+        if released is not None:
+            return (self.seq, released.committed, self.error)
+        held = getattr(cache, "committed_block_set", None)
+        if held is None or blockset.as_prefix(held) is not None:
+            return (self.seq, cache.committed_blocks, self.error)
+        return (self.seq, held, self.error)
+
+
+def _as_int_if_prefix(target: Any) -> Any:
+    """A block set that is a prefix ``[0, n)`` as ``n``; anything else as it is."""
+    if isinstance(target, int) or not isinstance(target, (tuple, list)):
+        return target
+    try:
+        n = blockset.as_prefix(blockset.block_set(target, 1 << 62))
+    except (TypeError, ValueError):
+        return target
+    return target if n is None else n
 
 
 def _released(cache: Any) -> Any:

@@ -347,9 +347,10 @@ class VmmkvSleepModeBackend(SleepModeBackend):
         retargets it). Nothing when it is released already."""
         if _STATE.released is not None and _STATE.released.cache is cache:
             return
-        blocks = cache.committed_blocks
+        blocks, held = cache.committed_blocks, cache.committed_block_set
         cache.shrink(0)
         _STATE.released = _Released(cache, blocks)
+        _STATE.released.set_committed(held)
         log.info(
             "vmmkv: %s released the KV cache (%d of %d blocks committed before) on PCP "
             "rank %d of %d", why, blocks, cache.num_blocks, cache.rank, cache.world_size,
@@ -360,7 +361,8 @@ class VmmkvSleepModeBackend(SleepModeBackend):
         addresses. Nothing when nothing is released."""
         if _STATE.released is None:
             return
-        cache, blocks = _STATE.released.cache, _STATE.released.blocks
+        released = _STATE.released
+        cache, blocks = released.cache, released.blocks
         if cache is not active_cache():
             log.warning(
                 "vmmkv: the KV cache released at sleep is not the active one any more "
@@ -368,7 +370,11 @@ class VmmkvSleepModeBackend(SleepModeBackend):
             )
             _STATE.released = None
             return
-        cache.grow(blocks)  # raises on every rank on failure: the record stays, retry
+        # raises on every rank on failure: the record stays, retry
+        if released.block_set is None:
+            cache.grow(blocks)
+        else:  # holes the engine core made stay holes: only the set is committed
+            cache.set_committed_blocks(released.block_set)
         _STATE.released = None
         log.info(
             "vmmkv: wake-up restored %d KV blocks (zeroed) on PCP rank %d of %d",

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ... import _blockset as blockset
+
 __all__ = ["UnsupportedVLLM", "active_cache"]
 
 
@@ -32,10 +34,23 @@ class _Pending:
 @dataclass
 class _Released:
     """A KV cache the sleep-mode backend released (sleep, discard) and the blocks a wake
-    restores: the count before, or the last elastic target applied while released."""
+    restores: the committed blocks before, or the last elastic target applied while released.
+    ``blocks`` is the top of that set; ``block_set`` the set itself when it has holes (the
+    wake then commits exactly it), else None (the prefix ``[0, blocks)``)."""
 
     cache: Any  # VllmKVCache
     blocks: int
+    block_set: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def committed(self) -> int | tuple[tuple[int, int], ...]:
+        """What a wake restores, as a worker's stamp reports it (an int for a prefix)."""
+        return self.blocks if self.block_set is None else self.block_set
+
+    def set_committed(self, blocks: tuple[tuple[int, int], ...]) -> None:
+        """Restore the canonical block set ``blocks`` at the wake."""
+        self.blocks = blockset.top(blocks)
+        self.block_set = None if blockset.as_prefix(blocks) is not None else blocks
 
 
 @dataclass
