@@ -146,7 +146,7 @@ def run_config(dev: Any, cfg: dict[str, Any], layout: str) -> dict[str, Any]:
         base = raw.data_ptr() - cache.region.base_ptr
         cache.set_block_layout([(base + off, s) for off, s in segs], cfg["capacity"])
         adapter = ElasticCache(cache, raw, segs)
-        adapter.num_blocks, adapter.close = cfg["capacity"], cache.close
+        adapter.close = cache.close  # its num_blocks is the layout's max_blocks (capacity)
         capacities = [b - a for (a, _), (b, _) in zip(segs, [*segs[1:], (size, 0)], strict=True)]
         buf = PeerKVBuffer(adapter, [o for o, _ in segs], capacities, [s for _, s in segs])
         vllm = Replay(buf, segs)
