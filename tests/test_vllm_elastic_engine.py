@@ -34,6 +34,9 @@ pytestmark = vllm_marks()
 
 IDLE_S = 1.0  # the idle wait under test; the checks allow a quarter of it
 KNOBS = {
+    # as a deployment sets them: vLLM's plugin loader (in the subprocess that inspects the
+    # model, too) refuses VLLM_VMMKV_ELASTIC=1 alone
+    "VLLM_USE_VMMKV": "1",
     "VLLM_VMMKV_ELASTIC": "1",
     "VMMKV_CHUNK_MIB": "0.5",  # 5 blocks of 100,864 B (2 layers) per chunk
     "VMMKV_ELASTIC_WATERMARK_BLOCKS": "16",
