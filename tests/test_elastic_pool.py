@@ -305,7 +305,9 @@ CALM_1S = {"VMMKV_ELASTIC_CALM_S": "1"}
 
 def test_a_release_keeps_the_largest_rise_of_its_calm_time_and_waits_while_the_need_falls():
     pool, clock = Pool(256), Clock()
-    el = ElasticPool(pool, _settings(floor=16, steps=1, cached=50, env=CALM_1S), clock=clock)
+    el = ElasticPool(
+        pool, _settings(floor=16, watermark=8, steps=1, cached=50, env=CALM_1S), clock=clock
+    )
     _, live = _grown(pool, el, clock, 128)
     pool.free_blocks([b for b in live if b.block_id >= 10])  # 9 in use, no cached
     for t, take in ((0.1, 0), (0.2, 0), (0.4, 30), (0.6, -30)):  # the need: 9, 9, 39, 9
@@ -317,21 +319,30 @@ def test_a_release_keeps_the_largest_rise_of_its_calm_time_and_waits_while_the_n
         el.before_schedule()
     clock.t = 1.15  # a calm time since the first step after the grow; the rise in its window
     el.before_schedule()
-    assert el.limit == 72 and el.counts["releases"] == 1  # 9 + the rise of 30 + 1 + 32
+    assert el.limit == 56 and el.counts["releases"] == 1  # 9 + the rise of 30 + 1 + 2 x 8
 
-    # a need still falling is released once, where it settles (and 2 calm times later)
+    # a need still falling is released once, where it settles (2 calm times after the last)
     clock.t = 3.2
-    more = pool.get_new_blocks(30)  # need 39: no grow (32 uncached free >= watermark 16)
+    more = pool.get_new_blocks(30)  # need 39: no grow (16 uncached free >= watermark 8)
     el.before_schedule()
     for t in (3.5, 3.9, 4.2):  # the need falls 29, 19, 9
         clock.t = t
         pool.free_blocks(more[:10])
         more = more[10:]
         el.before_schedule()
-        assert el.limit == 72, t  # fell by >= release_min (8) in the last half calm time
+        assert el.limit == 56, t  # fell by >= release_min (8) in the last half calm time
     clock.t = 4.5
     el.before_schedule()
-    assert el.limit == 44 and el.counts["releases"] == 2
+    assert el.limit == 28 and el.counts["releases"] == 2  # 9 + 1 + 16, rounded
+
+    # a plateau (no fall of the need since the last release) releases nothing in band, even
+    # with 100 blocks to spare: that is the idle release's (or a fall's) to do
+    el.queue.prepend_n(pool.blocks[28:128])
+    el.limit = 128
+    for t in (7.0, 8.0, 9.0):
+        clock.t = t
+        el.before_schedule()
+    assert el.limit == 128 and el.counts["releases"] == 2 and el.peak_need == 9
 
 
 def test_a_release_spares_the_prefix_cache_entries_in_the_tail_when_it_still_frees_half():

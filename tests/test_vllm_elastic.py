@@ -74,13 +74,16 @@ def test_committed_memory_follows_load_and_vllms_own_order_does_not(engine, seed
     assert p["steady"]["committed"] == N  # vLLM unchanged commits everything
     steady, drain = m["steady"], m["drain"]
     bound = steady["in_use"] + steady["cached_free"] + 2 * W
-    assert steady["committed"] <= 1.1 * bound, (steady, bound)
-    assert steady["committed"] <= 0.85 * N, steady
+    # steady: a release keeps the calm time's largest rise of the need (this phase's swings
+    # are ~200 blocks) and frees a watermark at least: up to 1.2 x the bound, 0.92 of capacity
+    assert steady["committed"] <= 1.2 * bound, (steady, bound)
+    assert steady["committed"] <= 0.92 * N, steady
     # drain: what the need (in use + cached kept + 2 x watermark) or the highest block in use
     # (a release takes the tail only) holds; seeds 0 and 2 <= 0.6 of capacity, seed 1 0.73: one
-    # request of the steady phase keeps block 1434 through the drain (a hole would free it)
+    # request of the steady phase keeps block 1434 through the drain (a hole would free it); a
+    # release frees a watermark at least, so up to one more stays
     need = max(drain["pinned"], drain["in_use"] + drain["cached_free"] + 2 * W)
-    assert drain["committed"] <= 1.1 * need + run.el.s.quantum, drain
+    assert drain["committed"] <= 1.1 * need + W + run.el.s.quantum, drain
     assert drain["committed"] <= (0.75 if seed == 1 else 0.6) * N, drain
     assert lf["drain"]["committed"] >= 0.85 * N, lf["drain"]  # LIFO keeps the tail in use
     assert run.hit_tokens >= 0.95 * plain.hit_tokens > 0

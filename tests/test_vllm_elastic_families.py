@@ -68,7 +68,6 @@ def test_a_square_wave_releases_once_per_low_half_and_no_grow_follows_a_release_
     releases = [t for t, kind, _ in run.events if kind == "release"]
     for p in range(4):
         assert sum(40 * p + 20 <= t < 40 * p + 40 for t in releases) <= 1, run.events
-    assert sum(t % 40 < 20 and t < 160 for t in releases) == 0, run.events  # none in a high half
     assert got["release_to_grow_min_s"] >= 5.0, run.events
     assert got["preemptions"] <= vllm["preemptions"] + 1, (got, vllm)
     assert got["committed_mean"] <= 0.6, got

@@ -11,32 +11,49 @@ measurements behind each rule.
 
 - :class:`LowestIdFreeQueue` replaces vLLM's ``FreeKVCacheBlockQueue`` in the ``BlockPool``
   (the same methods, as ``BlockPool`` calls them). It holds the free blocks below ``limit``
-  (the committed ones): uncached ones are handed out lowest id first (vLLM reuses them LIFO,
-  which keeps the highest block in use near its peak forever), cached ones after them in LRU
-  order as vLLM does. Blocks at or above ``limit`` are *parked*: free, uncommitted, invisible
-  to vLLM's admission (``num_free_blocks`` counts committed blocks only).
-- :class:`ElasticPool` is the policy, called by the patched ``Scheduler`` once per step:
+  (the committed ones): those without a prefix-cache entry are handed out first, lowest id
+  first (vLLM reuses them LIFO, which keeps the highest block in use near its peak forever);
+  a cached one only when none is left, oldest first as vLLM does, so no prefix-cache entry is
+  given up while an uncached committed block is free. Blocks at or above ``limit`` are
+  *parked*: free, uncommitted, invisible to vLLM's admission (``num_free_blocks`` counts
+  committed blocks only).
+- :class:`ElasticPool` is the policy, called by the patched ``Scheduler`` once per step, on a
+  clock (``time.monotonic``; a trace injects simulated time):
 
-  - **cached cap**: at most ``cached_blocks`` cached-free blocks are kept; the oldest lose their
-    hash (vLLM's own ``_maybe_evict_cached_block``) and become ordinary free blocks;
-  - **grow, two phases**: when free committed blocks fall below ``watermark`` (or vLLM's KV
-    cache manager refused an allocation in the last step: a request that waits for something
-    else, tokens or a pause, grows nothing), ask for ``limit + max(watermark, limit / 4)``; the new blocks are
-    handed out only once a worker output confirms them (``vmmkv_kv_blocks`` stamped by the
-    worker); a grow refused by the group (vmmkv's error is the same on every rank and leaves
-    every size unchanged) only delays admission, and the next attempt waits
-    ``release_steps`` steps;
-  - **release in band**: when the highest block in use lets ``limit`` fall by at least
-    ``release_min`` blocks while keeping ``2 x watermark`` free, for ``release_steps``
-    consecutive steps, the tail is parked at once (cached blocks in it lose their hash) and the
-    lower target sent: every step that could still write those blocks was sent to the workers
-    before this one, and vmmkv's shrink synchronizes the device before it decommits;
+  - **cached cap**: at most ``cached_blocks`` cached-free blocks are kept; the oldest lose
+    their hash (vLLM's own ``_maybe_evict_cached_block``) and become ordinary free blocks, but
+    one that a prefix hit reused since it got its hash is spared once (second chance: it moves
+    to the young end, unmarked);
+  - **watermark from the allocation rate**: ``lead_steps`` x the most blocks one step took in
+    the last ``window_seconds``, within [``watermark_min``, ``watermark``] (one full-budget
+    step; the worst ``lead_steps`` steps): a grow must land before the free blocks run out;
+  - **grow, two phases**: when fewer uncached committed blocks than the watermark are free
+    (cached-free ones are kept, the cap bounds them), or vLLM's KV cache manager refused an
+    allocation in the last step (a request that waits for something else, tokens or a pause,
+    grows nothing), ask for enough to leave 1.5 watermarks free, plus half a calm time of the
+    need's growth rate (a rising load: fewer, larger grows); the new blocks are handed out only
+    once a worker output confirms them (``vmmkv_kv_blocks`` stamped by the worker); a grow
+    refused by the group (vmmkv's error is the same on every rank and leaves every size
+    unchanged) only delays admission, and the next attempt waits ``release_steps`` steps;
+  - **release in band, in time**: ``calm_seconds`` (and ``release_steps`` steps) after the last
+    grow, two after the last release, once the need (in use + cached-free) has stopped falling
+    (it fell by less than ``release_min`` in the last half calm time), the tail above the need
+    + its largest rise in the calm time + 2 watermarks is parked at once and the lower target
+    sent: every step that could still write those blocks was sent to the workers before this
+    one, and vmmkv's shrink synchronizes the device before it decommits. Cached blocks in the
+    tail lose their hash (counted); the target steps above them when that still frees half as
+    much;
   - **idle release** (:meth:`idle_release`): down to the floor or the highest block in use,
     for the engine's idle hook (an idle engine does not step);
-  - targets are multiples of ``quantum`` (blocks per chunk), never below ``floor``.
+  - targets are multiples of ``quantum`` (blocks per chunk), never below ``floor``;
+  - :meth:`usage` (vLLM's ``get_usage``, its KV usage metric) is blocks in use over the
+    capacity; :meth:`stats` has committed blocks and bytes, grows, releases, refusals and the
+    prefix-cache entries dropped (by the cap, by releases, handed out); each resize is logged
+    once at INFO.
 
 Local to the engine core, single-threaded like vLLM's scheduler. Host cost per step: O(1)
-amortized plus O(log n) per block handed out or freed (BENCHMARKS.md, "Elastic KV").
+amortized plus O(log n) per block handed out or freed, and O(30) while a release is due
+(BENCHMARKS.md, "Elastic KV").
 """
 
 from __future__ import annotations
@@ -358,8 +375,10 @@ class ElasticPool:
         self.watermark = settings.watermark_min or settings.watermark
         self._handed = 0
         self._peaks: deque[tuple[float, int]] = deque()
-        # the need (in use + cached-free) over the last calm time: (time, blocks), 30 samples
+        # the need (in use + cached-free) over the last calm time: (time, blocks), 30 samples;
+        # its largest value since the last grow decision or release
         self._needs: deque[tuple[float, int]] = deque()
+        self.peak_need = 0
         # calm: since the last grow decision, or a calm time after the last release (None: from
         # the next step); in steps
         self.calm_since: float | None = None
@@ -423,9 +442,10 @@ class ElasticPool:
             peaks.popleft()
         if s.watermark_min and s.watermark_min < s.watermark:
             self.watermark = min(s.watermark, max(s.watermark_min, s.lead_steps * peaks[0][1]))
-        needs = self._needs
+        needs, need = self._needs, self.limit - 1 - self.queue.num_uncached
+        self.peak_need = max(self.peak_need, need)
         if not needs or now - needs[-1][0] >= s.calm_seconds / 30:
-            needs.append((now, self.limit - 1 - self.queue.num_uncached))
+            needs.append((now, need))
             while len(needs) > 1 and needs[0][0] < now - s.calm_seconds:
                 needs.popleft()
 
@@ -458,7 +478,8 @@ class ElasticPool:
         return self.watermark + self.watermark // (1 if release else 2) + rise
 
     def release_min(self) -> int:
-        return max(self.s.release_min, self.watermark // 2)
+        """A release frees at least a watermark (and ``release_min``): smaller ones are churn."""
+        return max(self.s.release_min, self.watermark)
 
     # -- the policy, once per step ------------------------------------------------------------
     def resize_request(self) -> tuple[int, int]:
@@ -481,7 +502,7 @@ class ElasticPool:
                 self.seq += 1
                 self.target = s.round(need)
                 self.pending = (self.seq, self.target)
-                self.calm_since = None
+                self.calm_since, self.peak_need = None, self.limit - 1 - free
                 self.starved = False
                 return
         self.starved = False
@@ -498,6 +519,8 @@ class ElasticPool:
             return
         rise, settling = self.swing(now, need)
         if settling >= rm:  # still falling: release once, where it settles
+            return
+        if self.peak_need - need < rm:  # no fall since the last grow or release: a plateau
             return
         want = s.round(max(top, need + rise + 1 + keep))
         if self.limit - want >= rm:
@@ -585,7 +608,8 @@ class ElasticPool:
         self.limit = want
         self.seq += 1
         self.target = want
-        self.calm_since = self.clock() + self.s.calm_seconds  # the next release: 2 calm times
+        self.calm_since = self.clock() + self.s.calm_seconds  # the next: 2 calm times
+        self.peak_need = self.limit - 1 - q.num_uncached
         self.counts["releases"] += 1
         self.counts["released_blocks"] += before - want
         self.counts["cached_dropped"] += dropped
