@@ -447,3 +447,18 @@ def test_usage_is_blocks_in_use_over_the_capacity_not_over_the_committed_part():
     assert (st["committed"], st["capacity"], st["in_use"], st["uncached_free"]) == (32, 256, 15, 16)
     assert st["committed_bytes"] == 32 * 1000
     pool.free_blocks(got)
+
+
+def test_each_resize_logs_one_info_line_with_the_committed_size(caplog):
+    pool, clock = Pool(256), Clock()
+    el = ElasticPool(pool, _settings(floor=16, steps=1, env=CALM_1S), clock=clock)
+    with caplog.at_level("INFO", logger="vmmkv.integrations.vllm._elastic"):
+        _, live = _grown(pool, el, clock, 64)
+        pool.free_blocks(live)
+        for t in (0.0, 1.05):
+            clock.t = t
+            el.before_schedule()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == el.counts["grows"] + el.counts["releases"] == 3, lines
+    assert lines[0].startswith("vmmkv: elastic KV grew 16 -> 40 of 256 blocks")
+    assert "released 64 -> 36 of 256 blocks" in lines[-1] and "0 prefix-cache" in lines[-1]
