@@ -87,20 +87,24 @@ def _stamp(seq, committed, error=None):
     return type("Out", (), {STAMP: (seq, committed, error)})()
 
 
-def test_the_queue_hands_out_the_lowest_free_id_cached_or_not_and_lifo_is_vllms_order():
+def test_the_queue_hands_out_uncached_blocks_lowest_id_first_then_cached_ones_oldest_first():
     blocks = [Block(i) for i in range(12)]
     q = LowestIdFreeQueue(blocks, range(1, 12))
     got = q.popleft_n(6)
     assert [b.block_id for b in got] == [1, 2, 3, 4, 5, 6]
     q.prepend_n([blocks[5], blocks[2]])  # freed without a hash
     q.append_n([blocks[4], blocks[1]])  # freed with one (cached): oldest first in the LRU
-    assert q.num_free_blocks == 9 and list(q.lru) == [4, 1]
-    assert [q.popleft().block_id for _ in range(5)] == [1, 2, 4, 5, 7]
-    q.remove(blocks[9])
-    assert [b.block_id for b in q.get_all_free_blocks()] == [8, 10, 11]
-    assert not q.contains(9) and q.contains(8)
+    assert q.num_free_blocks == 9 and list(q.lru) == [4, 1] and q.num_uncached == 7
+    # every uncached block (lowest id first) before any prefix-cache entry is given up
+    assert [q.popleft().block_id for _ in range(5)] == [2, 5, 7, 8, 9]
+    q.remove(blocks[10])
+    assert [b.block_id for b in q.get_all_free_blocks()] == [11, 4, 1]
+    assert not q.contains(10) and q.contains(11) and q.contains(4)
     with pytest.raises(ValueError, match="cannot take 4 free blocks from 3"):
         q.popleft_n(4)
+    assert q.cached_taken == 0
+    assert [b.block_id for b in q.popleft_n(3)] == [11, 4, 1]  # then cached, oldest first
+    assert q.cached_taken == 2
 
     lifo = LowestIdFreeQueue(blocks, range(1, 6), order="lifo")
     assert [lifo.popleft().block_id for _ in range(3)] == [1, 2, 3]  # vLLM: id order at start
@@ -127,7 +131,7 @@ def test_cached_blocks_freed_to_the_front_keep_their_hash_and_are_evicted_first(
     blocks[5].block_hash = None  # the cached cap dropped its hash
     q.demote(blocks[5])
     assert list(q.lru) == [6, 1, 2]
-    assert [q.popleft().block_id for _ in range(7)] == [1, 2, 5, 6, 7, 8, 9]
+    assert [q.popleft().block_id for _ in range(7)] == [5, 7, 8, 9, 6, 1, 2]
 
 
 def test_the_queue_stays_exact_through_random_churn_with_stale_entries_dropped():
@@ -136,32 +140,40 @@ def test_the_queue_stays_exact_through_random_churn_with_stale_entries_dropped()
     blocks = [Block(i) for i in range(64)]
     for order in ("lowest", "lifo"):
         q = LowestIdFreeQueue(blocks, range(1, 64), order=order)
-        free, used = set(range(1, 64)), set()
+        free, used, cached = set(range(1, 64)), set(), {}  # cached: the model's LRU (a dict)
         for _ in range(4000):
             op = rng.random()
             if op < 0.4 and free:
                 got = q.popleft_n(rng.randint(1, min(4, len(free))))
                 ids = [b.block_id for b in got]
-                if order == "lowest":
-                    assert ids == sorted(free)[: len(ids)]
+                if order == "lowest":  # uncached lowest first, then cached oldest first
+                    assert ids == (sorted(free - set(cached)) + list(cached))[: len(ids)]
                 free -= set(ids)
                 used |= set(ids)
+                for i in ids:
+                    cached.pop(i, None)
             elif op < 0.8 and used:
                 b = blocks[rng.choice(sorted(used))]
-                (q.append_n if rng.random() < 0.5 else q.prepend_n)([b])
+                if rng.random() < 0.5:
+                    q.append_n([b])
+                    cached[b.block_id] = None
+                else:
+                    q.prepend_n([b])
                 used.remove(b.block_id)
                 free.add(b.block_id)
             elif free:
                 i = rng.choice(sorted(free))
                 if i in q.lru and rng.random() < 0.5:
                     q.demote(blocks[i])
+                    del cached[i]
                     continue
                 q.remove(blocks[i])
                 free.remove(i)
                 used.add(i)
-            assert q.num_free_blocks == len(free)
+                cached.pop(i, None)
+            assert q.num_free_blocks == len(free) and list(q.lru) == list(cached)
             assert {b.block_id for b in q.get_all_free_blocks()} == free
-        assert len(q._uncached) <= 4 * 64 + 1 and len(q._cached) <= 4 * 64 + 1
+        assert len(q._uncached) <= 4 * 64 + 1
 
 
 def test_settings_defaults_rounding_and_refused_knobs():
@@ -170,9 +182,15 @@ def test_settings_defaults_rounding_and_refused_knobs():
         max_num_seqs=256, async_scheduling=True, env={},
     )  # fmt: skip
     assert s.quantum == 21  # 64 MiB over DeepSeek-V3.2's 3,076,352 B per block
-    assert s.watermark == 1024  # a quarter of the pool (3 steps of 384 blocks would be more)
-    assert s.floor == 2058 and s.floor % s.quantum == 0  # 2 x watermark, rounded up
+    assert s.watermark == 1024  # a quarter of the pool (3 worst steps of 384 blocks: more)
+    assert s.watermark_min == 132  # one step admitting 8192 tokens: 128 blocks + 256 / 64
+    assert s.floor == 399 and s.floor % s.quantum == 0  # 3 such steps, rounded up
     assert s.round(1) == s.floor and s.round(2101) == 2121 and s.round(5000) == 4096
+    assert (s.calm_seconds, s.window_seconds, s.lead_steps) == (10.0, 30.0, 3)
+    assert s.release_min == 21 and s.block_bytes == 3_076_352
+    fixed = _settings()  # a watermark set by hand stays fixed; the floor's default follows it
+    assert fixed.watermark == fixed.watermark_min == 16 and fixed.floor == 32
+    assert _settings(env={"VMMKV_ELASTIC_FLOOR_BLOCKS": ""}).floor == 32
     assert elastic_enabled({"VLLM_VMMKV_ELASTIC": "1"})
     assert not elastic_enabled({})
     with pytest.raises(ValueError, match="VLLM_VMMKV_ELASTIC must be"):
@@ -181,6 +199,8 @@ def test_settings_defaults_rounding_and_refused_knobs():
         ("VMMKV_ELASTIC_WATERMARK_BLOCKS", "0"),
         ("VMMKV_ELASTIC_IDLE_S", "nan"),
         ("VMMKV_ELASTIC_RELEASE_STEPS", "ten"),
+        ("VMMKV_ELASTIC_CALM_S", "-1"),
+        ("VMMKV_ELASTIC_WINDOW_S", "inf"),
         ("VMMKV_ELASTIC_ORDER", "fifo"),
     ):
         with pytest.raises(ValueError, match=var):
@@ -226,34 +246,134 @@ def test_a_refused_grow_keeps_the_limit_and_waits_before_trying_again():
     assert el.limit == 48
 
 
-def test_the_tail_is_released_after_calm_steps_losing_its_hashes():
-    pool = Pool(256)
-    el = ElasticPool(pool, _settings(floor=16, steps=3, cached=100))
-    el.limit = 16
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _grown(pool, el, clock, size):
+    """Take every free block and confirm every grow until the limit reaches ``size``."""
     sizes, live = [], []
-    while el.limit < 128:  # every grow confirmed: limit + max(watermark, limit / 4), rounded
+    while el.limit < size:
         live += pool.get_new_blocks(pool.get_num_free_blocks())
         el.before_schedule()
         el.on_output(_stamp(el.seq, el.target))
         sizes.append(el.limit)
-    assert sizes == [32, 48, 64, 80, 100, 128] and el.seq == 6
     live += pool.get_new_blocks(pool.get_num_free_blocks())
+    return sizes, live
+
+
+def test_the_tail_is_released_a_calm_time_after_the_last_grow_losing_its_hashes():
+    pool, clock = Pool(256), Clock()
+    el = ElasticPool(pool, _settings(floor=16, steps=3, cached=20, env=CALM_1S), clock=clock)
+    sizes, live = _grown(pool, el, clock, 128)
+    # each grow leaves 1.5 x watermark (24) uncached blocks free, rounded to the quantum of 4
+    assert sizes == [40, 64, 88, 112, 136] and el.seq == 5
     held = [b for b in live if b.block_id < 10]  # keep the 9 lowest blocks in use
     for b in live:
         if b.block_id >= 10:
             b.block_hash = ("h", b.block_id)  # cached when freed
     pool.free_blocks([b for b in live if b.block_id >= 10])
-    assert len(el.queue.lru) == 118
-    for _ in range(2):
+    for t in (0.0, 0.5, 0.9, 0.95):  # 4 calm steps, but not yet 1 s since the last grow
+        clock.t = t
         el.before_schedule()
-        assert el.limit == 128  # calm, not yet long enough
-    el.before_schedule()  # want = 10 + 2 x watermark 16 = 42, rounded to the quantum of 4
-    assert el.limit == 44 and el.resize_request() == (7, 44) and el.counts["releases"] == 1
+        assert el.limit == 136
+    assert el.counts["dropped_by_cap"] == 126 - 20  # the oldest hashes first
+    # the need: 9 in use + 20 cached + 1 + 2 x watermark 16 free, 64 rounded to the quantum;
+    # but the 20 cached blocks (ids 116-135) lie in the tail a release drops: 9 + 1 + 32 -> 44
+    clock.t = 1.05
+    el.before_schedule()
+    assert el.limit == 44 and el.resize_request() == (6, 44) and el.counts["releases"] == 1
     parked = pool.blocks[44:]
     assert all(b.block_hash is None for b in parked)
     assert not any(el.queue.contains(b.block_id) for b in parked)
     assert pool.get_num_free_blocks() == 44 - 1 - len(held)
-    assert el.counts["cached_dropped"] == (118 - 100) + (128 - 44)  # the cap, then the tail
+    assert el.counts["dropped_by_release"] == 20
+    assert el.counts["cached_dropped"] == 126
+    assert el.stats()["released_blocks"] == 92
+    for t in (2.0, 3.0, 4.0):  # nothing left to release
+        clock.t = t
+        el.before_schedule()
+    assert el.limit == 44 and el.counts["releases"] == 1
+
+
+CALM_1S = {"VMMKV_ELASTIC_CALM_S": "1"}
+
+
+def test_a_release_keeps_the_largest_rise_of_its_calm_time_and_waits_while_the_need_falls():
+    pool, clock = Pool(256), Clock()
+    el = ElasticPool(
+        pool, _settings(floor=16, watermark=8, steps=1, cached=50, env=CALM_1S), clock=clock
+    )
+    _, live = _grown(pool, el, clock, 128)
+    pool.free_blocks([b for b in live if b.block_id >= 10])  # 9 in use, no cached
+    for t, take in ((0.1, 0), (0.2, 0), (0.4, 30), (0.6, -30)):  # the need: 9, 9, 39, 9
+        clock.t = t
+        if take > 0:
+            more = pool.get_new_blocks(take)
+        elif take < 0:
+            pool.free_blocks(more)
+        el.before_schedule()
+    clock.t = 1.15  # a calm time since the first step after the grow; the rise in its window
+    el.before_schedule()
+    assert el.limit == 56 and el.counts["releases"] == 1  # 9 + the rise of 30 + 1 + 2 x 8
+
+    # a need still falling is released once, where it settles (2 calm times after the last)
+    clock.t = 3.2
+    more = pool.get_new_blocks(30)  # need 39: no grow (16 uncached free >= watermark 8)
+    el.before_schedule()
+    for t in (3.5, 3.9, 4.2):  # the need falls 29, 19, 9
+        clock.t = t
+        pool.free_blocks(more[:10])
+        more = more[10:]
+        el.before_schedule()
+        assert el.limit == 56, t  # fell by >= release_min (8) in the last half calm time
+    clock.t = 4.5
+    el.before_schedule()
+    assert el.limit == 28 and el.counts["releases"] == 2  # 9 + 1 + 16, rounded
+
+    # a plateau (no fall of the need since the last release) releases nothing in band, even
+    # with 100 blocks to spare: that is the idle release's (or a fall's) to do
+    el.queue.prepend_n(pool.blocks[28:128])
+    el.limit = 128
+    for t in (7.0, 8.0, 9.0):
+        clock.t = t
+        el.before_schedule()
+    assert el.limit == 128 and el.counts["releases"] == 2 and el.peak_need == 9
+
+
+def test_a_release_spares_the_prefix_cache_entries_in_the_tail_when_it_still_frees_half():
+    pool, clock = Pool(256), Clock()
+    el = ElasticPool(pool, _settings(floor=16, steps=1, cached=50, env=CALM_1S), clock=clock)
+    _, live = _grown(pool, el, clock, 128)
+    spare = [b for b in live if b.block_id in (60, 61)]
+    for b in spare:
+        b.block_hash = ("h", b.block_id)
+    pool.free_blocks([b for b in live if b.block_id >= 10])  # 9 in use, cached 60 and 61
+    for t in (0.0, 1.05):
+        clock.t = t
+        el.before_schedule()
+    # 44 would drop both hashes; 64 (above them, rounded) still frees 72 >= 92 / 2 blocks
+    assert el.limit == 64 and el.counts["releases"] == 1
+    assert all(b.block_hash is not None for b in spare) and el.counts["dropped_by_release"] == 0
+
+
+def test_the_cached_cap_gives_a_block_a_prefix_hit_reused_a_second_chance():
+    pool = Pool(256)
+    el = ElasticPool(pool, _settings(floor=32, cached=4))
+    got = pool.get_new_blocks(10)
+    for b in got:
+        b.block_hash = ("h", b.block_id)
+    pool.touch(got[:1])  # another request hits block 1 while it is in use
+    pool.free_blocks(got[:1])
+    pool.free_blocks(got)  # freed oldest first: 1, 2, ..., 10
+    assert list(el.queue.lru) == list(range(1, 11)) and el.hit == {1}
+    el.before_schedule()  # 6 over the cap: 1 is spared once (moved young, unmarked), 2-7 go
+    assert list(el.queue.lru) == [8, 9, 10, 1] and not el.hit
+    assert el.counts["dropped_by_cap"] == 6 and pool.blocks[1].block_hash is not None
 
 
 def test_the_cached_cap_drops_the_oldest_hashes_and_idle_goes_to_the_floor():
@@ -276,3 +396,69 @@ def test_the_cached_cap_drops_the_oldest_hashes_and_idle_goes_to_the_floor():
     pool.free_blocks(keep)
     assert pool.get_num_free_blocks() == 31
     assert el.usage() == 0.0
+
+
+def test_the_watermark_follows_the_largest_step_of_its_window_and_grows_track_the_rate():
+    pool, clock = Pool(512), Clock()
+    s = elastic_settings(
+        512, 1000, 4000, block_size=64, max_num_batched_tokens=256, max_num_seqs=8,
+        async_scheduling=False, env={},
+    )  # fmt: skip
+    assert (s.watermark_min, s.watermark, s.floor, s.lead_steps) == (5, 24, 12, 2)
+    el = ElasticPool(pool, s, clock=clock)
+    assert el.watermark == 5
+    live = pool.get_new_blocks(7)  # one step takes 7 blocks: 2 steps of them, within [5, 24]
+    el.before_schedule()
+    assert el.watermark == 14 and el.pending is not None  # 4 free < 14: grow
+    el.on_output(_stamp(el.seq, el.target))
+    for t in range(1, 31):  # quiet steps: the 7-block step stays in the window for 30 s
+        clock.t = t
+        el.before_schedule()
+        assert el.watermark == (14 if t <= 30 else 5)
+    clock.t = 30.5
+    el.before_schedule()
+    assert el.watermark == 5
+    pool.free_blocks(live)
+
+    # in use growing 10 blocks a second: a grow adds half a calm time (5 s) of it
+    pool, clock = Pool(512), Clock()
+    el = ElasticPool(pool, s, clock=clock)
+    rates = []
+    for t in range(12):
+        clock.t = float(t)
+        pool.get_new_blocks(10)
+        el.before_schedule()
+        if el.pending is not None:  # limit - free = in use + cached + 1
+            keep = el.watermark + el.watermark // 2 + int(5 * el.growth_rate())
+            assert el.keep() == keep  # 1.5 x the watermark, and 5 s of the growth rate
+            want = el.limit - el.queue.num_uncached + keep
+            assert el.target == el.s.round(want)
+            rates.append(el.growth_rate())
+            el.on_output(_stamp(el.seq, el.target))
+    assert rates[0] == 0.0 and rates[-1] == 10.0 and el.counts["grows"] == len(rates) >= 3
+
+
+def test_usage_is_blocks_in_use_over_the_capacity_not_over_the_committed_part():
+    pool = Pool(256)
+    el = ElasticPool(pool, _settings(floor=32))
+    got = pool.get_new_blocks(15)
+    assert el.usage() == 15 / 255 and el.stats()["usage"] == 15 / 255
+    st = el.stats()
+    assert (st["committed"], st["capacity"], st["in_use"], st["uncached_free"]) == (32, 256, 15, 16)
+    assert st["committed_bytes"] == 32 * 1000
+    pool.free_blocks(got)
+
+
+def test_each_resize_logs_one_info_line_with_the_committed_size(caplog):
+    pool, clock = Pool(256), Clock()
+    el = ElasticPool(pool, _settings(floor=16, steps=1, env=CALM_1S), clock=clock)
+    with caplog.at_level("INFO", logger="vmmkv.integrations.vllm._elastic"):
+        _, live = _grown(pool, el, clock, 64)
+        pool.free_blocks(live)
+        for t in (0.0, 1.05):
+            clock.t = t
+            el.before_schedule()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == el.counts["grows"] + el.counts["releases"] == 3, lines
+    assert lines[0].startswith("vmmkv: elastic KV grew 16 -> 40 of 256 blocks")
+    assert "released 64 -> 36 of 256 blocks" in lines[-1] and "0 prefix-cache" in lines[-1]

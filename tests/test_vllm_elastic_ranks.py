@@ -78,6 +78,7 @@ KNOBS = {
     "VMMKV_ELASTIC_WATERMARK_BLOCKS": "16",
     "VMMKV_ELASTIC_FLOOR_BLOCKS": "32",  # rounded up to the quantum: 35
     "VMMKV_ELASTIC_RELEASE_STEPS": "4",
+    "VMMKV_ELASTIC_CALM_S": "0.12",  # 4 of the trace's 0.03 s steps
     "VMMKV_ELASTIC_CACHED_BLOCKS": "32",
 }
 FAIL_RANK, FAIL_GROW = 1, 2  # rank 1's 2nd grow fails at its commit

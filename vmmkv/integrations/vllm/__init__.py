@@ -62,9 +62,10 @@ committed blocks follow load. In every process that imports ``vllm.v1.engine.cor
 if it did before ``register`` ran, else through an import hook: vLLM loads its plugins once per
 process, possibly first, and a forked or in-process engine core never loads them again) the
 plugin installs ``_elastic_sites.ENGINE_SITES``: vLLM's block
-pool hands out only committed blocks, lowest id first, and the scheduler asks for grows (two
-phases: new blocks are handed out after a worker's output confirms them) and releases (in band,
-after calm steps; idle: through ``collective_rpc``) on every ``SchedulerOutput``. Each worker
+pool hands out only committed blocks, uncached ones lowest id first, and the scheduler asks for
+grows (two phases: new blocks are handed out after a worker's output confirms them) and
+releases (in band, after a calm time; idle: through ``collective_rpc``) on every
+``SchedulerOutput``. Each worker
 applies the request collectively at the top of ``update_requests`` (``WORKER_SITES``). The
 workers start at the floor both sides compute from the config. ``_elastic`` has the policy,
 docs/design.md "Elastic KV in vLLM" its measured reasons.

@@ -11,43 +11,64 @@ measurements behind each rule.
 
 - :class:`LowestIdFreeQueue` replaces vLLM's ``FreeKVCacheBlockQueue`` in the ``BlockPool``
   (the same methods, as ``BlockPool`` calls them). It holds the free blocks below ``limit``
-  (the committed ones): uncached ones are handed out lowest id first (vLLM reuses them LIFO,
-  which keeps the highest block in use near its peak forever), cached ones after them in LRU
-  order as vLLM does. Blocks at or above ``limit`` are *parked*: free, uncommitted, invisible
-  to vLLM's admission (``num_free_blocks`` counts committed blocks only).
-- :class:`ElasticPool` is the policy, called by the patched ``Scheduler`` once per step:
+  (the committed ones): those without a prefix-cache entry are handed out first, lowest id
+  first (vLLM reuses them LIFO, which keeps the highest block in use near its peak forever);
+  a cached one only when none is left, oldest first as vLLM does, so no prefix-cache entry is
+  given up while an uncached committed block is free. Blocks at or above ``limit`` are
+  *parked*: free, uncommitted, invisible to vLLM's admission (``num_free_blocks`` counts
+  committed blocks only).
+- :class:`ElasticPool` is the policy, called by the patched ``Scheduler`` once per step, on a
+  clock (``time.monotonic``; a trace injects simulated time):
 
-  - **cached cap**: at most ``cached_blocks`` cached-free blocks are kept; the oldest lose their
-    hash (vLLM's own ``_maybe_evict_cached_block``) and become ordinary free blocks;
-  - **grow, two phases**: when free committed blocks fall below ``watermark`` (or vLLM's KV
-    cache manager refused an allocation in the last step: a request that waits for something
-    else, tokens or a pause, grows nothing), ask for ``limit + max(watermark, limit / 4)``; the new blocks are
-    handed out only once a worker output confirms them (``vmmkv_kv_blocks`` stamped by the
-    worker); a grow refused by the group (vmmkv's error is the same on every rank and leaves
-    every size unchanged) only delays admission, and the next attempt waits
-    ``release_steps`` steps;
-  - **release in band**: when the highest block in use lets ``limit`` fall by at least
-    ``release_min`` blocks while keeping ``2 x watermark`` free, for ``release_steps``
-    consecutive steps, the tail is parked at once (cached blocks in it lose their hash) and the
-    lower target sent: every step that could still write those blocks was sent to the workers
-    before this one, and vmmkv's shrink synchronizes the device before it decommits;
+  - **cached cap**: at most ``cached_blocks`` cached-free blocks are kept; the oldest lose
+    their hash (vLLM's own ``_maybe_evict_cached_block``) and become ordinary free blocks, but
+    one that a prefix hit reused since it got its hash is spared once (second chance: it moves
+    to the young end, unmarked);
+  - **watermark from the allocation rate**: ``lead_steps`` x the most blocks one step took in
+    the last ``window_seconds``, within [``watermark_min``, ``watermark``] (one full-budget
+    step; the worst ``lead_steps`` steps): a grow must land before the free blocks run out;
+  - **grow, two phases**: when fewer uncached committed blocks than the watermark are free
+    (cached-free ones are kept, the cap bounds them), or vLLM's KV cache manager refused an
+    allocation in the last step (a request that waits for something else, tokens or a pause,
+    grows nothing), ask for enough to leave 1.5 watermarks free, plus half a calm time of the
+    need's growth rate (a rising load: fewer, larger grows); the new blocks are handed out only
+    once a worker output confirms them (``vmmkv_kv_blocks`` stamped by the worker); a grow
+    refused by the group (vmmkv's error is the same on every rank and leaves every size
+    unchanged) only delays admission, and the next attempt waits ``release_steps`` steps;
+  - **release in band, in time**: ``calm_seconds`` (and ``release_steps`` steps) after the last
+    grow, two after the last release, once the need (in use + cached-free) has stopped falling
+    (it fell by less than ``release_min`` in the last half calm time), the tail above the need
+    + its largest rise in the calm time + 2 watermarks is parked at once and the lower target
+    sent: every step that could still write those blocks was sent to the workers before this
+    one, and vmmkv's shrink synchronizes the device before it decommits. Cached blocks in the
+    tail lose their hash (counted); the target steps above them when that still frees half as
+    much;
   - **idle release** (:meth:`idle_release`): down to the floor or the highest block in use,
     for the engine's idle hook (an idle engine does not step);
-  - targets are multiples of ``quantum`` (blocks per chunk), never below ``floor``.
+  - targets are multiples of ``quantum`` (blocks per chunk), never below ``floor``;
+  - :meth:`usage` (vLLM's ``get_usage``, its KV usage metric) is blocks in use over the
+    capacity; :meth:`stats` has committed blocks and bytes, grows, releases, refusals and the
+    prefix-cache entries dropped (by the cap, by releases, handed out); each resize is logged
+    once at INFO.
 
 Local to the engine core, single-threaded like vLLM's scheduler. Host cost per step: O(1)
-amortized plus O(log n) per block handed out or freed (BENCHMARKS.md, "Elastic KV").
+amortized plus O(log n) per block handed out or freed, and O(30) while a release is due
+(BENCHMARKS.md, "Elastic KV").
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 import os
-from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ELASTIC_ENV",
@@ -65,6 +86,8 @@ KNOBS = {
     "floor": "VMMKV_ELASTIC_FLOOR_BLOCKS",
     "watermark": "VMMKV_ELASTIC_WATERMARK_BLOCKS",
     "release_steps": "VMMKV_ELASTIC_RELEASE_STEPS",
+    "calm_seconds": "VMMKV_ELASTIC_CALM_S",
+    "window_seconds": "VMMKV_ELASTIC_WINDOW_S",
     "cached_blocks": "VMMKV_ELASTIC_CACHED_BLOCKS",
     "idle_seconds": "VMMKV_ELASTIC_IDLE_S",
     "order": "VMMKV_ELASTIC_ORDER",  # "lowest" (default) or "lifo" (vLLM's, for comparison)
@@ -76,11 +99,9 @@ ORDERS = ("lowest", "lifo")
 # and committed bytes stay within 0.4 % of the blocks' own at 1000 blocks.
 ELASTIC_CHUNK_MIB = 64
 CACHED_TOKENS = 16384  # default cap on cached-free blocks, in tokens (kvcached keeps 16000)
-RELEASE_STEPS = 10
-# A release must free at least limit / RELEASE_FRACTION (and release_min): a grow adds
-# limit / 4, so the overshoot of the last grow under steady load is not released and grown
-# again (hysteresis; docs/design.md, "Elastic KV in vLLM").
-RELEASE_FRACTION = 8
+RELEASE_STEPS = 10  # a release also needs this many calm steps (and calm_seconds)
+CALM_SECONDS = 10.0  # a release comes this long after the last grow (twice after a release)
+WINDOW_SECONDS = 30.0  # the allocation rate behind the watermark is the peak of this window
 IDLE_SECONDS = 5.0
 STAMP = "vmmkv_kv_blocks"  # (seq, committed blocks, error or None) on a ModelRunnerOutput
 RESIZE = "vmmkv_resize"  # (seq, target blocks) on every SchedulerOutput
@@ -97,17 +118,24 @@ def elastic_enabled(env: Mapping[str, str] | None = None) -> bool:
 @dataclass(frozen=True)
 class ElasticSettings:
     """What the engine core and every worker agree on without talking: both compute it from
-    the same config and environment (:func:`elastic_settings`)."""
+    the same config and environment (:func:`elastic_settings`). Only ``num_blocks``,
+    ``quantum`` and ``floor`` must be equal everywhere; the rest is the engine core's policy."""
 
     num_blocks: int  # vLLM's pool size (the capacity; block 0 is vLLM's null block)
     quantum: int  # blocks per chunk: targets are multiples of it (or num_blocks)
     floor: int  # committed at start and after an idle release
-    watermark: int  # grow when fewer committed blocks are free
-    release_steps: int  # calm steps before a release; steps to wait after a refused grow
+    watermark: int  # grow when fewer uncached committed blocks are free (the upper bound)
+    release_steps: int  # calm steps a release also needs; steps to wait after a refused grow
     release_min: int  # release only when the limit falls by at least this
     cached_blocks: int  # at most this many cached-free blocks are kept
     idle_seconds: float  # idle time before the engine's idle release
     order: str = "lowest"  # free blocks: lowest id first, or vLLM's order ("lifo")
+    # the watermark follows the allocation rate between watermark_min and watermark (0: fixed)
+    watermark_min: int = 0
+    calm_seconds: float = CALM_SECONDS  # calm time before a release (and since the last grow)
+    window_seconds: float = WINDOW_SECONDS  # the window of the observed allocation rate
+    lead_steps: int = 2  # steps a grow takes to become usable, plus the current one
+    block_bytes: int = 0  # one block's bytes over every layer (stats only)
 
     def round(self, blocks: int) -> int:
         """``blocks`` rounded up to the quantum, within [floor, num_blocks]."""
@@ -143,10 +171,17 @@ def elastic_settings(
     """Elastic mode's settings for a pool of ``num_blocks`` blocks of ``block_bytes`` (every
     layer's bytes of one block, one replica) in chunks of ``chunk_bytes``.
 
-    Defaults: one step can take ``ceil(max_num_batched_tokens / block_size) + max_num_seqs``
-    blocks at most; a grow becomes usable 1 step later (2 with async scheduling's batch queue),
-    so ``watermark`` covers that many steps plus the current one (at most a quarter of the
-    pool); ``floor`` = 2 x ``watermark``; ``release_min`` = max(quantum, watermark / 2)."""
+    Defaults. A grow becomes usable 1 step later (2 with async scheduling's batch queue), so the
+    free blocks must cover ``lead_steps`` = 2 (3) steps. The worst step takes
+    ``ceil(max_num_batched_tokens / block_size) + max_num_seqs`` blocks (every running request
+    crossing a block boundary at once): ``watermark``, the upper bound, covers ``lead_steps`` of
+    those (at most a quarter of the pool). A step that admits a full token budget takes
+    ``ceil(max_num_batched_tokens / block_size) + ceil(max_num_seqs / block_size)`` blocks:
+    ``watermark_min`` is one of those, and ``floor`` (what an idle engine keeps, and a burst
+    after idle is served from until its grow lands) ``lead_steps`` of them. The pool's watermark
+    follows ``lead_steps`` x the largest step of the last ``window_seconds`` within those
+    bounds. ``VMMKV_ELASTIC_WATERMARK_BLOCKS`` fixes the watermark (and makes the floor's
+    default 2 x watermark); ``release_min`` = the quantum (the pool adds the watermark)."""
     env = os.environ if env is None else env
     if num_blocks < 2 or block_bytes <= 0 or chunk_bytes <= 0:
         raise ValueError(
@@ -154,11 +189,13 @@ def elastic_settings(
             f"{num_blocks} blocks of {block_bytes} B, chunks of {chunk_bytes} B"
         )
     quantum = max(1, chunk_bytes // block_bytes)
-    per_step = -(-max_num_batched_tokens // block_size) + max_num_seqs
-    watermark = _knob(
-        env, "watermark", min(num_blocks // 4, (3 if async_scheduling else 2) * per_step), lo=1
-    )
-    floor = _knob(env, "floor", 2 * watermark, lo=1)
+    lead = 3 if async_scheduling else 2
+    budget = -(-max_num_batched_tokens // block_size)
+    worst = min(num_blocks // 4, lead * (budget + max_num_seqs))
+    admit = min(worst, budget + -(-max_num_seqs // block_size))
+    fixed = bool(env.get(KNOBS["watermark"], "").strip())
+    watermark = _knob(env, "watermark", max(1, worst), lo=1)
+    floor = _knob(env, "floor", 2 * watermark if fixed else max(1, lead * admit), lo=1)
     floor = min(num_blocks, -(-floor // quantum) * quantum)
     return ElasticSettings(
         num_blocks=num_blocks,
@@ -166,10 +203,15 @@ def elastic_settings(
         floor=floor,
         watermark=watermark,
         release_steps=_knob(env, "release_steps", RELEASE_STEPS, lo=1),
-        release_min=max(quantum, watermark // 2),
+        release_min=quantum,
         cached_blocks=_knob(env, "cached_blocks", -(-CACHED_TOKENS // block_size), lo=0),
         idle_seconds=_knob(env, "idle_seconds", IDLE_SECONDS, lo=0.0, kind=float),
         order=_order(env),
+        watermark_min=watermark if fixed else max(1, admit),
+        calm_seconds=_knob(env, "calm_seconds", CALM_SECONDS, lo=0.0, kind=float),
+        window_seconds=_knob(env, "window_seconds", WINDOW_SECONDS, lo=0.0, kind=float),
+        lead_steps=lead,
+        block_bytes=block_bytes,
     )
 
 
@@ -185,45 +227,45 @@ class LowestIdFreeQueue:
     ``popleft``, ``popleft_n``, ``remove``, ``append``, ``append_n``, ``prepend_n``,
     ``get_all_free_blocks``), over the committed blocks only.
 
-    Order "lowest": the free block with the lowest id is handed out first, cached or not (the
-    pool evicts a cached one's hash as it hands it out), so blocks in use gather at the bottom
-    and the tail empties. Order "lifo" is vLLM's own (uncached blocks most recently freed
-    first, then cached ones oldest first), for comparison. Either way the blocks vLLM frees
-    with a hash (``append_n``: prefix-cache entries, ``unpin_blocks``' readable ones) are also
-    kept in age order (``lru``) for the cap on cached blocks."""
+    Order "lowest": free blocks without a prefix-cache entry are handed out first, lowest id
+    first, so blocks in use gather at the bottom and the tail empties; a cached block is handed
+    out (losing its hash) only when no uncached one is left, oldest first as vLLM does. Order
+    "lifo" is vLLM's own (uncached blocks most recently freed first, then cached ones oldest
+    first), for comparison. Either way the blocks vLLM frees with a hash (``append_n``:
+    prefix-cache entries, ``unpin_blocks``' readable ones) are kept in age order (``lru``)."""
 
     def __init__(self, blocks: list[Any], free_ids: Iterable[int], order: str = "lowest") -> None:
         self.blocks = blocks
         self.lifo = order == "lifo"
-        # lazy: an id leaves _low / lru without leaving its heap (or stack)
+        # lazy: an id leaves _low without leaving its heap (or stack)
         self._uncached: list[int] = []
-        self._cached: list[int] = []
         self._low: set[int] = set()  # free, uncached, committed
         self.lru: OrderedDict[int, Any] = OrderedDict()  # free, cached, committed; oldest first
         self.num_free_blocks = 0
+        self.cached_taken = 0  # cached blocks handed out (vLLM drops their hash)
         self.prepend_n([blocks[i] for i in free_ids])
 
-    @staticmethod
-    def _top(heap: list[int], live: Any) -> int | None:
-        while heap and heap[0] not in live:
-            heapq.heappop(heap)
-        return heap[0] if heap else None
+    @property
+    def num_uncached(self) -> int:
+        """Free committed blocks without a prefix-cache entry."""
+        return len(self._low)
 
     def _pop(self) -> Any:
+        heap, low = self._uncached, self._low
         if self.lifo:
-            while self._uncached:
-                i = self._uncached.pop()
-                if i in self._low:
-                    self._low.remove(i)
+            while heap:
+                i = heap.pop()
+                if i in low:
+                    low.remove(i)
                     return self.blocks[i]
-            return self.lru.popitem(last=False)[1]
-        u, c = self._top(self._uncached, self._low), self._top(self._cached, self.lru)
-        if c is not None and (u is None or c < u):
-            heapq.heappop(self._cached)
-            return self.lru.pop(c)
-        heapq.heappop(self._uncached)
-        self._low.remove(u)
-        return self.blocks[u]
+        else:
+            while heap:
+                i = heapq.heappop(heap)
+                if i in low:
+                    low.remove(i)
+                    return self.blocks[i]
+        self.cached_taken += 1
+        return self.lru.popitem(last=False)[1]
 
     def popleft(self) -> Any:
         return self.popleft_n(1)[0]
@@ -249,8 +291,6 @@ class LowestIdFreeQueue:
     def append_n(self, blocks: list[Any]) -> None:
         for b in blocks:
             self.lru[b.block_id] = b
-            if not self.lifo:
-                self._push(self._cached, b.block_id)
         self.num_free_blocks += len(blocks)
 
     def prepend_n(self, blocks: list[Any]) -> None:
@@ -261,20 +301,19 @@ class LowestIdFreeQueue:
         for b in reversed([b for b in blocks if b.block_hash is not None]):
             self.lru[b.block_id] = b
             self.lru.move_to_end(b.block_id, last=False)
-            if not self.lifo:
-                self._push(self._cached, b.block_id)
         for b in reversed(uncached) if self.lifo else uncached:  # lifo: blocks[0] is next
             self._low.add(b.block_id)
-            self._push(self._uncached, b.block_id)
+            self._push(b.block_id)
         self.num_free_blocks += len(blocks)
 
-    def _push(self, heap: list[int], i: int) -> None:
+    def _push(self, i: int) -> None:
+        heap = self._uncached
         if self.lifo:
             heap.append(i)
         else:
             heapq.heappush(heap, i)
         if len(heap) > 4 * len(self.blocks):  # drop the stale entries now and then
-            live = self._low if heap is self._uncached else self.lru
+            live = self._low
             if self.lifo:  # the live ids in stack order, each at its latest place
                 kept: dict[int, None] = {}
                 for j in reversed(heap):
@@ -294,16 +333,20 @@ class LowestIdFreeQueue:
         """A cached-free block that lost its hash becomes an ordinary free block."""
         del self.lru[block.block_id]
         self._low.add(block.block_id)
-        self._push(self._uncached, block.block_id)
+        self._push(block.block_id)
 
 
 class ElasticPool:
     """The committed limit of one vLLM ``BlockPool`` and its policy (module docstring).
 
     Installed on a fresh pool (every block but the null block free); blocks from
-    ``settings.floor`` up are parked at once: the workers commit ``floor`` blocks at start."""
+    ``settings.floor`` up are parked at once: the workers commit ``floor`` blocks at start.
+    ``clock`` (seconds, monotonic; ``time.monotonic`` by default) times the calm before a
+    release and the window of the allocation rate: a simulated clock makes traces exact."""
 
-    def __init__(self, block_pool: Any, settings: ElasticSettings) -> None:
+    def __init__(
+        self, block_pool: Any, settings: ElasticSettings, clock: Callable[[], float] | None = None
+    ) -> None:
         if block_pool.num_gpu_blocks != settings.num_blocks:
             raise ValueError(
                 f"elastic KV: vLLM's block pool has {block_pool.num_gpu_blocks} blocks, the "
@@ -316,6 +359,7 @@ class ElasticPool:
                 f"{busy[:8]}, free {block_pool.get_num_free_blocks()}"
             )
         self.pool, self.s = block_pool, settings
+        self.clock = clock or time.monotonic
         self.limit = settings.floor  # blocks [0, limit) may be handed out
         self.queue = LowestIdFreeQueue(block_pool.blocks, range(1, self.limit), settings.order)
         block_pool.free_block_queue = self.queue
@@ -323,25 +367,52 @@ class ElasticPool:
         self.seq = 0  # resize requests sent
         self.target = self.limit  # the size the workers are asked to hold
         self.pending: tuple[int, int] | None = None  # an unconfirmed grow (seq, target)
-        self.calm = 0  # consecutive steps a release was possible
         self.hold = 0  # steps to wait after a refused grow
         self.starved = False  # vLLM's KV cache manager refused an allocation in the last step
         self.refused_now = False  # ... in this step (set through kv_refused)
-        self.counts = {"grows": 0, "releases": 0, "refused": 0, "cached_dropped": 0}
+        # the allocation rate: blocks handed out in the current step; the window's largest
+        # steps (time, blocks; decreasing)
+        self.watermark = settings.watermark_min or settings.watermark
+        self._handed = 0
+        self._peaks: deque[tuple[float, int]] = deque()
+        # the need (in use + cached-free) over the last calm time: (time, blocks), 30 samples;
+        # its largest value since the last grow decision or release
+        self._needs: deque[tuple[float, int]] = deque()
+        self.peak_need = 0
+        # calm: since the last grow decision, or a calm time after the last release (None: from
+        # the next step); in steps
+        self.calm_since: float | None = None
+        self.calm_steps = 0
+        self.counts = {
+            "grows": 0, "releases": 0, "refused": 0, "cached_dropped": 0,
+            "dropped_by_cap": 0, "dropped_by_release": 0, "grown_blocks": 0,
+            "released_blocks": 0,
+        }  # fmt: skip
         self.last_error: str | None = None
+        self.hit: set[int] = set()  # cached blocks a prefix hit reused since they got a hash
         self._watch(block_pool)
 
-    # -- tracking the highest block in use ----------------------------------------------------
+    # -- tracking the highest block in use and the allocation rate ----------------------------
     def _watch(self, pool: Any) -> None:
-        """Wrap the queue's two exits into use (handed out, prefix hit) to remember ids."""
-        q, heap = self.queue, self._in_use
-        popleft_n, remove = q.popleft_n, q.remove
+        """Wrap the queue's two exits into use (handed out, prefix hit) to remember ids, and
+        the pool's ``touch`` (every prefix hit) to mark the blocks hit."""
+        q, heap, hit = self.queue, self._in_use, self.hit
+        popleft_n, remove, touch = q.popleft_n, q.remove, pool.touch
 
         def popleft_n_watched(n: int) -> list[Any]:
             out = popleft_n(n)
+            self._handed += n
             for b in out:
                 heapq.heappush(heap, -b.block_id)
+                hit.discard(b.block_id)  # a new block: vLLM drops a hash it had
             return out
+
+        def touch_watched(blocks: Any) -> None:
+            for b in blocks:
+                hit.add(b.block_id)
+            touch(blocks)
+
+        pool.touch = touch_watched
 
         def remove_watched(block: Any) -> None:
             remove(block)
@@ -360,36 +431,122 @@ class ElasticPool:
             heapq.heapify(heap)
         return -heap[0] if heap else 0
 
+    def _observe(self, now: float) -> None:
+        """The last step's blocks handed out join the window; the watermark follows it."""
+        s, peaks, n = self.s, self._peaks, self._handed
+        self._handed = 0
+        while peaks and peaks[-1][1] <= n:
+            peaks.pop()
+        peaks.append((now, n))
+        while peaks[0][0] < now - s.window_seconds:
+            peaks.popleft()
+        if s.watermark_min and s.watermark_min < s.watermark:
+            self.watermark = min(s.watermark, max(s.watermark_min, s.lead_steps * peaks[0][1]))
+        needs, need = self._needs, self.limit - 1 - self.queue.num_uncached
+        self.peak_need = max(self.peak_need, need)
+        if not needs or now - needs[-1][0] >= s.calm_seconds / 30:
+            needs.append((now, need))
+            while len(needs) > 1 and needs[0][0] < now - s.calm_seconds:
+                needs.popleft()
+
+    def growth_rate(self) -> float:
+        """Blocks per second that the need (in use + cached-free) grew by over the last half
+        calm time (0 when it fell)."""
+        needs, since = self._needs, self.clock() - self.s.calm_seconds / 2
+        if len(needs) < 2:
+            return 0.0
+        t0, v0 = next((t, v) for t, v in needs if t >= since or (t, v) == needs[-1])
+        t1, v1 = needs[-1]  # over half a calm time at least: a burst's first steps are no rate
+        return max(0.0, (v1 - v0) / max(t1 - t0, self.s.calm_seconds / 2))
+
+    def swing(self, now: float, need: int) -> tuple[int, int]:
+        """Over the last calm time: the largest rise of the need (a later sample above an
+        earlier one), and how far it fell in its last half (the need still settling)."""
+        low, rise, top = math.inf, 0, need
+        for t, v in self._needs:
+            rise = max(rise, v - low)
+            low = min(low, v)
+            if t >= now - self.s.calm_seconds / 2:
+                top = max(top, v)
+        return int(max(rise, need - low)), top - need
+
+    def keep(self, release: bool = False) -> int:
+        """Uncached free blocks a grow provides (1.5 x the watermark) or a release leaves (2 x:
+        the need must rise by a watermark before the next grow), and half a calm time of the
+        need's growth (a rising load uses a grow's overshoot before it could be released)."""
+        rise = int(self.s.calm_seconds / 2 * self.growth_rate())
+        return self.watermark + self.watermark // (1 if release else 2) + rise
+
+    def release_min(self) -> int:
+        """A release frees at least a watermark (and ``release_min``): smaller ones are churn."""
+        return max(self.s.release_min, self.watermark)
+
     # -- the policy, once per step ------------------------------------------------------------
     def resize_request(self) -> tuple[int, int]:
         return (self.seq, self.target)
 
     def before_schedule(self) -> None:
         """Before ``Scheduler.schedule``: cap the cached blocks, then grow or release."""
+        now = self.clock()
         self._cap_cached()
-        s = self.s
-        free = self.queue.num_free_blocks
+        self._observe(now)
+        s, q = self.s, self.queue
+        free = q.num_uncached
         if self.hold:  # a grow was refused: wait release_steps steps before the next
             self.hold -= 1
         elif self.pending is None and self.limit < s.num_blocks:
-            if free < s.watermark or self.starved:
+            if free < self.watermark or self.starved:
+                need = self.limit - free + self.keep()
+                if self.starved:
+                    need = max(need, self.limit + self.watermark)
                 self.seq += 1
-                self.target = s.round(self.limit + max(s.watermark, self.limit // 4))
+                self.target = s.round(need)
                 self.pending = (self.seq, self.target)
-                self.calm = 0
+                self.calm_since, self.peak_need = None, self.limit - 1 - free
                 self.starved = False
                 return
         self.starved = False
         if self.pending is not None:
             return
-        used = self.limit - 1 - free  # blocks with a reference (the null block aside)
-        want = s.round(max(self.highest_in_use() + 1, used + 1 + 2 * s.watermark))
-        if self.limit - want >= max(s.release_min, self.limit // RELEASE_FRACTION):
-            self.calm += 1
-            if self.calm >= s.release_steps:
-                self._release(want)
-        else:
-            self.calm = 0
+        if self.calm_since is None:
+            self.calm_since, self.calm_steps = now, 0
+        self.calm_steps += 1
+        if self.calm_steps < s.release_steps or now - self.calm_since < s.calm_seconds:
+            return  # (a release sets calm_since a calm time ahead)
+        need = self.limit - 1 - free  # in use or cached-free (the null block aside)
+        top, keep, rm = self.highest_in_use() + 1, self.keep(release=True), self.release_min()
+        if self.limit - s.round(max(top, need + 1 + keep)) < rm:
+            return
+        rise, settling = self.swing(now, need)
+        if settling >= rm:  # still falling: release once, where it settles
+            return
+        if self.peak_need - need < rm:  # no fall since the last grow or release: a plateau
+            return
+        want = s.round(max(top, need + rise + 1 + keep))
+        if self.limit - want >= rm:
+            self._release(self._spare_cached(self._net_of_dropped(want, need + rise)))
+
+    def _net_of_dropped(self, want: int, used_cached: int) -> int:
+        """``want`` less the prefix-cache entries a release to it drops (each target counted
+        them as kept): one release, not a second one when the need falls by them."""
+        lru, target = self.queue.lru, want
+        for _ in range(2):  # fewer dropped at a lower target: converges from above
+            dropped = sum(1 for i in lru if i >= target)
+            if not dropped:
+                break
+            keep = self.keep(release=True)
+            floor = max(self.highest_in_use() + 1, used_cached - dropped + 1 + keep)
+            target = self.s.round(max(floor, want - dropped))
+        return target
+
+    def _spare_cached(self, want: int) -> int:
+        """``want``, or above the prefix-cache entries in the tail when that still releases at
+        least half as much (and ``release_min``): a release prefers a tail without them."""
+        top = max((i for i in self.queue.lru if i >= want), default=None)
+        if top is None:
+            return want
+        above, gain = self.s.round(top + 1), self.limit - want
+        return above if self.limit - above >= max(self.release_min(), gain / 2) else want
 
     def kv_refused(self) -> None:
         """vLLM's ``KVCacheManager.allocate_slots`` returned None: KV is what holds a request
@@ -412,9 +569,12 @@ class ElasticPool:
         target = self.pending[1]
         self.pending = None
         if error is None and committed >= target:
+            before = self.limit
             self.queue.prepend_n([self.pool.blocks[i] for i in range(self.limit, target)])
             self.limit = target
             self.counts["grows"] += 1
+            self.counts["grown_blocks"] += target - before
+            self._log("grew", before)
         else:
             self.target = self.limit
             self.hold = self.s.release_steps
@@ -436,40 +596,71 @@ class ElasticPool:
 
     def _release(self, want: int) -> None:
         pool, q = self.pool, self.queue
+        before, dropped = self.limit, 0
         for i in range(want, self.limit):
             b = pool.blocks[i]
             if b.ref_cnt:
                 raise AssertionError(f"elastic KV: block {i} is in use, cannot release it")
             if b.block_id in q.lru and pool._maybe_evict_cached_block(b):
-                self.counts["cached_dropped"] += 1
+                dropped += 1
+            self.hit.discard(i)
             self._remove_quietly(b)
         self.limit = want
         self.seq += 1
         self.target = want
-        self.calm = 0
+        self.calm_since = self.clock() + self.s.calm_seconds  # the next: 2 calm times
+        self.peak_need = self.limit - 1 - q.num_uncached
         self.counts["releases"] += 1
+        self.counts["released_blocks"] += before - want
+        self.counts["cached_dropped"] += dropped
+        self.counts["dropped_by_release"] += dropped
+        self._log("released", before, f", {dropped} prefix-cache entries dropped")
 
     def _cap_cached(self) -> None:
-        q, extra = self.queue, len(self.queue.lru) - self.s.cached_blocks
+        """At most ``cached_blocks`` cached-free blocks: the oldest lose their hash, but one
+        that a prefix hit reused gets a second chance (it moves to the young end, unmarked)."""
+        q, hit, extra = self.queue, self.hit, len(self.queue.lru) - self.s.cached_blocks
         while extra > 0:
-            b = next(iter(q.lru.values()))  # the oldest
+            i, b = next(iter(q.lru.items()))  # the oldest
+            if i in hit:
+                hit.discard(i)
+                q.lru.move_to_end(i)
+                continue
             self.pool._maybe_evict_cached_block(b)
             q.demote(b)
             self.counts["cached_dropped"] += 1
+            self.counts["dropped_by_cap"] += 1
             extra -= 1
+
+    def _log(self, what: str, before: int, more: str = "") -> None:
+        st = self.stats()
+        log.info(
+            "vmmkv: elastic KV %s %d -> %d of %d blocks (%.1f GiB committed): in use %d, "
+            "cached-free %d, watermark %d; %d grows, %d releases%s", what, before, self.limit,
+            self.s.num_blocks, st["committed_bytes"] / 2**30, st["in_use"], st["cached_free"],
+            self.watermark, self.counts["grows"], self.counts["releases"], more,
+        )  # fmt: skip
 
     # -- what vLLM asks the pool about the whole pool -----------------------------------------
     def usage(self) -> float:
-        """``BlockPool.get_usage`` over the committed blocks."""
-        total = self.limit - 1
-        return 1.0 - self.queue.num_free_blocks / total if total > 0 else 0.0
+        """``BlockPool.get_usage``: blocks in use over the capacity (vLLM's own meaning: the
+        share of the KV cache a deployment sized, not of the part committed now)."""
+        total = self.s.num_blocks - 1
+        return (self.limit - 1 - self.queue.num_free_blocks) / total if total > 0 else 0.0
 
     def parked(self) -> int:
         return self.s.num_blocks - self.limit
 
     def stats(self) -> dict[str, Any]:
+        """The pool's state and counters: committed blocks and bytes, blocks in use, free
+        (uncached / cached), the watermark, grows, releases, refusals, dropped cache entries."""
+        q = self.queue
         return {
-            "limit": self.limit, "target": self.target, "seq": self.seq,
-            "free": self.queue.num_free_blocks, "cached_free": len(self.queue.lru),
-            "in_use": self.limit - 1 - self.queue.num_free_blocks, **self.counts,
+            "capacity": self.s.num_blocks, "limit": self.limit, "committed": self.limit,
+            "committed_bytes": self.limit * self.s.block_bytes, "target": self.target,
+            "seq": self.seq, "pending": self.pending is not None,
+            "free": q.num_free_blocks, "uncached_free": q.num_uncached,
+            "cached_free": len(q.lru), "in_use": self.limit - 1 - q.num_free_blocks,
+            "watermark": self.watermark, "usage": self.usage(),
+            "dropped_by_handout": q.cached_taken, **self.counts,
         }  # fmt: skip

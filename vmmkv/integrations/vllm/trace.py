@@ -20,7 +20,10 @@ Traces (block size 64, DeepSeek-V3.2 cache specs):
   request and 5 of 300-600 tokens after the first, 2 (one with the shared prefix) after the
   second; to step 309. 30 % of the other prompts start with the shared 512-token prefix.
 
-The engine's idle hook is emulated: after ``IDLE_STEPS`` steps without a request, the pool's
+Time is simulated: every step takes ``step_seconds`` (0.03 s) and the pool's clock reads the
+simulated time, so a run is exact and independent of the machine (``workloads`` models a
+step's time from its tokens instead). The engine's idle hook is emulated: after
+``IDLE_STEPS`` steps without a request, the pool's
 ``idle_release`` runs once (``on_idle`` receives its resize request). Async scheduling
 (``async_depth=2``: vLLM's ``AsyncScheduler``) schedules step k+1 before step k's output is
 processed, as ``EngineCore.step_with_batch_queue`` does.
@@ -43,6 +46,7 @@ __all__ = ["IDLE_STEPS", "PHASES", "CountingCache", "TraceRun", "TraceStep", "mo
 
 BS = 64
 IDLE_STEPS = 20
+STEP_SECONDS = 0.03  # simulated time per step of these traces (the pool's clock)
 PHASES = {
     "burst": (("burst", 150), ("steady", 600), ("drain", 250), ("idle", 100)),
     "square": tuple((f"{h}{p}", 50) for p in range(10) for h in ("high", "low")) + (("idle", 60),),
@@ -111,6 +115,7 @@ class TraceStep:
     cached_free: int  # free blocks holding a prefix-cache entry, committed
     committed: int  # the blocks the pool may hand out (all of them without elastic KV)
     scheduled: bool  # whether the scheduler ran this step
+    highest: int = 0  # the highest block id in use (0: none, or not tracked without the pool)
 
 
 @dataclass
@@ -132,6 +137,8 @@ class TraceRun:
     layers: int = 2
     max_num_batched_tokens: int = 4096
     max_num_seqs: int = 128
+    max_model_len: int = 4096
+    step_seconds: float = STEP_SECONDS  # the simulated time one step takes
     steps: list[TraceStep] = field(default_factory=list)
     hit_tokens: int = 0
     preemptions: int = 0
@@ -175,7 +182,7 @@ class TraceRun:
                                              kvc, measured)  # fmt: skip
         cfg.cache_config.enable_prefix_caching = True
         for c in (cfg.model_config, cfg.scheduler_config):
-            c.max_model_len = 4096
+            c.max_model_len = self.max_model_len
         cfg.scheduler_config.max_num_batched_tokens = (
             16384 if self.trace == "square" else self.max_num_batched_tokens
         )
@@ -198,6 +205,9 @@ class TraceRun:
         self.el = getattr(self.scheduler, "_vmmkv_elastic", None)
         if self.elastic and self.el is None:
             raise RuntimeError("elastic trace: the engine sites are not installed")
+        self.now = 0.0  # simulated seconds: the pool's clock
+        if self.el is not None:
+            self.el.clock = lambda: self.now
         self._rng = random.Random(self.seed)
         self._shared = [self._rng.randrange(500) for _ in range(512)]
         self._n = 0
@@ -304,6 +314,7 @@ class TraceRun:
                     process(*inflight.popleft())
                 self.steps.append(self._record(step, phase, ran))
                 step += 1
+                self.now += self.step_seconds
         while inflight:
             process(*inflight.popleft())
         return self.steps
@@ -324,11 +335,13 @@ class TraceRun:
         limit = self.el.limit if self.el is not None else self.capacity
         in_use = sum(1 for b in blocks if b.ref_cnt > 0 and not b.is_null)
         cached = sum(1 for b in blocks[:limit] if b.ref_cnt == 0 and b.block_hash is not None)
-        return TraceStep(step, phase, in_use, cached, limit, ran)
+        highest = self.el.highest_in_use() if self.el is not None else 0
+        return TraceStep(step, phase, in_use, cached, limit, ran, highest)
 
     # -- summaries --------------------------------------------------------------------------
     def phase_means(self) -> dict[str, dict[str, float]]:
-        """Per phase: mean blocks in use, cached-free, committed; committed at its end."""
+        """Per phase: mean blocks in use, cached-free, committed, the highest block in use + 1;
+        committed at its end."""
         out: dict[str, dict[str, float]] = {}
         for phase, _ in PHASES[self.trace]:
             rows = [r for r in self.steps if r.phase == phase]
@@ -337,6 +350,7 @@ class TraceRun:
                 "in_use": sum(r.in_use for r in rows) / n,
                 "cached_free": sum(r.cached_free for r in rows) / n,
                 "committed": sum(r.committed for r in rows) / n,
+                "pinned": sum(r.highest + 1 for r in rows) / n,
                 "end": rows[-1].committed,
             }
         return out
