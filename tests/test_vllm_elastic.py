@@ -109,15 +109,19 @@ def test_under_vllms_extensible_cache_the_pool_is_the_measured_budget_and_keeps_
     assert run.scheduler.kv_cache_config.num_blocks == run.el.s.num_blocks == N
     assert run.pool.num_gpu_blocks == N and run.capacity == N
     assert max(s.committed for s in run.steps) <= N  # the limit never passes the budget
+    # the same trace on a pool of N blocks planned directly: the same decisions step by step,
+    # so the figures test_committed_memory_follows_load_... checks hold against the budget
+    direct = _run()
+    assert run.el.s == direct.el.s
+    assert [(s.committed, s.in_use) for s in run.steps] == [
+        (s.committed, s.in_use) for s in direct.steps
+    ]
+    assert run.hit_tokens == direct.hit_tokens >= 0.98 * plain.hit_tokens > 0
     m = run.phase_means()
-    assert m["steady"]["committed"] <= 0.85 * N, m["steady"]
+    assert m["steady"]["committed"] <= 0.92 * N, m["steady"]
     assert m["drain"]["committed"] <= 0.6 * N, m["drain"]
     assert m["idle"]["end"] == run.el.s.floor
-    assert run.hit_tokens >= 0.95 * plain.hit_tokens > 0
     assert plain.phase_means()["steady"]["committed"] == N
-    # the settings are those of a pool of N blocks planned directly
-    direct = _run(trace="ranks")
-    assert run.el.s == direct.el.s
 
 
 def test_async_scheduling_follows_load_without_touching_uncommitted_blocks(engine):
