@@ -579,37 +579,30 @@ def _check_elastic(out, world):
     assert any(n > wake and tokens for n, *_, tokens in out[0]["records"])  # the trace went on
 
 
-@pytest.mark.timeout(600)
-def test_elastic_kv_under_vllms_extensible_cache_starts_at_the_floor_and_follows_the_scheduler():
+def _elastic_world(world, async_depth):
+    """The elastic replay over ``world`` ranks under vLLM's scheduler (``async_depth`` 1: sync,
+    2: async), checked by :func:`_check_elastic`."""
     from tests.test_vllm_elastic_ranks import KNOBS
     from vmmkv.testing.spawn import world_store
 
     with world_store() as store:
-        out = run_world(_elastic_ranks, 2, args=(store.port, 2), init_group=False,
+        out = run_world(_elastic_ranks, world, args=(store.port, async_depth), init_group=False,
                         env={**KNOBS, **store.env}, timeout=560)  # fmt: skip
-    _check_elastic(out, 2)
+    _check_elastic(out, world)
+
+
+@pytest.mark.timeout(600)
+def test_elastic_kv_under_vllms_extensible_cache_starts_at_the_floor_and_follows_the_scheduler():
+    _elastic_world(2, 2)
 
 
 @pytest.mark.timeout(600)
 def test_elastic_kv_under_vllms_extensible_cache_over_three_ranks_with_the_sync_scheduler():
-    # three ranks in the default run (four: the long case below)
-    from tests.test_vllm_elastic_ranks import KNOBS
-    from vmmkv.testing.spawn import world_store
-
-    with world_store() as store:
-        out = run_world(_elastic_ranks, 3, args=(store.port, 1), init_group=False,
-                        env={**KNOBS, **store.env}, timeout=560)  # fmt: skip
-    _check_elastic(out, 3)
+    _elastic_world(3, 1)  # three ranks in the default run (four: the long case below)
 
 
 @pytest.mark.timeout(600)
 def test_elastic_kv_under_vllms_extensible_cache_over_four_ranks_with_the_async_scheduler():
     # four ranks: every rank's check reads its replica before the gather that lets its peers
     # into their next step's direct stores (tests/test_vllm_elastic_ranks.py, _Rank.agree)
-    from tests.test_vllm_elastic_ranks import KNOBS
-    from vmmkv.testing.spawn import world_store
-
-    with world_store() as store:
-        out = run_world(_elastic_ranks, 4, args=(store.port, 2), init_group=False,
-                        env={**KNOBS, **store.env}, timeout=560)  # fmt: skip
-    _check_elastic(out, 4)
+    _elastic_world(4, 2)

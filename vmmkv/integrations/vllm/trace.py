@@ -215,19 +215,23 @@ class TraceRun:
 
     # -- requests ---------------------------------------------------------------------------
     def _add(self, plen: int, out: int, shared: bool | None = None) -> str:
-        from vllm.sampling_params import SamplingParams
-        from vllm.v1.request import Request
-
         rng = self._rng
         toks = [rng.randrange(500) for _ in range(plen)]
         if shared if shared is not None else rng.random() < 0.3:
             toks = self._shared + toks
+        return self._submit(toks, out)
+
+    def _submit(self, prompt: list[int], out: int) -> str:
+        """Hand vLLM's scheduler a request of ``prompt`` that decodes ``out`` tokens; its id."""
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
         rid = f"r{self._n}"
         self._n += 1
         self.scheduler.add_request(
             Request(
                 request_id=rid,
-                prompt_token_ids=toks,
+                prompt_token_ids=prompt,
                 sampling_params=SamplingParams(max_tokens=out, ignore_eos=True),
                 pooling_params=None,
                 block_hasher=self._hasher,

@@ -147,22 +147,6 @@ class FamilyRun(TraceRun):
         self.last_arrival = out[-1][0] if out else 0.0
         return out
 
-    def _submit(self, prompt: list[int], out: int) -> None:
-        from vllm.sampling_params import SamplingParams
-        from vllm.v1.request import Request
-
-        rid = f"r{self._n}"
-        self._n += 1
-        self.scheduler.add_request(
-            Request(
-                request_id=rid,
-                prompt_token_ids=prompt,
-                sampling_params=SamplingParams(max_tokens=out, ignore_eos=True),
-                pooling_params=None,
-                block_hasher=self._hasher,
-            )  # fmt: skip
-        )
-
     # -- the loop ---------------------------------------------------------------------------
     def _phase(self) -> str:
         for name, end in self.phase_ends:
