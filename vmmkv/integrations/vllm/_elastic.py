@@ -615,7 +615,7 @@ class ElasticPool:
         while True:
             lo, hi = self._chunk_blocks(k)
             k += 1
-            if hi > below:
+            if hi > below or lo >= hi:  # (the last chunk's blocks end at num_blocks)
                 break
             if lo < s.floor or blockset.is_subset(((lo, hi),), holes):
                 continue
