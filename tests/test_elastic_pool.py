@@ -566,3 +566,20 @@ def test_settings_for_turns_holes_off_under_vllms_extensible_kv_cache():
     assert settings_for(cfg(None), kvc, 4000).holes
     assert settings_for(cfg(False), kvc, 4000).holes
     assert not settings_for(cfg(True), kvc, 4000).holes
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [128, 130])  # the last chunk whole, or cut short at num_blocks
+def test_a_pool_committed_to_its_last_block_releases_holes_below_it(n):
+    """The hole scan ends at the last chunk, whose blocks end at ``num_blocks``."""
+    pool, clock = Pool(n), Clock()
+    el = ElasticPool(pool, _settings(n, floor=16, steps=1, cached=50, env=CALM_1S), clock=clock)
+    _, live = _grown(pool, el, clock, n)
+    assert el.limit == n and el.committed == n
+    pool.free_blocks([b for b in live if 10 <= b.block_id < n - 1])  # the last block pinned
+    for t in (0.0, 1.05):
+        clock.t = t
+        el.before_schedule()
+    assert el.counts["releases"] == 1 and el.holes, el.counts
+    assert blockset.top(el.holes) <= n - 1 and el.committed < n // 2, (el.holes, el.committed)
+    assert el.resize_request()[1] == blockset.difference(blockset.prefix(n), el.holes)
