@@ -6,11 +6,13 @@ blocks (id, ref count, hash) and evicts a hash as vLLM's ``_maybe_evict_cached_b
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
 import pytest
 
+from vmmkv import _blockset as blockset
 from vmmkv.integrations.vllm._elastic import (
     STAMP,
     ElasticPool,
@@ -462,3 +464,122 @@ def test_each_resize_logs_one_info_line_with_the_committed_size(caplog):
     assert len(lines) == el.counts["grows"] + el.counts["releases"] == 3, lines
     assert lines[0].startswith("vmmkv: elastic KV grew 16 -> 40 of 256 blocks")
     assert "released 64 -> 36 of 256 blocks" in lines[-1] and "0 prefix-cache" in lines[-1]
+
+
+def _pinned_tail(holes=True):
+    """A pool grown to 136 blocks, then freed but for blocks 1-9 and 130 (the tail pinned);
+    blocks 60-63 (one chunk) cached; a release due (calm time 1 s)."""
+    pool, clock = Pool(256), Clock()
+    s = _settings(floor=16, steps=1, cached=50, env=CALM_1S)
+    if not holes:
+        s = dataclasses.replace(s, holes=False)
+    el = ElasticPool(pool, s, clock=clock)
+    _, live = _grown(pool, el, clock, 128)
+    for b in live:
+        if 60 <= b.block_id < 64:
+            b.block_hash = ("h", b.block_id)
+    pool.free_blocks([b for b in live if b.block_id >= 10 and b.block_id != 130])
+    for t in (0.0, 1.05):
+        clock.t = t
+        el.before_schedule()
+    return pool, clock, el
+
+
+def test_a_pinned_tail_releases_whole_free_chunks_below_it_as_holes_sparing_cached_ones():
+    pool, clock, el = _pinned_tail()
+    # need 10 in use + 4 cached, + 1 + 2 x watermark 16 = 47 kept; the tail (132) frees too
+    # little, so 22 free chunks of 4 go, the highest uncached first: 124-127 down to 36-39
+    assert el.holes == ((36, 60), (64, 128)) and el.limit == 136 and el.committed == 48
+    assert el.resize_request() == (6, ((0, 36), (60, 64), (128, 136)))
+    assert el.counts["releases"] == 1 and el.counts["hole_blocks"] == 88
+    assert el.counts["dropped_by_release"] == 0  # the cached chunk is kept, hashes and all
+    assert el.stats()["committed"] == 48 and el.parked() == 256 - 48
+    # parked like the tail: never handed out, not counted free
+    assert pool.get_num_free_blocks() == 48 - 1 - 10
+    got = pool.get_new_blocks(37)
+    ids = [b.block_id for b in got]
+    assert not any(36 <= i < 60 or 64 <= i < 128 for i in ids)
+    assert ids[-4:] == [60, 61, 62, 63]  # cached ones last
+    assert el.usage() == (48 - 1) / 255
+
+
+def test_a_grow_refills_the_lowest_holes_first_and_a_set_stamp_confirms_it():
+    pool, clock, el = _pinned_tail()
+    live = pool.get_new_blocks(pool.get_num_free_blocks())
+    clock.t = 1.2
+    el.before_schedule()  # nothing free: grow
+    seq, target = el.pending
+    assert isinstance(target, tuple) and target[0][0] == 0
+    filled = blockset.difference(target, ((0, 36), (60, 64), (128, 136)))
+    assert filled and filled[0][0] == 36  # the lowest hole first, in chunks of 4
+    assert blockset.top(target) == 136  # the tail is not grown while holes are left
+    n = blockset.count(filled)
+    el.on_output(_stamp(seq, ((0, 36),)))  # a stamp that does not hold the target: refused
+    assert el.counts["refused"] == 1 and el.committed == 48
+    assert el.target == ((0, 36), (60, 64), (128, 136))
+    for _ in range(3):
+        el.before_schedule()
+    seq, target = el.pending
+    el.on_output(_stamp(seq, target))
+    assert el.committed == 48 + n and el.counts["grows"] == 6
+    new = pool.get_new_blocks(pool.get_num_free_blocks())
+    assert sorted(b.block_id for b in new) == [i for a, b in filled for i in range(a, b)]
+    pool.free_blocks(new + live)
+
+
+def test_a_grow_past_every_hole_is_a_prefix_again_and_an_int_stamp_confirms_it():
+    pool, clock, el = _pinned_tail()
+    live = pool.get_new_blocks(pool.get_num_free_blocks())
+    while el.holes:
+        clock.t += 0.01
+        el.before_schedule()
+        if el.pending:
+            target = el.pending[1]
+            el.on_output(_stamp(el.pending[0], target if el.holes and isinstance(target, tuple)
+                                else blockset.as_prefix(blockset.as_set(target))))  # fmt: skip
+        live += pool.get_new_blocks(pool.get_num_free_blocks())
+    assert isinstance(el.target, int) and el.committed == el.limit >= 136
+    assert el.resize_request() == (el.seq, el.limit)
+
+
+def test_no_holes_where_they_are_off_the_pinned_tail_keeps_its_blocks():
+    """Under vLLM's extensible KV cache (holes off: its recommit commits a prefix)."""
+    pool, clock, el = _pinned_tail(holes=False)
+    assert el.limit == el.committed == 136 and el.holes == () and el.counts["releases"] == 0
+    assert el.resize_request() == (5, 136)
+
+
+def test_settings_for_turns_holes_off_under_vllms_extensible_kv_cache():
+    from types import SimpleNamespace
+
+    from vmmkv.integrations.vllm._elastic_sites import settings_for
+
+    def cfg(extensible):
+        return SimpleNamespace(
+            scheduler_config=SimpleNamespace(
+                max_num_batched_tokens=256, max_num_seqs=8, async_scheduling=False
+            ),
+            cache_config=SimpleNamespace(block_size=64, enable_extensible_kv_cache=extensible),
+        )
+
+    kvc = SimpleNamespace(num_blocks=256, kv_cache_tensors=[SimpleNamespace(size=256 * 1000)])
+    assert settings_for(cfg(None), kvc, 4000).holes
+    assert settings_for(cfg(False), kvc, 4000).holes
+    assert not settings_for(cfg(True), kvc, 4000).holes
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [128, 130])  # the last chunk whole, or cut short at num_blocks
+def test_a_pool_committed_to_its_last_block_releases_holes_below_it(n):
+    """The hole scan ends at the last chunk, whose blocks end at ``num_blocks``."""
+    pool, clock = Pool(n), Clock()
+    el = ElasticPool(pool, _settings(n, floor=16, steps=1, cached=50, env=CALM_1S), clock=clock)
+    _, live = _grown(pool, el, clock, n)
+    assert el.limit == n and el.committed == n
+    pool.free_blocks([b for b in live if 10 <= b.block_id < n - 1])  # the last block pinned
+    for t in (0.0, 1.05):
+        clock.t = t
+        el.before_schedule()
+    assert el.counts["releases"] == 1 and el.holes, el.counts
+    assert blockset.top(el.holes) <= n - 1 and el.committed < n // 2, (el.holes, el.committed)
+    assert el.resize_request()[1] == blockset.difference(blockset.prefix(n), el.holes)

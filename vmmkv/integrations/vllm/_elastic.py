@@ -16,7 +16,8 @@ measurements behind each rule.
   a cached one only when none is left, oldest first as vLLM does, so no prefix-cache entry is
   given up while an uncached committed block is free. Blocks at or above ``limit`` are
   *parked*: free, uncommitted, invisible to vLLM's admission (``num_free_blocks`` counts
-  committed blocks only).
+  committed blocks only); so are the blocks of holes below ``limit`` (the pool takes them out
+  of the queue).
 - :class:`ElasticPool` is the policy, called by the patched ``Scheduler`` once per step, on a
   clock (``time.monotonic``; a trace injects simulated time):
 
@@ -43,6 +44,13 @@ measurements behind each rule.
     one, and vmmkv's shrink synchronizes the device before it decommits. Cached blocks in the
     tail lose their hash (counted); the target steps above them when that still frees half as
     much;
+  - **holes**: in the same release (same calm, fall and settling rules), when the blocks below
+    the highest one in use hold more than that keep, the whole chunks there whose blocks are
+    all free are parked as holes too (the highest first, those without prefix-cache entries
+    first; cached ones lose their hash, counted as a release's), down to what the release
+    keeps; the request is then the committed block set, confirmed by a stamp that holds it.
+    A grow refills the lowest holes first, then the tail. Off under vLLM's extensible KV
+    cache (``ElasticSettings.holes``: its recommit commits a prefix);
   - **idle release** (:meth:`idle_release`): down to the floor or the highest block in use,
     for the engine's idle hook (an idle engine does not step);
   - targets are multiples of ``quantum`` (blocks per chunk), never below ``floor``;
@@ -52,8 +60,9 @@ measurements behind each rule.
     once at INFO.
 
 Local to the engine core, single-threaded like vLLM's scheduler. Host cost per step: O(1)
-amortized plus O(log n) per block handed out or freed, and O(30) while a release is due
-(BENCHMARKS.md, "Elastic KV").
+amortized plus O(log n) per block handed out or freed, and O(30) while a release is due; a
+hole scan reads every block below the highest in use, at most once a tenth of a calm time
+when it finds too little (BENCHMARKS.md, "Elastic KV").
 """
 
 from __future__ import annotations
@@ -67,6 +76,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from ... import _blockset as blockset
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +146,11 @@ class ElasticSettings:
     calm_seconds: float = CALM_SECONDS  # calm time before a release (and since the last grow)
     window_seconds: float = WINDOW_SECONDS  # the window of the observed allocation rate
     lead_steps: int = 2  # steps a grow takes to become usable, plus the current one
-    block_bytes: int = 0  # one block's bytes over every layer (stats only)
+    block_bytes: int = 0  # one block's bytes over every layer (stats; with chunk_bytes, holes)
+    chunk_bytes: int = 0  # the workers' chunk (0: quantum blocks, aligned)
+    # release whole free chunks below the highest block in use (False under vLLM's extensible
+    # KV cache, whose recommit commits a prefix: a hole would come back committed)
+    holes: bool = True
 
     def round(self, blocks: int) -> int:
         """``blocks`` rounded up to the quantum, within [floor, num_blocks]."""
@@ -166,6 +181,7 @@ def elastic_settings(
     max_num_batched_tokens: int,
     max_num_seqs: int,
     async_scheduling: bool,
+    holes: bool = True,
     env: Mapping[str, str] | None = None,
 ) -> ElasticSettings:
     """Elastic mode's settings for a pool of ``num_blocks`` blocks of ``block_bytes`` (every
@@ -212,6 +228,8 @@ def elastic_settings(
         window_seconds=_knob(env, "window_seconds", WINDOW_SECONDS, lo=0.0, kind=float),
         lead_steps=lead,
         block_bytes=block_bytes,
+        chunk_bytes=chunk_bytes,
+        holes=holes,
     )
 
 
@@ -360,7 +378,11 @@ class ElasticPool:
             )
         self.pool, self.s = block_pool, settings
         self.clock = clock or time.monotonic
-        self.limit = settings.floor  # blocks [0, limit) may be handed out
+        self.limit = settings.floor  # blocks [0, limit) less the holes may be handed out
+        # uncommitted whole chunks below the limit (parked like the tail: never handed out)
+        self.holes: blockset.BlockSet = ()
+        self.holed = 0  # the holes' blocks
+        self._scan_at = -math.inf  # a hole scan that found too little waits until then
         self.queue = LowestIdFreeQueue(block_pool.blocks, range(1, self.limit), settings.order)
         block_pool.free_block_queue = self.queue
         self._in_use: list[int] = []  # max-heap (negated ids), lazy
@@ -386,11 +408,16 @@ class ElasticPool:
         self.counts = {
             "grows": 0, "releases": 0, "refused": 0, "cached_dropped": 0,
             "dropped_by_cap": 0, "dropped_by_release": 0, "grown_blocks": 0,
-            "released_blocks": 0,
+            "released_blocks": 0, "hole_blocks": 0,
         }  # fmt: skip
         self.last_error: str | None = None
         self.hit: set[int] = set()  # cached blocks a prefix hit reused since they got a hash
         self._watch(block_pool)
+
+    @property
+    def committed(self) -> int:
+        """Blocks committed: the limit less the holes' blocks."""
+        return self.limit - self.holed
 
     # -- tracking the highest block in use and the allocation rate ----------------------------
     def _watch(self, pool: Any) -> None:
@@ -442,7 +469,7 @@ class ElasticPool:
             peaks.popleft()
         if s.watermark_min and s.watermark_min < s.watermark:
             self.watermark = min(s.watermark, max(s.watermark_min, s.lead_steps * peaks[0][1]))
-        needs, need = self._needs, self.limit - 1 - self.queue.num_uncached
+        needs, need = self._needs, self.committed - 1 - self.queue.num_uncached
         self.peak_need = max(self.peak_need, need)
         if not needs or now - needs[-1][0] >= s.calm_seconds / 30:
             needs.append((now, need))
@@ -494,15 +521,15 @@ class ElasticPool:
         free = q.num_uncached
         if self.hold:  # a grow was refused: wait release_steps steps before the next
             self.hold -= 1
-        elif self.pending is None and self.limit < s.num_blocks:
+        elif self.pending is None and self.committed < s.num_blocks:
             if free < self.watermark or self.starved:
-                need = self.limit - free + self.keep()
+                need = self.committed - free + self.keep()
                 if self.starved:
-                    need = max(need, self.limit + self.watermark)
+                    need = max(need, self.committed + self.watermark)
                 self.seq += 1
-                self.target = s.round(need)
+                self.target = self._grow_target(need)
                 self.pending = (self.seq, self.target)
-                self.calm_since, self.peak_need = None, self.limit - 1 - free
+                self.calm_since, self.peak_need = None, self.committed - 1 - free
                 self.starved = False
                 return
         self.starved = False
@@ -513,18 +540,30 @@ class ElasticPool:
         self.calm_steps += 1
         if self.calm_steps < s.release_steps or now - self.calm_since < s.calm_seconds:
             return  # (a release sets calm_since a calm time ahead)
-        need = self.limit - 1 - free  # in use or cached-free (the null block aside)
+        need = self.committed - 1 - free  # in use or cached-free (the null block aside)
         top, keep, rm = self.highest_in_use() + 1, self.keep(release=True), self.release_min()
-        if self.limit - s.round(max(top, need + 1 + keep)) < rm:
+        holed = self.holed  # a tail target counts them as committed
+        if self.limit - s.round(max(top, need + 1 + keep + holed)) < rm and not (
+            s.holes and self.committed - (need + 1 + keep) >= rm and now >= self._scan_at
+        ):
             return
         rise, settling = self.swing(now, need)
         if settling >= rm:  # still falling: release once, where it settles
             return
         if self.peak_need - need < rm:  # no fall since the last grow or release: a plateau
             return
-        want = s.round(max(top, need + rise + 1 + keep))
-        if self.limit - want >= rm:
-            self._release(self._spare_cached(self._net_of_dropped(want, need + rise)))
+        base = need + rise + 1 + keep
+        want = s.round(max(top, base + holed))
+        tail = self.limit - want >= rm
+        if tail:
+            want = self._spare_cached(self._net_of_dropped(want, need + rise))
+        else:
+            want = self.limit
+        gone = self._free_chunks(min(want, top), want, base, now) if s.holes else ()
+        if gone:
+            self._release(want, gone)
+        elif tail:
+            self._release(want)
 
     def _net_of_dropped(self, want: int, used_cached: int) -> int:
         """``want`` less the prefix-cache entries a release to it drops (each target counted
@@ -548,6 +587,80 @@ class ElasticPool:
         above, gain = self.s.round(top + 1), self.limit - want
         return above if self.limit - above >= max(self.release_min(), gain / 2) else want
 
+    def _chunk_blocks(self, k: int) -> tuple[int, int]:
+        """The blocks ``[lo, hi)`` whose bytes overlap chunk ``k`` of the block-major segment:
+        a hole of all of them releases the chunk (a worker releases the chunks no committed
+        block needs; a block may straddle two chunks)."""
+        s = self.s
+        if not (s.chunk_bytes and s.block_bytes):
+            return k * s.quantum, min(s.num_blocks, k * s.quantum + s.quantum)
+        c, bb = s.chunk_bytes, s.block_bytes
+        return k * c // bb, min(s.num_blocks, -(-(k + 1) * c // bb))
+
+    def _free_chunks(self, below: int, want: int, base: int, now: float) -> blockset.BlockSet:
+        """Whole chunks from the floor up and below ``below`` (the highest block in use: the
+        tail above it is released as a tail), every block of them free, as the blocks to
+        park in holes, so that at least ``base`` blocks stay committed below ``want``: the
+        highest first (the queue hands out the lowest), those without prefix-cache entries
+        before those with (their hashes are dropped). Empty when they and the tail above
+        ``want`` free less than ``release_min``; a scan that finds too little waits a tenth
+        of a calm time before the next (it reads every block below ``below``)."""
+        s, blocks, lru, holes = self.s, self.pool.blocks, self.queue.lru, self.holes
+        tail = blockset.count(blockset.difference(((want, self.limit),), holes))
+        spare = self.committed - tail - base  # blocks below want beyond what must stay
+        if spare < s.quantum or now < self._scan_at:
+            return ()
+        found: list[tuple[bool, int, int, int]] = []
+        k = 0
+        while True:
+            lo, hi = self._chunk_blocks(k)
+            k += 1
+            if hi > below or lo >= hi:  # (the last chunk's blocks end at num_blocks)
+                break
+            if lo < s.floor or blockset.is_subset(((lo, hi),), holes):
+                continue
+            if any(blocks[i].ref_cnt for i in range(lo, hi)):
+                continue
+            found.append((any(i in lru for i in range(lo, hi)), -lo, lo, hi))
+        found.sort()
+        gone: blockset.BlockSet = ()
+        for _, _, lo, hi in found:
+            more = blockset.union(gone, ((lo, hi),))
+            if blockset.count(blockset.difference(more, holes)) > spare:
+                break
+            gone = more
+        gone = blockset.difference(gone, holes)
+        if tail + blockset.count(gone) < self.release_min():
+            self._scan_at = now + s.calm_seconds / 10
+            return ()
+        return gone
+
+    def _grow_target(self, want: int) -> int | blockset.BlockSet:
+        """The request that commits ``want`` blocks: the lowest holes first (the queue hands
+        out lowest ids first), then the tail, to a multiple of the quantum."""
+        if not self.holes:
+            return self.s.round(want)
+        q, extra, filled = self.s.quantum, want - self.committed, []
+        for start, end in self.holes:
+            for lo in range(start, end, q):
+                if extra <= 0:
+                    break
+                filled.append((lo, min(end, lo + q)))
+                extra -= min(end, lo + q) - lo
+        held = blockset.union(self._committed_set(), tuple(filled))
+        if extra > 0:
+            held = blockset.union(held, ((0, self.s.round(self.limit + extra)),))
+        n = blockset.as_prefix(held)
+        return held if n is None else n
+
+    def _committed_set(self) -> blockset.BlockSet:
+        return blockset.difference(blockset.prefix(self.limit), self.holes)
+
+    def _request(self) -> int | blockset.BlockSet:
+        """What the workers are asked to hold: the limit while there are no holes (the
+        prefix), else the committed set."""
+        return self.limit if not self.holes else self._committed_set()
+
     def kv_refused(self) -> None:
         """vLLM's ``KVCacheManager.allocate_slots`` returned None: KV is what holds a request
         back in this step (not the token budget, a pause, or a sequence limit)."""
@@ -568,15 +681,30 @@ class ElasticPool:
         _, committed, error = stamp
         target = self.pending[1]
         self.pending = None
-        if error is None and committed >= target:
-            before = self.limit
+        if isinstance(target, int) and isinstance(committed, int) and not self.holes:
+            held = error is None and committed >= target
+        else:
+            want = blockset.as_set(target)
+            held = error is None and blockset.is_subset(want, blockset.as_set(committed))
+        if held and isinstance(target, int) and not self.holes:
+            before = self.committed
             self.queue.prepend_n([self.pool.blocks[i] for i in range(self.limit, target)])
             self.limit = target
             self.counts["grows"] += 1
             self.counts["grown_blocks"] += target - before
             self._log("grew", before)
+        elif held:
+            before, want = self.committed, blockset.as_set(target)
+            new = blockset.difference(want, self._committed_set())
+            self.queue.prepend_n([self.pool.blocks[i] for a, b in new for i in range(a, b)])
+            self.limit = blockset.top(want)
+            self.holes = blockset.difference(blockset.prefix(self.limit), want)
+            self.holed = blockset.count(self.holes)
+            self.counts["grows"] += 1
+            self.counts["grown_blocks"] += self.committed - before
+            self._log("grew", before)
         else:
-            self.target = self.limit
+            self.target = self._request()
             self.hold = self.s.release_steps
             self.counts["refused"] += 1
             self.last_error = error or f"the workers hold {committed} blocks, not {target}"
@@ -594,24 +722,40 @@ class ElasticPool:
         self._release(want)
         return self.resize_request()
 
-    def _release(self, want: int) -> None:
+    def _release(self, want: int, gone: blockset.BlockSet = ()) -> None:
+        """Park the tail from ``want`` up and the blocks ``gone`` (new holes below ``want``,
+        committed now) and send the committed set that is left."""
         pool, q = self.pool, self.queue
-        before, dropped = self.limit, 0
-        for i in range(want, self.limit):
-            b = pool.blocks[i]
-            if b.ref_cnt:
-                raise AssertionError(f"elastic KV: block {i} is in use, cannot release it")
-            if b.block_id in q.lru and pool._maybe_evict_cached_block(b):
-                dropped += 1
-            self.hit.discard(i)
-            self._remove_quietly(b)
+        before, dropped = self.committed, 0
+        if self.holes or gone:
+            spans = blockset.union(blockset.difference(((want, self.limit),), self.holes), gone)
+        else:
+            spans = ((want, self.limit),)
+        for start, end in spans:
+            for i in range(start, end):
+                b = pool.blocks[i]
+                if b.ref_cnt:
+                    raise AssertionError(f"elastic KV: block {i} is in use, cannot release it")
+                if b.block_id in q.lru and pool._maybe_evict_cached_block(b):
+                    dropped += 1
+                self.hit.discard(i)
+                self._remove_quietly(b)
         self.limit = want
+        if self.holes or gone:
+            holes = blockset.union(
+                blockset.difference(self.holes, ((want, self.s.num_blocks),)), gone
+            )
+            if holes and holes[-1][1] == want:  # a hole that reaches the limit is tail
+                self.limit, holes = holes[-1][0], holes[:-1]
+            self.holes = holes
+            self.holed = blockset.count(self.holes)
+            self.counts["hole_blocks"] += blockset.count(gone)
         self.seq += 1
-        self.target = want
+        self.target = self._request()
         self.calm_since = self.clock() + self.s.calm_seconds  # the next: 2 calm times
-        self.peak_need = self.limit - 1 - q.num_uncached
+        self.peak_need = self.committed - 1 - q.num_uncached
         self.counts["releases"] += 1
-        self.counts["released_blocks"] += before - want
+        self.counts["released_blocks"] += before - self.committed
         self.counts["cached_dropped"] += dropped
         self.counts["dropped_by_release"] += dropped
         self._log("released", before, f", {dropped} prefix-cache entries dropped")
@@ -636,7 +780,7 @@ class ElasticPool:
         st = self.stats()
         log.info(
             "vmmkv: elastic KV %s %d -> %d of %d blocks (%.1f GiB committed): in use %d, "
-            "cached-free %d, watermark %d; %d grows, %d releases%s", what, before, self.limit,
+            "cached-free %d, watermark %d; %d grows, %d releases%s", what, before, self.committed,
             self.s.num_blocks, st["committed_bytes"] / 2**30, st["in_use"], st["cached_free"],
             self.watermark, self.counts["grows"], self.counts["releases"], more,
         )  # fmt: skip
@@ -646,21 +790,23 @@ class ElasticPool:
         """``BlockPool.get_usage``: blocks in use over the capacity (vLLM's own meaning: the
         share of the KV cache a deployment sized, not of the part committed now)."""
         total = self.s.num_blocks - 1
-        return (self.limit - 1 - self.queue.num_free_blocks) / total if total > 0 else 0.0
+        return (self.committed - 1 - self.queue.num_free_blocks) / total if total > 0 else 0.0
 
     def parked(self) -> int:
-        return self.s.num_blocks - self.limit
+        """Blocks not committed: the tail from the limit up and the holes."""
+        return self.s.num_blocks - self.committed
 
     def stats(self) -> dict[str, Any]:
         """The pool's state and counters: committed blocks and bytes, blocks in use, free
         (uncached / cached), the watermark, grows, releases, refusals, dropped cache entries."""
         q = self.queue
         return {
-            "capacity": self.s.num_blocks, "limit": self.limit, "committed": self.limit,
-            "committed_bytes": self.limit * self.s.block_bytes, "target": self.target,
+            "capacity": self.s.num_blocks, "limit": self.limit, "committed": self.committed,
+            "committed_bytes": self.committed * self.s.block_bytes, "target": self.target,
+            "holes": self.holes,
             "seq": self.seq, "pending": self.pending is not None,
             "free": q.num_free_blocks, "uncached_free": q.num_uncached,
-            "cached_free": len(q.lru), "in_use": self.limit - 1 - q.num_free_blocks,
+            "cached_free": len(q.lru), "in_use": self.committed - 1 - q.num_free_blocks,
             "watermark": self.watermark, "usage": self.usage(),
             "dropped_by_handout": q.cached_taken, **self.counts,
         }  # fmt: skip

@@ -64,12 +64,15 @@ def settings_for(vllm_config: Any, kv_cache_config: Any, chunk_bytes: int,
     extensible KV cache: the budget ``extend_kv_cache`` commits, which the engine core's
     config holds once vLLM has shrunk it; the block's bytes are the same)."""
     sc = vllm_config.scheduler_config
+    # no holes under vLLM's extensible KV cache: its recommit (wake, the end of a lending)
+    # commits a prefix of its count, so a hole would come back committed behind the pool
+    extensible = bool(getattr(vllm_config.cache_config, "enable_extensible_kv_cache", False))
     return elastic_settings(
         kv_cache_config.num_blocks if num_blocks is None else num_blocks,
         block_bytes(kv_cache_config), chunk_bytes,
         block_size=vllm_config.cache_config.block_size,
         max_num_batched_tokens=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs,
-        async_scheduling=bool(sc.async_scheduling),
+        async_scheduling=bool(sc.async_scheduling), holes=not extensible,
     )  # fmt: skip
 
 
@@ -483,9 +486,9 @@ def idle_release(engine: Any, el: ElasticPool) -> None:
             f"{stamps})"
         )
     log.warning(
-        "vmmkv: elastic idle release to %d blocks (seq %d) refused by the group; the workers "
-        "keep %d blocks, the scheduler hands out %d: %s", resize[1], resize[0], stamps[0][1],
-        el.limit, stamps[0][2],
+        "vmmkv: elastic idle release to %s blocks (seq %d) refused by the group; the workers "
+        "keep %s blocks, the scheduler hands out %d: %s", resize[1], resize[0], stamps[0][1],
+        el.committed, stamps[0][2],
     )  # fmt: skip
 
 

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ... import _blockset as blockset
 from ._elastic import RESIZE, STAMP
 
 __all__ = ["IDLE_STEPS", "PHASES", "CountingCache", "TraceRun", "TraceStep", "model_output"]
@@ -70,23 +71,34 @@ def model_output(so: Any, stamp: Any = None) -> Any:
 
 
 class CountingCache:
-    """The workers' committed size without memory, for traces of the scheduler alone: what
-    ``ElasticWorker`` needs of a ``VllmKVCache`` (every grow succeeds)."""
+    """The workers' committed blocks without memory, for traces of the scheduler alone: what
+    ``ElasticWorker`` needs of a ``VllmKVCache`` (every resize succeeds), prefixes and block
+    sets with holes alike."""
 
     rank = 0
 
-    def __init__(self, committed: int) -> None:
-        self.committed_blocks = committed
+    def __init__(self, committed: int, num_blocks: int = 1 << 40) -> None:
+        self.num_blocks = num_blocks
+        self.committed_block_set = blockset.prefix(committed)
+
+    @property
+    def committed_blocks(self) -> int:
+        return blockset.count(self.committed_block_set)
 
     def grow(self, n: int) -> int:
-        self.committed_blocks = n
+        self.committed_block_set = blockset.prefix(n)
         return n
 
     shrink = grow
 
+    def set_committed_blocks(self, blocks: blockset.BlockSet) -> None:
+        self.committed_block_set = blockset.block_set(blocks, self.num_blocks)
+
     def check_blocks(self, block_ids: list[int]) -> None:
-        if block_ids and max(block_ids) >= self.committed_blocks:
-            raise AssertionError(f"block {max(block_ids)} >= {self.committed_blocks} committed")
+        held = self.committed_block_set
+        bad = [i for i in block_ids if not blockset.contains(held, i)]
+        if bad:
+            raise AssertionError(f"blocks {bad[:8]} are not committed ({held})")
 
 
 def counting_worker(run: TraceRun) -> Callable[[Any], Any]:
@@ -94,7 +106,7 @@ def counting_worker(run: TraceRun) -> Callable[[Any], Any]:
     (``_elastic_sites.ElasticWorker``) over a :class:`CountingCache` starting at the floor."""
     from ._elastic_sites import ElasticWorker, step_block_ids
 
-    cache, worker = CountingCache(run.el.s.floor), ElasticWorker()
+    cache, worker = CountingCache(run.el.s.floor, run.el.s.num_blocks), ElasticWorker()
 
     def on_step(so: Any) -> Any:
         worker.apply(cache, getattr(so, RESIZE))
@@ -326,13 +338,18 @@ class TraceRun:
     def _check_committed(self, so: Any) -> None:
         from ._elastic_sites import step_block_ids
 
-        ids = step_block_ids(so)
-        if ids and max(ids) >= self.el.limit:
+        el, ids = self.el, step_block_ids(so)
+        if ids and max(ids) >= el.limit:
             raise AssertionError(
-                f"step uses block {max(ids)} beyond the committed limit {self.el.limit}"
+                f"step uses block {max(ids)} beyond the committed limit {el.limit}"
             )
-        if getattr(so, RESIZE)[1] < self.el.limit:
-            raise AssertionError(f"target {getattr(so, RESIZE)} below the limit {self.el.limit}")
+        if el.holes:  # and none in a hole
+            bad = [i for i in ids if blockset.contains(el.holes, i)]
+            if bad:
+                raise AssertionError(f"step uses blocks {bad[:8]} in the holes {el.holes}")
+        target = blockset.as_set(getattr(so, RESIZE)[1])
+        if not blockset.is_subset(blockset.difference(blockset.prefix(el.limit), el.holes), target):
+            raise AssertionError(f"target {getattr(so, RESIZE)} below the committed blocks")
 
     def _record(self, step: int, phase: str, ran: bool) -> TraceStep:
         blocks = self.pool.blocks
@@ -340,7 +357,8 @@ class TraceRun:
         in_use = sum(1 for b in blocks if b.ref_cnt > 0 and not b.is_null)
         cached = sum(1 for b in blocks[:limit] if b.ref_cnt == 0 and b.block_hash is not None)
         highest = self.el.highest_in_use() if self.el is not None else 0
-        return TraceStep(step, phase, in_use, cached, limit, ran, highest)
+        committed = self.el.committed if self.el is not None else limit
+        return TraceStep(step, phase, in_use, cached, committed, ran, highest)
 
     # -- summaries --------------------------------------------------------------------------
     def phase_means(self) -> dict[str, dict[str, float]]:

@@ -23,8 +23,8 @@ Families (arrival phases; then "drain" until the idle release after the last arr
 - ``"long"``: long-lived requests admitted at a peak, then light load: 12 requests (prompts
   256, outputs 6000 tokens: a minute) among Poisson 14/s "ramp"-like ones for 15 s ("peak"), then 1
   short request a second (prompts median 512, outputs 96) for 75 s ("light"). Tail release
-  alone cannot follow it: the long requests keep blocks spread over the peak's range (holes
-  would free the rest: not done).
+  alone cannot follow it: the long requests keep blocks spread over the peak's range; the
+  pool's holes free the whole chunks between them.
 - ``"zipf"``: 8 shared prefixes of 1500-3000 tokens chosen with Zipf(1.1) popularity, unique
   suffixes (lognormal median 128) and outputs (median 96), Poisson 12/s for 120 s ("load").
 - ``"wave"``: a square wave: Poisson 12/s for 20 s ("high<p>"), 1/s for 20 s ("low<p>"),
@@ -167,9 +167,9 @@ class FamilyRun(TraceRun):
                 self.now,
                 dt,
                 self._phase(),
-                el.limit - 1 - q.num_free_blocks,
+                el.committed - 1 - q.num_free_blocks,
                 len(q.lru),
-                el.limit,
+                el.committed,
                 el.watermark,
             )  # fmt: skip
         )
@@ -202,7 +202,7 @@ class FamilyRun(TraceRun):
                     resize = self.el.idle_release()
                     idle_done = True
                     if resize is not None:
-                        self.events.append((self.now, "idle", self.el.limit))
+                        self.events.append((self.now, "idle", self.el.committed))
                         on_idle(resize)
                 self._row(until - self.now)
                 self.now = until
@@ -214,7 +214,7 @@ class FamilyRun(TraceRun):
             so = s.schedule()
             if self.el is not None:
                 if self.el.counts["releases"] > releases:
-                    self.events.append((self.now, "release", self.el.limit))
+                    self.events.append((self.now, "release", self.el.committed))
                 elif self.el.seq > seq and self.el.pending is not None:
                     self.events.append((self.now, "grow", self.el.pending[1]))
                 self._check_committed(so)
