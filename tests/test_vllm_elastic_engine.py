@@ -319,6 +319,96 @@ def test_the_idle_wait_runs_with_vllms_watchdog_off_and_then_releases(engine_sit
     assert ex.calls.count("worker_resize") == 1 and cache.committed_blocks == floor
 
 
+def test_the_pools_stats_reach_a_client_through_vllms_utility_call_and_its_encoder(
+    engine_sites,
+):
+    """The added engine-core utility, dispatched by vLLM's ``_handle_client_request`` and
+    carried through vLLM's msgpack encoder and decoder, as over the engine core's socket."""
+    from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from vmmkv.integrations.vllm import STATS_UTILITY
+    from vmmkv.integrations.vllm.trace import CountingCache
+
+    cache = CountingCache(35)
+    run, ex = _grown(_in_process(cache))
+    eng = _engine(run, ex)
+    el = run.el
+    eng._handle_client_request(EngineCoreRequestType.UTILITY, (0, 9, STATS_UTILITY, ()))
+    client, out = eng.output_queue.get_nowait()
+    got = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(out)).utility_output
+    assert (client, got.call_id, got.failure_message) == (0, 9, None)
+    stats = got.result.result
+    blocks = run.pool.blocks
+    in_use = sum(1 for b in blocks if b.ref_cnt > 0 and not b.is_null)
+    assert in_use > 0 and el.counts["grows"] >= 2
+    assert stats["committed"] == el.limit == cache.committed_blocks > el.s.floor, stats
+    assert stats["committed_bytes"] == el.limit * el.s.block_bytes
+    assert stats["in_use"] == in_use and stats["capacity"] == N
+    assert (stats["grows"], stats["releases"], stats["refused"]) == (
+        el.counts["grows"],
+        el.counts["releases"],
+        el.counts["refused"],
+    )
+    # vLLM's KV-usage metric, the scheduler's own, reads the same fraction of the capacity
+    assert stats["usage"] == run.scheduler.kv_cache_manager.usage == in_use / (N - 1)
+
+
+def test_elastic_stats_asks_vllms_llm_engine_and_in_process_client_and_refuses_others(
+    engine_sites,
+):
+    from vllm.entrypoints.llm import LLM
+    from vllm.v1.engine.core_client import InprocClient, SyncMPClient
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from vmmkv.integrations.vllm import STATS_UTILITY, elastic_stats
+    from vmmkv.integrations.vllm.trace import CountingCache
+
+    cache = CountingCache(35)
+    run, ex = _grown(_in_process(cache))
+    client = object.__new__(InprocClient)
+    client.engine_core = _engine(run, ex)
+    engine = object.__new__(LLMEngine)
+    engine.engine_core = client
+    llm = object.__new__(LLM)
+    llm.llm_engine = engine
+    want = run.el.stats()
+    assert elastic_stats(llm) == elastic_stats(engine) == elastic_stats(client) == want
+    remote = object.__new__(SyncMPClient)  # over the socket: vLLM's call_utility, by name
+    remote.call_utility = lambda method, *args: (method, args)
+    engine.engine_core = remote
+    assert elastic_stats(llm) == (STATS_UTILITY, ())
+    engine.engine_core = client
+    client.engine_core.scheduler = object()  # an engine core without a pool (PCP 1)
+    assert elastic_stats(llm) is None
+    with pytest.raises(TypeError, match="expected vLLM's LLM, LLMEngine or engine-core client"):
+        elastic_stats(object())
+
+
+def test_the_added_utility_is_refused_where_vllm_has_one_and_removed_on_unregister():
+    from vllm.v1.engine.core import EngineCore
+
+    from vmmkv.integrations.vllm import STATS_UTILITY, UnsupportedVLLM, _patches
+    from vmmkv.integrations.vllm._elastic_sites import ENGINE_SITES
+
+    added = [site for site in ENGINE_SITES if site[3] is None]
+    assert [site[1] for site in added] == [f"EngineCore.{STATS_UTILITY}"]
+    try:
+        _patches.install_engine()
+        assert callable(getattr(EngineCore, STATS_UTILITY))
+    finally:
+        _patches.uninstall()
+    assert not hasattr(EngineCore, STATS_UTILITY)
+    setattr(EngineCore, STATS_UTILITY, lambda self: "vLLM's own")
+    try:
+        with pytest.raises(UnsupportedVLLM, match=f"EngineCore.{STATS_UTILITY}: exists"):
+            _patches.install_engine()
+        assert getattr(EngineCore, STATS_UTILITY)(None) == "vLLM's own"  # nothing patched
+    finally:
+        delattr(EngineCore, STATS_UTILITY)
+        _patches.uninstall()
+
+
 # -- sleep over 2 ranks -------------------------------------------------------------------------
 
 
@@ -390,6 +480,7 @@ def _sleep_ranks(rank, world):
         while run.scheduler.has_requests():
             _step(run, ex)
         grown = el.limit
+        stats = {"grown": ex.collective_rpc(sites.worker_stats)}  # each rank's, through vLLM
         # 1. vLLM's sleep (pause "abort", caches reset, every worker's sleep); while asleep a
         #    client adds a request and drops it: its abort is one more step; then the engine's
         #    loop idles longer than idle_seconds, and a wake arrives
@@ -398,6 +489,7 @@ def _sleep_ranks(rank, world):
         eng.abort_requests([run._add(100, 8, shared=False)])
         while eng.has_work():
             _step(run, ex)
+        stats["asleep"] = ex.collective_rpc(sites.worker_stats)
         stop = _loop_in_thread(eng)
         time.sleep(2.5 * IDLE_S)
         asleep = el.limit
@@ -415,7 +507,8 @@ def _sleep_ranks(rank, world):
         bcast(None)
         _patches.uninstall()
     return {"seen": seen, "grown": grown, "asleep": asleep, "awake": awake, "floor": el.s.floor,
-            "released": released, "again": again}  # fmt: skip
+            "released": released, "again": again, "stats": stats,
+            "block_bytes": el.s.block_bytes, "chunk": chunk}  # fmt: skip
 
 
 def _asleep_to_wake(seen, start):
@@ -441,6 +534,15 @@ def test_sleep_an_idle_loop_and_wake_keep_the_limit_equal_to_every_workers_size(
             assert all(s[1:] == (0, 0) for s in asleep), (rank, start, asleep)  # nothing
             assert wake[1:] == (0, after), (rank, start, wake)  # the scheduler's limit
         assert [s[0] for s in asleep] == ["worker_resize"]
+    # worker_stats through collective_rpc: each rank's committed blocks and mapped bytes (2
+    # layers of BLNHC: one segment, whole chunks), asleep nothing mapped and the wake's size
+    bb, chunk = r0["block_bytes"], r0["chunk"]
+    for rank, (grown_, asleep) in enumerate(zip(*r0["stats"].values(), strict=True)):
+        assert grown_["rank"] == asleep["rank"] == rank and grown_["error"] is None
+        assert grown_["committed_blocks"] == grown == grown_["stamp"], grown_
+        assert grown_["committed_block_set"] == ((0, grown),)
+        assert grown * bb <= grown_["committed_bytes"] < grown * bb + chunk, grown_
+        assert asleep["committed_bytes"] == 0 and asleep["stamp"] == grown, asleep
 
 
 # -- the engine sites whatever the order vLLM loads plugins and the engine core in ---------------

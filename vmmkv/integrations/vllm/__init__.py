@@ -68,7 +68,9 @@ releases (in band, after a calm time; idle: through ``collective_rpc``) on every
 ``SchedulerOutput``. Each worker
 applies the request collectively at the top of ``update_requests`` (``WORKER_SITES``). The
 workers start at the floor both sides compute from the config. ``_elastic`` has the policy,
-docs/design.md "Elastic KV in vLLM" its measured reasons.
+docs/design.md "Elastic KV in vLLM" its measured reasons. Stats: :func:`elastic_stats` (the
+pool's, through vLLM's engine-core utility call ``STATS_UTILITY``) and :func:`worker_stats`
+(each rank's committed blocks and bytes, through ``collective_rpc``).
 
 Sleep mode (``Worker.sleep``/``wake_up``/``discard``, e.g. RL frameworks between rollouts): the
 plugin registers the sleep-mode backend ``vmmkv`` with vLLM's ``SleepModeBackendFactory``
@@ -116,6 +118,7 @@ from ._state import UnsupportedVLLM, active_cache
 
 __all__ = [
     "ENV",
+    "STATS_UTILITY",
     "SUPPORTED_VLLM",
     "KVCachePlan",
     "StorePlan",
@@ -126,6 +129,7 @@ __all__ = [
     "active_cache",
     "check_vllm_version",
     "create_views",
+    "elastic_stats",
     "enabled",
     "installed",
     "original",
@@ -136,6 +140,7 @@ __all__ = [
     "unregister",
     "vllm_indexer_kind",
     "vllm_mla_kind",
+    "worker_stats",
 ]
 
 log = logging.getLogger(__name__)
@@ -151,6 +156,9 @@ _LAZY = {
     "VllmKVCache": "_cache",
     "pcp_store_plan": "_cache",
     "VmmkvSleepModeBackend": "_sleep",
+    "STATS_UTILITY": "_elastic_sites",
+    "elastic_stats": "_elastic_sites",
+    "worker_stats": "_elastic_sites",
 }
 
 

@@ -11,6 +11,7 @@ load first):
 | ``Scheduler.schedule`` | the pool's step (cached cap, grow or release), vLLM's schedule, the resize request set on the output |
 | ``Scheduler.update_from_output`` | the pool reads the worker's stamp (confirms or refuses a pending grow), then vLLM's |
 | ``EngineCoreProc._process_input_queue`` (the busy loop of an engine-core process) | the inputs vLLM deferred during the last step handled first (as vLLM's loop does); then, while idle, awake, unpaused, with no idle-state callback pending and blocks above the floor: wait ``idle_seconds`` for a request (vLLM's watchdog off), else the idle release through ``collective_rpc`` (ordered with every step in vLLM's one queue); then vLLM's |
+| ``EngineCore.vmmkv_elastic_stats`` (added: vLLM has none) | the pool's ``stats()``, a utility vLLM's client calls by name (:func:`elastic_stats`) |
 
 Worker (``WORKER_SITES``, added to the plugin's sites in elastic mode):
 
@@ -46,7 +47,10 @@ from ._extensible import PeerKVBuffer, settle_elastic, vllm_cache_of
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ENGINE_SITES", "WORKER", "WORKER_SITES", "ElasticWorker", "worker_resize"]
+__all__ = [
+    "ENGINE_SITES", "STATS_UTILITY", "WORKER", "WORKER_SITES", "ElasticWorker", "elastic_stats",
+    "worker_resize", "worker_stats",
+]  # fmt: skip
 
 
 def block_bytes(kv_cache_config: Any) -> int:
@@ -530,7 +534,41 @@ def _process_input_queue(orig: Callable[..., Any]) -> Callable[..., Any]:
     return _process_input_queue
 
 
-ENGINE_SITES: tuple[tuple[str, str, Callable[..., Any], tuple[str, ...]], ...] = (
+STATS_UTILITY = "vmmkv_elastic_stats"
+
+
+def _stats_utility(_absent: None) -> Callable[..., Any]:
+    def vmmkv_elastic_stats(self):
+        """The elastic pool's :meth:`~._elastic.ElasticPool.stats`, or None where elastic
+        mode has no pool (PCP 1): an engine-core utility, which vLLM's client calls by name
+        (``call_utility``) and answers between steps, in the engine core's one thread."""
+        el = pool_of(self.scheduler)
+        return None if el is None else el.stats()
+
+    return vmmkv_elastic_stats
+
+
+def worker_stats(worker: Any) -> dict[str, Any] | None:
+    """This worker's KV cache as elastic mode left it, for ``collective_rpc(worker_stats)``
+    (vLLM runs it on every worker, with the worker as its argument): the rank, the committed
+    blocks (a count and the block set), the bytes mapped for them on this rank (whole chunks
+    of every segment), the last resize's sequence number and error. None before the cache is
+    allocated. Local, read-only."""
+    from ._state import active_cache
+
+    cache = active_cache()
+    if cache is None:
+        return None
+    seq, committed, error = WORKER.stamp(cache)
+    return {
+        "rank": cache.rank, "committed_blocks": cache.committed_blocks,
+        "committed_block_set": cache.committed_block_set,
+        "committed_bytes": cache.cache.committed_bytes, "seq": seq, "stamp": committed,
+        "error": error,
+    }  # fmt: skip
+
+
+ENGINE_SITES: tuple[tuple[str, str, Callable[..., Any], tuple[str, ...] | None], ...] = (
     (
         "vllm.v1.core.sched.scheduler", "Scheduler.__init__", _scheduler_init,
         ("self", "vllm_config", "kv_cache_config", "structured_output_manager", "block_size",
@@ -545,4 +583,23 @@ ENGINE_SITES: tuple[tuple[str, str, Callable[..., Any], tuple[str, ...]], ...] =
         ("self", "scheduler_output", "model_runner_output"),
     ),
     ("vllm.v1.engine.core", "EngineCoreProc._process_input_queue", _process_input_queue, ("self",)),
+    ("vllm.v1.engine.core", f"EngineCore.{STATS_UTILITY}", _stats_utility, None),
 )  # fmt: skip
+
+
+def elastic_stats(engine: Any) -> dict[str, Any] | None:
+    """The engine core's elastic pool stats (:meth:`~._elastic.ElasticPool.stats`; None where
+    elastic mode has no pool) from vLLM's ``LLM``, ``LLMEngine`` or their engine-core client,
+    through vLLM's utility call (in process or over its socket). An ``AsyncLLM`` asks with
+    ``await engine.engine_core.call_utility_async(STATS_UTILITY)``."""
+    obj = getattr(engine, "llm_engine", engine)
+    for _ in range(3):  # an LLMEngine, its client, (in process) the engine core
+        if hasattr(obj, "call_utility"):  # vLLM's multiprocess client: over its socket
+            return obj.call_utility(STATS_UTILITY)
+        if hasattr(obj, STATS_UTILITY):  # the engine core itself
+            return getattr(obj, STATS_UTILITY)()
+        obj = getattr(obj, "engine_core", None)
+    raise TypeError(
+        f"elastic_stats: expected vLLM's LLM, LLMEngine or engine-core client with the plugin's "
+        f"engine sites installed, got {type(engine).__name__}"
+    )

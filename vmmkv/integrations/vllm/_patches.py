@@ -55,7 +55,7 @@ import torch
 
 from ...ops.formats import FORMATS, INDEXER_DIM
 from ._extensible import agreed_lending, capture_spec, make_buffer
-from ._state import _STATE, UnsupportedVLLM, _Patch, _Pending
+from ._state import _STATE, ABSENT, UnsupportedVLLM, _Patch, _Pending
 
 __all__ = [
     "SUPPORTED_VLLM",
@@ -539,28 +539,37 @@ _SITES: tuple[tuple[str, str, Callable[..., Any], tuple[str, ...]], ...] = (
 )  # fmt: skip
 
 
-def _lookup(module: str, path: str) -> tuple[Any, str, Any]:
+def _lookup(module: str, path: str, added: bool = False) -> tuple[Any, str, Any]:
     owner: Any = importlib.import_module(module)
     *outer, name = path.split(".")
     for part in outer:
         owner = getattr(owner, part)
-    return owner, name, getattr(owner, name)
+    return owner, name, (getattr(owner, name, ABSENT) if added else getattr(owner, name))
 
 
-Sites = tuple[tuple[str, str, Callable[..., Any], tuple[str, ...]], ...]
+# a site's parameters: those 0.34.0 gives it, or None for an attribute the plugin adds (absent
+# from vLLM: an engine-core utility method, which vLLM's client calls by name)
+Sites = tuple[tuple[str, str, Callable[..., Any], tuple[str, ...] | None], ...]
 
 
 def _patches_for(sites: Sites) -> list[_Patch]:
     """The patches of ``sites``, checked: the vLLM version first, then that every site exists
-    with the parameters 0.34.0 gives it; :class:`UnsupportedVLLM` lists every problem and
-    nothing is patched. Imports the vLLM modules that hold the sites."""
+    with the parameters 0.34.0 gives it (or, for an added attribute, that it does not exist);
+    :class:`UnsupportedVLLM` lists every problem and nothing is patched. Imports the vLLM
+    modules that hold the sites."""
     version = check_vllm_version()
     patches, problems = [], []
     for module, path, factory, params in sites:
         try:
-            owner, name, current = _lookup(module, path)
+            owner, name, current = _lookup(module, path, added=params is None)
         except (ImportError, AttributeError) as exc:
             problems.append(f"{module}.{path}: missing ({type(exc).__name__}: {exc})")
+            continue
+        if params is None:
+            if current is not ABSENT:
+                problems.append(f"{module}.{path}: exists in this vLLM (vmmkv adds it)")
+            else:
+                patches.append(_Patch(owner, name, ABSENT, factory(None)))
             continue
         try:
             got = tuple(inspect.signature(current).parameters)
@@ -690,8 +699,11 @@ def uninstall() -> None:
     patches, _STATE.patches = _STATE.patches + _STATE.engine_patches, []
     _STATE.engine_patches = []
     for p in reversed(patches):
-        if getattr(p.owner, p.name) is p.replacement:
-            setattr(p.owner, p.name, p.original)
+        if getattr(p.owner, p.name, None) is p.replacement:
+            if p.original is ABSENT:
+                delattr(p.owner, p.name)
+            else:
+                setattr(p.owner, p.name, p.original)
         else:
             log.warning("vmmkv: %s.%s was patched again by someone else; left as it is",
                         getattr(p.owner, "__name__", p.owner), p.name)  # fmt: skip

@@ -53,6 +53,9 @@ class _Released:
         self.block_set = None if blockset.as_prefix(blocks) is not None else blocks
 
 
+ABSENT = object()  # a patch's original where the plugin adds the attribute
+
+
 @dataclass
 class _Patch:
     owner: Any
