@@ -1,4 +1,4 @@
-"""Handles by value (issue 16), proven by simulation on the host backend.
+"""Handles by value, proven by simulation on the host backend.
 
 Several processes of this machine act as several hosts of one NVLink domain, or as several
 domains, through the test-only overrides ``VMMKV_TEST_HOST`` / ``VMMKV_TEST_NVLINK_DOMAIN``
