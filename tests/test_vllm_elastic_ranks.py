@@ -53,6 +53,13 @@ equal it byte for byte, no row was skipped as out of range, every tracked block 
 and (step, resize sequence, committed blocks, the own chunk set, each peer's mapped chunk set)
 agree over the ranks (``all_gather_object``), each rank mapping exactly its peers' chunks.
 
+Zeroing, on every rank: every chunk the cache creates after the start holds random non-zero
+bytes first (device memory has no promised contents; the host backend's memfds are zero), and
+the blocks that join the committed set (a grow, a refilled hole, a wake) read zero in the own
+replica before vLLM's zeroing and any store; every block id vLLM sends to zero is committed;
+with vLLM's zeroing on, every block a step adds to a table that is not a prefix hit is in that
+step's zero list; no prefix hit lands on a block that joined the set and was not written since.
+
 Not covered: vLLM's copy-on-write block copies (``kv_cache_block_copies``): vLLM makes them only
 for partial prefix hits, which need Mamba "align" groups (never for this MLA model; the harness
 asserts none arrive); speculative-decoding rows (no drafter runs here).
@@ -130,6 +137,8 @@ class _Rank:
         self.computed: dict[str, int] = {}
         self.fail_grow, self.grows = fail_grow, 0
         self.zeroed = 0  # block ids vLLM's zeroer zeroed
+        self.vllm_zeroes = False  # the scheduler sends new blocks to zero
+        self.stale: set[int] = set()  # blocks that joined the committed set, unwritten since
         self.records: list[tuple] = []  # per step: what every rank must agree on, and checks
         self.problems: list[str] = []
         self.events: dict[str, object] = {}
@@ -229,11 +238,11 @@ class _Rank:
             if undo is not None:
                 undo()
         after = _held(vc)
-        for lo, hi in blockset.difference(vc.committed_block_set, held):
-            for b in _blocks(self.want, vc, lo, hi):  # a grow zeroes the new blocks
-                b.zero_()
+        # no peer writes them yet: the pool hands them out once the stamp confirms the grow
+        self.joined(f"step {n}", blockset.difference(vc.committed_block_set, held))
         if undo is not None:
             self.events["refused"] = (n, seq, target, before, after, WORKER.error)
+        hits, fresh = self._new_blocks(so)
         cached = so.scheduled_cached_reqs
         for rid, nct, new in zip(
             cached.req_ids, cached.num_computed_tokens, cached.new_block_ids, strict=True
@@ -242,17 +251,24 @@ class _Rank:
             if new is not None:
                 (ids,) = new
                 self.tables[rid] += ids
-        if so.new_block_ids_to_zero:  # vLLM's zeroer through the patched site
-            ids = list(so.new_block_ids_to_zero)
-            self.zeroed += len(ids)
-            self.zeroer.zero_block_ids(ids)
+        zero = list(so.new_block_ids_to_zero or ())
+        if self.vllm_zeroes and not fresh <= set(zero):
+            self.problems.append(f"step {n}: new blocks {sorted(fresh - set(zero))} not zeroed")
+        if zero:  # vLLM's zeroer through the patched site
+            out = [i for i in zero if not blockset.contains(vc.committed_block_set, i)]
+            if out:
+                self.problems.append(f"step {n}: vLLM zeroes blocks {out} not committed")
+            self.zeroed += len(zero)
+            self.zeroer.zero_block_ids(zero)
             for v in self.plain.values():
-                v[ids] = 0
+                v[zero] = 0
         if so.kv_cache_block_copies:
             raise AssertionError("vLLM sent copy-on-write block copies; not modelled here")
         oor = vc.stats()["out_of_range_slots"]
         if so.total_num_scheduled_tokens:
-            self._store(n, so)
+            self.stale -= self._store(n, so)
+        if hits & self.stale:  # recommitted memory read as cached KV
+            self.problems.append(f"step {n}: prefix hits on unwritten blocks {hits & self.stale}")
         highest = max((max(t) for t in self.tables.values() if t), default=0)
         held = vc.committed_block_set
         bad = [i for t in self.tables.values() for i in t if not blockset.contains(held, i)]
@@ -266,6 +282,32 @@ class _Rank:
         self.agree(f"step {n}", head)
         self.records.append((*head, highest, so.total_num_scheduled_tokens))
         return stamp
+
+    def joined(self, what: str, added) -> None:
+        """The blocks ``added`` joined the committed set (a grow, a hole refilled, a wake): they
+        read zero in this replica before vLLM's zeroing and any store, and stay stale (no
+        kernel may read them as cached KV) until a store writes them."""
+        for lo, hi in added:
+            if any(bool(b.any()) for b in _blocks(self.got, self.vc, lo, hi)):
+                self.problems.append(f"{what}: blocks [{lo}, {hi}) joined the set non-zero")
+            for b in _blocks(self.want, self.vc, lo, hi):
+                b.zero_()
+            self.stale.update(range(lo, hi))
+
+    @staticmethod
+    def _new_blocks(so) -> tuple[set[int], set[int]]:
+        """The block ids ``so`` adds to the batch's tables: prefix hits (a new request's first
+        blocks, up to its computed tokens) and the rest (newly allocated)."""
+        hits, fresh = set(), set()
+        for r in so.scheduled_new_reqs:
+            (ids,) = r.block_ids
+            k = -(-r.num_computed_tokens // BS)
+            hits.update(ids[:k])
+            fresh.update(ids[k:])
+        for new in so.scheduled_cached_reqs.new_block_ids:
+            if new is not None:
+                fresh.update(new[0])
+        return hits, fresh
 
     def _next_grow_fails(self) -> bool:
         self.grows += 1
@@ -288,9 +330,9 @@ class _Rank:
         backend.create = create
         return lambda: setattr(backend, "create", real)
 
-    def _store(self, n: int, so) -> None:
+    def _store(self, n: int, so) -> set[int]:
         """Every scheduled token's rows, split by vLLM's PCPManager, through vLLM's call sites;
-        the reference through vLLM's unpatched gather."""
+        the reference through vLLM's unpatched gather. Returns the blocks written."""
         import numpy as np
         import torch
         from vllm.v1.worker.gpu import pcp_manager as pm
@@ -326,6 +368,7 @@ class _Rank:
             _call_sites(self.views, layer, kv_c, k_pe, k, mapping, nd, nd, self.shard, self.world)
             _vllm_reference(self.vc, self.plain, layer, kv_c, k_pe, k, mapping, nd, nd,
                             self.shard)  # fmt: skip
+        return {s // BS for s in slots}
 
     # -- idle --------------------------------------------------------------------------------
     def idle(self, n: int, seq: int, target: int) -> tuple:
@@ -365,8 +408,7 @@ class _Rank:
             backend.resume(None)
         finally:
             dalloc.get_mem_allocator_instance = real
-        for b in _blocks(self.want, vc, 0, blocks):
-            b.zero_()
+        self.joined(f"wake at step {n}", vc.committed_block_set)
         self.events["sleep"] = {
             "step": n, "blocks": blocks, "asleep": asleep, "awake": vc.committed_blocks,
             "same_chunks": _mapped(vc)["own"] == own, "calls": rec.calls,
@@ -386,6 +428,27 @@ def _poison(r: _Rank) -> None:
     c = r.vc.committed_blocks
     for a, b in zip(_blocks(r.got, r.vc, 0, c), _blocks(poison, r.vc, 0, c), strict=True):
         a.copy_(b)
+
+
+def _dirty_new_chunks(vc) -> list[int]:
+    """Every chunk the cache creates from now on starts with non-zero bytes, as device memory
+    may (``cuMemCreate`` promises no contents; the host backend's memfds are zero). Returns the
+    list the created chunks' sizes are appended to."""
+    import os
+
+    import torch
+
+    backend = vc.cache.region.region._backend
+    real, gen, sizes = backend.create, torch.Generator().manual_seed(13), []
+
+    def create(size):
+        fd = real(size)
+        os.pwrite(fd, torch.randint(1, 256, (size,), dtype=torch.uint8, generator=gen).numpy(), 0)
+        sizes.append(size)
+        return fd
+
+    backend.create = create
+    return sizes
 
 
 def _scheduler(world: int, async_depth: int, zeroing: bool):
@@ -463,8 +526,10 @@ def _one_run(ps, world, spec, late=None):
             plain = worker_utils.allocate_kv_cache(config, cpu, lay, [BS])
             want = _flat(next(iter(plain.values())), config.kv_cache_tensors[0].size)
             r = _Rank(ps, vc, views, plain, want, _zeroer(config, views), cfg, fail_grow)
+            r.vllm_zeroes = zeroing
             if late is not None and r.rank == late[0]:
                 r.read_delay_s = late[1]
+            r.events["dirty_chunks"] = _dirty_new_chunks(vc)
             r.events["start"] = {"blocks": vc.committed_blocks, "direct": vc.direct,
                                  "chunk": vc.cache.region.chunk_bytes}  # fmt: skip
             _poison(r)
@@ -551,6 +616,7 @@ def _check(out, spec, world):
     for o in runs:  # the floor committed at start, the elastic chunk, direct publication
         assert o["events"]["start"] == {"blocks": floor, "direct": True, "chunk": 512 << 10}
         assert (o["events"]["zeroed"] > 0) is zeroing, o["events"]["zeroed"]  # vLLM's zeroer
+        assert o["events"]["dirty_chunks"]  # grows and wakes committed chunks that start dirty
     assert s["quantum"] == 5
     # the trace covered what it is meant to
     counts = s["counts"]

@@ -30,16 +30,19 @@ whose PCP group has more than one rank,
 - ``KVBlockZeroer.zero_block_ids`` runs the cache barrier after vLLM's zeroing, and MRV2's
   ``copy_kv_cache_blocks_inplace`` again after vLLM's copy-on-write block copies.
 
-**Zeroing hazard** (why the barrier after zeroing): vLLM zeroes newly allocated blocks of the
-own replica at the start of a step (``needs_kv_cache_zeroing`` holds for the MLA + indexer pair).
-With direct publication a faster peer may already have written this step's rows into those
-blocks of this replica; zeroing afterwards wipes them. The barrier after zeroing orders every
-rank's zeroing before every rank's first publication of the step (a peer passes it only after
-this rank zeroed). It costs one barrier per step that allocates blocks, and every rank zeroes
-the same blocks (the scheduler's output is the same on every worker), so every rank calls it
-equally often. Replicated zeroing (each rank zeroing the block in every replica) was rejected:
-it races the same way (a peer's late zero write against this rank's own rows) and multiplies
-the zeroing traffic by the group size. Growth zeroes new blocks the same way (zero, barrier).
+**Zeroing hazard** (why the barrier after zeroing): vLLM zeroes the blocks it hands out in a
+step, in the own replica, before the step's forward (``needs_kv_cache_zeroing``: on for
+Mamba or mixed-precision caches, which the MLA + indexer pair is). With direct publication a
+faster peer may already have written this step's rows into those blocks of this replica;
+zeroing afterwards wipes them. The barrier after zeroing orders every rank's zeroing before
+every rank's first publication of the step (a peer passes it only after this rank zeroed). It
+costs one barrier per step that allocates blocks, and every rank zeroes the same blocks (the
+scheduler's output is the same on every worker), so every rank calls it equally often.
+Replicated zeroing (each rank zeroing the block in every replica) was rejected: it races the
+same way (a peer's late zero write against this rank's own rows) and multiplies the zeroing
+traffic by the group size. Growth needs no barrier of its own: vmmkv's resize zeroes the new
+blocks and synchronizes before the agreement that lets a peer write them. docs/design.md,
+"Zeroing and copy order", has which blocks and bytes vLLM zeroes and why vmmkv still zeroes.
 
 Supported (anything else is refused with :class:`UnsupportedKVCache` naming the layer and spec,
 or the layout): DeepSeek-V3.2-style caches (``fp8_ds_mla`` MLA layers + indexer K layers,

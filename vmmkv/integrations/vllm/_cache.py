@@ -19,12 +19,13 @@ What it does, in order (the constructor):
 5. ``grow(initial_blocks)``.
 
 Growth: ``grow(n)``/``shrink(n)`` give every layer blocks ``[0, n)`` (collective over the PCP
-group). ``grow`` zeroes the new blocks of the own replica (as vLLM's ``torch.zeros`` would have;
-new device memory is not zeroed, and a chunk a neighbouring segment kept holds old bytes) and
-then runs the cache's barrier, so that no peer publishes into a block before this rank zeroed
-it. vLLM cannot resize its block pool: the engine must hand out blocks
-``< committed_blocks`` only (:meth:`check_blocks` refuses others before vLLM's zeroing kernel
-touches them).
+group); ``set_committed_blocks`` any block set (holes). Blocks that join the set read zero in
+every replica when the call returns on any rank: vmmkv's resize zeroes them (fresh chunks and
+the stale part of chunks that stayed committed) and synchronizes before the agreement that
+lets a peer map or write them, so no zeroing or barrier is needed here (docs/design.md,
+"Zeroing and copy order", has what vLLM zeroes on top and why vmmkv still zeroes). vLLM cannot
+resize its block pool: the engine must hand out blocks of the committed set only
+(:meth:`check_blocks` refuses others before vLLM's zeroing kernel touches them).
 
 Stores (:meth:`store`): a layer's rows in one of the three PCP cases (``StorePlan``), through the
 cache's direct path (every rank writes its rows into every replica, then one barrier, so that
@@ -248,14 +249,11 @@ class VllmKVCache:
 
     # -- growth ----------------------------------------------------------------------------
     def grow(self, num_blocks: int) -> int:
-        """Collective: every layer holds blocks ``[0, num_blocks)`` in every replica. The new
-        blocks of the own replica are zeroed, then the cache barrier runs (a peer publishes
-        into them only afterwards). Allowed after CUDA-graph capture. Returns the block count."""
+        """Collective: every layer holds blocks ``[0, num_blocks)`` in every replica; the new
+        blocks read zero in every replica before any rank returns (the module docstring says
+        why). Allowed after CUDA-graph capture. Returns the block count."""
         require_int("num_blocks", num_blocks, lo=0, hi=self.plan.num_blocks)
-        old = self.committed_block_set
-        new = self.cache.grow_blocks(num_blocks)
-        self._zero_new(old)
-        return new
+        return self.cache.grow_blocks(num_blocks)
 
     def shrink(self, num_blocks: int) -> int:
         """Collective: every layer keeps blocks ``[0, num_blocks)``; the memory beyond is
@@ -267,24 +265,8 @@ class VllmKVCache:
         """Collective: every layer holds exactly the blocks of ``intervals`` (``(start, end)``
         block pairs) in every replica (``ReplicatedKVCache.set_committed_blocks``: a hole
         releases the chunks no block of the set needs). Blocks that stay keep their bytes; the
-        new ones are zeroed in the own replica, then the cache barrier runs, as in
-        :meth:`grow`. Returns the canonical set."""
-        old = self.committed_block_set
-        new = self.cache.set_committed_blocks(intervals)
-        self._zero_new(old)
-        return new
-
-    def _zero_new(self, old: tuple[tuple[int, int], ...]) -> None:
-        """Zero the blocks the committed set gained over ``old`` in the own replica, then the
-        cache barrier (nothing when it gained none)."""
-        added = blockset.difference(self.committed_block_set, old)
-        if not added:
-            return
-        base = self.buffer.data_ptr() - self.cache.region.base_ptr
-        for off, bb in self.segments:
-            for start, end in added:
-                self.buffer[off - base + start * bb : off - base + end * bb].zero_()
-        self.cache.barrier()
+        new ones read zero, as in :meth:`grow`. Returns the canonical set."""
+        return self.cache.set_committed_blocks(intervals)
 
     def check_blocks(self, block_ids: Sequence[int]) -> None:
         """Refuse (ValueError) block ids outside the committed block set (beyond its top or in

@@ -8,7 +8,7 @@ views, sleep, discard and shutdown. It builds its byte buffer through the module
 vLLM uses (``device``, ``free``, ``full_view``, ``granularity``, ``physical_bytes``,
 ``release_physical``, ``resize_segments_``, ``segment_view``, ``segments_backed_by_one_chunk``)
 over one :class:`VllmKVCache`, whose region every PCP rank maps: a commit is vmmkv's collective
-grow (exportable chunks, fd exchange, peer maps, the new blocks zeroed, the cache barrier), a
+grow (exportable chunks, fd exchange, peer maps, the new blocks zeroed before any peer maps them), a
 release its collective shrink to 0 (peers unmapped first). With PCP = 1 it returns vLLM's own
 ``ExtensibleTensor``: nothing of vmmkv runs.
 
@@ -120,9 +120,9 @@ class PeerKVBuffer:
 
     def resize_segments_(self, sizes: Sequence[int], zero_new: bool = False) -> None:
         """Collective: grow every segment to ``sizes`` bytes, which must be the same block
-        count of every segment (vLLM's commit). The new blocks are always zeroed (a chunk
-        holds old bytes otherwise) and the cache barrier orders the zeroing before any peer's
-        publication; ``zero_new`` is accepted for vLLM's signature."""
+        count of every segment (vLLM's commit). The new blocks are always zeroed, in every
+        replica before any rank returns (vLLM's own buffer zeroes them too: its ``commit``
+        promises zeroed blocks); ``zero_new`` is accepted for vLLM's signature."""
         self._check_open("resize_segments_")
         n = self._blocks_of(sizes)
         if n < self.cache.committed_blocks:
