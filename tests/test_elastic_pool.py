@@ -583,3 +583,28 @@ def test_a_pool_committed_to_its_last_block_releases_holes_below_it(n):
     assert el.counts["releases"] == 1 and el.holes, el.counts
     assert blockset.top(el.holes) <= n - 1 and el.committed < n // 2, (el.holes, el.committed)
     assert el.resize_request()[1] == blockset.difference(blockset.prefix(n), el.holes)
+
+
+def test_holes_that_must_take_cached_chunks_drop_their_hashes_and_keep_the_others():
+    """One cached block in every free chunk below the pinned tail (kvcached's page-pinning
+    case): the holes take cached chunks, highest first, and a block in a hole loses its hash
+    (a later prefix hit would read recommitted, zeroed memory); cached blocks still committed
+    keep theirs."""
+    pool, clock = Pool(256), Clock()
+    el = ElasticPool(pool, _settings(floor=16, steps=1, cached=50, env=CALM_1S), clock=clock)
+    _, live = _grown(pool, el, clock, 128)
+    for b in live:
+        if 10 <= b.block_id < 128 and b.block_id % 4 == 2:
+            b.block_hash = ("h", b.block_id)
+    pool.free_blocks([b for b in live if b.block_id >= 10 and b.block_id != 130])
+    for t in (0.0, 1.05):
+        clock.t = t
+        el.before_schedule()
+    assert el.counts["releases"] == 1 and el.holes, el.counts
+    holed = [i for a, b in el.holes for i in range(a, b)]
+    cached_holed = [i for i in holed if 10 <= i < 128 and i % 4 == 2]
+    assert cached_holed and all(pool.blocks[i].block_hash is None for i in holed)
+    assert el.counts["dropped_by_release"] == len(cached_holed), el.counts
+    kept = [i for i in range(10, 128) if i % 4 == 2 and not blockset.contains(el.holes, i)]
+    assert kept and all(pool.blocks[i].block_hash == ("h", i) for i in kept)
+    assert min(holed) > max(kept)  # the highest chunks first
