@@ -26,17 +26,21 @@ step's time from its tokens instead). The engine's idle hook is emulated: after
 ``IDLE_STEPS`` steps without a request, the pool's
 ``idle_release`` runs once (``on_idle`` receives its resize request). Async scheduling
 (``async_depth=2``: vLLM's ``AsyncScheduler``) schedules step k+1 before step k's output is
-processed, as ``EngineCore.step_with_batch_queue`` does.
+processed, as ``EngineCore.step_with_batch_queue`` does. ``pipeline``: vLLM's
+``pipeline_parallel_size`` in the scheduler's config (its ``max_concurrent_batches`` and so the
+pool's settings follow it; the plugin refuses pipeline parallelism for its workers, the trace
+builds the engine core's side past that refusal).
 
 Local; each :class:`TraceRun` owns its scheduler.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +57,29 @@ PHASES = {
     "square": tuple((f"{h}{p}", 50) for p in range(10) for h in ("high", "low")) + (("idle", 60),),
     "ranks": (("burst", 30), ("steady", 50), ("drain", 230)),
 }
+
+
+@contextlib.contextmanager
+def _pipeline_allowed() -> Iterator[None]:
+    """The plugin's config check with pipeline stages let through (the engine core's side
+    alone: its refusal is about the workers' collectives, which a trace does not run)."""
+    from . import _elastic_sites
+
+    check = _elastic_sites.check_elastic_config
+
+    def without_stages(cfg: Any) -> None:
+        pc = cfg.parallel_config
+        stages, pc.pipeline_parallel_size = pc.pipeline_parallel_size, 1
+        try:
+            check(cfg)
+        finally:
+            pc.pipeline_parallel_size = stages
+
+    _elastic_sites.check_elastic_config = without_stages
+    try:
+        yield
+    finally:
+        _elastic_sites.check_elastic_config = check
 
 
 def model_output(so: Any, stamp: Any = None) -> Any:
@@ -145,6 +172,7 @@ class TraceRun:
     num_blocks: int = 2048
     elastic: bool = True
     async_depth: int = 1
+    pipeline: int = 1  # vLLM's pipeline_parallel_size: batches in flight without async
     world: int = 2
     layers: int = 2
     max_num_batched_tokens: int = 4096
@@ -200,13 +228,14 @@ class TraceRun:
         )
         cfg.scheduler_config.max_num_seqs = self.max_num_seqs
         cfg.scheduler_config.async_scheduling = self.async_depth > 1
+        cfg.parallel_config.pipeline_parallel_size = self.pipeline
         hf = get_hash_fn_by_name(cfg.cache_config.prefix_caching_hash_algo)
         init_none_hash(hf)
         self._hasher = get_request_block_hasher(BS, hf)
         cls = AsyncScheduler if self.async_depth > 1 else Scheduler
         if not self.elastic:  # the same config without the pool: PCP 1 in the scheduler's eyes
             cfg.parallel_config.prefill_context_parallel_size = 1
-        with set_current_vllm_config(cfg):
+        with set_current_vllm_config(cfg), _pipeline_allowed():
             self.scheduler = cls(
                 vllm_config=cfg, kv_cache_config=kvc,
                 structured_output_manager=StructuredOutputManager(cfg), block_size=BS,

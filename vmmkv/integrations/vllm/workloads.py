@@ -43,12 +43,27 @@ from typing import Any
 
 from .trace import TraceRun, counting_worker, model_output
 
-__all__ = ["CAPACITY", "FAMILIES", "FamilyRun", "Row", "summary"]
+__all__ = [
+    "CAPACITY",
+    "FAMILIES",
+    "MODES",
+    "FamilyRun",
+    "Row",
+    "summary",
+    "wave_periods",
+    "wave_mismatches",
+]
 
 CAPACITY = 4096
 STEP_BASE_S = 0.01
 STEP_TOKEN_S = 1.5e-5
 FAMILIES = ("ramp", "long", "zipf", "wave", "idle")
+# scheduling mode -> (TraceRun.async_depth, TraceRun.pipeline): vLLM's Scheduler stepping one
+# batch at a time; its AsyncScheduler with a batch queue of 2; its Scheduler with a batch queue
+# of 2 (2 pipeline stages, no async scheduling)
+MODES = {"sync": (1, 1), "async": (2, 1), "bq2": (1, 2)}
+WAVE_PERIOD_S = 40.0
+WAVE_PERIODS = 4
 
 
 @dataclass
@@ -71,7 +86,7 @@ class FamilyRun(TraceRun):
 
     trace: str = "ramp"
     num_blocks: int = CAPACITY
-    async_depth: int = 2
+    mode: str = "async"
     layers: int = 61
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 1024
@@ -134,10 +149,13 @@ class FamilyRun(TraceRun):
                 sfx = toks(self._lognormal(128, 0.8, 16, 1024))
                 out.append((t, p + sfx, self._lognormal(96, 0.7, 8, 512)))
         elif fam == "wave":
-            for p in range(4):
-                self.phase_ends += [(f"high{p}", 40.0 * p + 20), (f"low{p}", 40.0 * p + 40)]
-            self._poisson(0, 160, lambda t: 12.0 if t % 40 < 20 else 1.0, times)
-            out = [(t, *plain()) for t in times]
+            period = WAVE_PERIOD_S
+            for p in range(WAVE_PERIODS):
+                self.phase_ends += [(f"high{p}", period * (p + 0.5)), (f"low{p}", period * (p + 1))]
+            self._poisson(0, period, lambda t: 12.0 if t < period / 2 else 1.0, times)
+            shape = [(t, self._lognormal(1024, 0.9, 16, 8000), self._lognormal(192, 0.8, 8, 1500))
+                     for t in times]  # fmt: skip
+            out = [(period * p + t, toks(n), o) for p in range(WAVE_PERIODS) for t, n, o in shape]
         elif fam == "idle":
             self.phase_ends = [("burst", 10.0)]
             out = [(0.0, *plain()) for _ in range(40)]
@@ -174,6 +192,17 @@ class FamilyRun(TraceRun):
             )  # fmt: skip
         )
 
+    def build(self) -> Any:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown scheduling mode {self.mode!r}; expected one of {MODES}")
+        self.async_depth, self.pipeline = MODES[self.mode]
+        return super().build()
+
+    def _advance(self, t: float) -> None:
+        if t > self.now:
+            self._row(t - self.now)
+            self.now = t
+
     def run(self, on_step=None, on_idle=None, idle_tail: float = 20.0) -> list[Row]:
         """Run the family; ``idle_tail`` seconds of idle after its last arrival phase and the
         last request (at least ``idle_seconds`` + 5 s for the idle release to show)."""
@@ -185,8 +214,10 @@ class FamilyRun(TraceRun):
             idle_s = self.el.s.idle_seconds
         else:
             idle_s = math.inf
+        depth, stages = self.vllm_config.max_concurrent_batches, self.pipeline
+        free = [0.0] * stages  # when each pipeline stage is next free
         end_of_load = max(self.phase_ends[-1][1], self.last_arrival)
-        inflight: deque[tuple[Any, Any]] = deque()
+        inflight: deque[tuple[Any, Any, float]] = deque()  # (output, stamp, ready at)
         i, idle_since, idle_done = 0, 0.0, False
         while True:
             while i < len(plan) and plan[i][0] <= self.now:
@@ -197,40 +228,40 @@ class FamilyRun(TraceRun):
                 stop = max(end_of_load, idle_since) + idle_tail
                 until = nxt if nxt is not None else stop
                 if not idle_done and idle_since + idle_s < until:  # the engine's idle hook
-                    self._row(idle_since + idle_s - self.now)
-                    self.now = idle_since + idle_s
+                    self._advance(idle_since + idle_s)
                     resize = self.el.idle_release()
                     idle_done = True
                     if resize is not None:
                         self.events.append((self.now, "idle", self.el.committed))
                         on_idle(resize)
-                self._row(until - self.now)
-                self.now = until
+                self._advance(until)
                 if nxt is None:
                     break
                 continue
             idle_done = False
-            seq, releases = (self.el.seq, self.el.counts["releases"]) if self.el else (0, 0)
-            so = s.schedule()
-            if self.el is not None:
-                if self.el.counts["releases"] > releases:
-                    self.events.append((self.now, "release", self.el.committed))
-                elif self.el.seq > seq and self.el.pending is not None:
-                    self.events.append((self.now, "grow", self.el.pending[1]))
-                self._check_committed(so)
-            self.hit_tokens += sum(r.num_computed_tokens for r in so.scheduled_new_reqs)
-            self.preemptions += len(so.preempted_req_ids or ())
-            inflight.append((so, on_step(so) if on_step is not None else None))
-            while len(inflight) >= self.async_depth:
-                so0, stamp = inflight.popleft()
-                s.update_from_output(so0, model_output(so0, stamp))
-            dt = STEP_BASE_S + STEP_TOKEN_S * so.total_num_scheduled_tokens
-            self._row(dt)
-            self.now += dt
-            if not s.has_requests():
-                while inflight:
-                    so0, stamp = inflight.popleft()
-                    s.update_from_output(so0, model_output(so0, stamp))
+            if s.has_requests():  # EngineCore.step_with_batch_queue (step() at depth 1)
+                seq, releases = (self.el.seq, self.el.counts["releases"]) if self.el else (0, 0)
+                so = s.schedule()
+                if self.el is not None:
+                    if self.el.counts["releases"] > releases:
+                        self.events.append((self.now, "release", self.el.committed))
+                    elif self.el.seq > seq and self.el.pending is not None:
+                        self.events.append((self.now, "grow", self.el.pending[1]))
+                    self._check_committed(so)
+                self.hit_tokens += sum(r.num_computed_tokens for r in so.scheduled_new_reqs)
+                self.preemptions += len(so.preempted_req_ids or ())
+                tokens = so.total_num_scheduled_tokens
+                d = STEP_BASE_S + STEP_TOKEN_S * tokens if tokens else 0.0
+                t = self.now
+                for k in range(stages):  # each stage runs 1/stages of the model, in order
+                    t = free[k] = max(t, free[k]) + d / stages
+                inflight.append((so, on_step(so) if on_step is not None else None, t))
+                if len(inflight) < depth and (tokens > 0 or s.has_requests()):
+                    continue  # the batch queue is not full: schedule again without waiting
+            so0, stamp, ready = inflight.popleft()  # block on the oldest batch
+            self._advance(ready)
+            s.update_from_output(so0, model_output(so0, stamp))
+            if not (s.has_requests() or inflight):
                 idle_since = self.now
         return self.rows
 
@@ -274,3 +305,43 @@ def summary(run: FamilyRun) -> dict[str, Any]:
         floor=run.el.s.floor / cap,
     )  # fmt: skip
     return out
+
+
+def committed_at(run: FamilyRun, t: float) -> int:
+    """Committed blocks at simulated time ``t`` (the last row starting at or before it)."""
+    return max((r for r in run.rows if r.t <= t), key=lambda r: r.t).committed
+
+
+def wave_periods(run: FamilyRun) -> list[dict[str, Any]]:
+    """Per period of the "wave" family: its resize decisions in order, as (kind, seconds into
+    the period), and committed blocks at the end of its high and its low half."""
+    out = []
+    for p in range(WAVE_PERIODS):
+        t0 = WAVE_PERIOD_S * p
+        ev = [(k, t - t0) for t, k, _ in run.events if t0 <= t < t0 + WAVE_PERIOD_S]
+        ends = [t0 + WAVE_PERIOD_S / 2, t0 + WAVE_PERIOD_S]
+        # the half's end, an instant before the next half's first arrival is scheduled
+        out.append({"events": ev, "committed": [committed_at(run, t - 1e-9) for t in ends]})
+    return out
+
+
+def wave_mismatches(run: FamilyRun, tol_s: float = 1.0) -> list[str]:
+    """How the wave's periods from the second on differ from the second (empty: periodic).
+    Periodic means: the same resize decisions in the same order (grow, release, idle release),
+    each within ``tol_s`` of the second period's time into the period, and committed blocks at
+    the end of each half within one quantum of the second period's. The first period starts
+    from the floor and an empty prefix cache, so it may differ."""
+    per, quantum = wave_periods(run), run.el.s.quantum
+    ref, bad = per[1], []
+    for p, got in enumerate(per[2:], 2):
+        kinds = [k for k, _ in got["events"]]
+        if kinds != [k for k, _ in ref["events"]]:
+            bad.append(f"period {p}: decisions {got['events']} != {ref['events']}")
+        elif any(
+            abs(a[1] - b[1]) > tol_s for a, b in zip(got["events"], ref["events"], strict=True)
+        ):
+            bad.append(f"period {p}: decision times {got['events']} != {ref['events']}")
+        for half, a, b in zip(("high", "low"), got["committed"], ref["committed"], strict=True):
+            if abs(a - b) > quantum:
+                bad.append(f"period {p}: committed at the {half} half's end {a} != {b}")
+    return bad
