@@ -3,17 +3,29 @@ in simulated seconds, with or without elastic KV: what committed memory, prefix 
 preemptions a policy gives on load it was not tuned on. For the elastic tests and
 ``benchmarks/bench_elastic.py``; needs vLLM.
 
-Setting (no elastic knob set): ``max_num_batched_tokens`` 8192, ``max_num_seqs`` 1024, async
-scheduling (vLLM's ``AsyncScheduler``, a batch queue of 2: ``vllm serve``'s default where the
-executor supports it), prefix caching on, block size 64 and DeepSeek-V3.2's per-block bytes
-(61 layers, 3,076,352 B: 21 blocks per 64 MiB chunk), ``CAPACITY`` blocks. The workers are the
-plugin's worker step over a block counter (``trace.counting_worker``).
+Setting (no elastic knob set): ``max_num_batched_tokens`` 8192, ``max_num_seqs`` 1024, prefix
+caching on, block size 64 and DeepSeek-V3.2's per-block bytes (61 layers, 3,076,352 B: 21
+blocks per 64 MiB chunk), ``CAPACITY`` blocks. The workers are the plugin's worker step over a
+block counter (``trace.counting_worker``); the pool's settings are the plugin's for the mode
+(its lead follows vLLM's ``max_concurrent_batches``).
 
-Time: a step takes ``STEP_BASE_S + STEP_TOKEN_S x`` its scheduled tokens (a model, not a
-measurement: 8192 prefill tokens 0.13 s, 150 decodes 12 ms); the pool's clock reads the
-simulated time. An idle engine jumps to the next arrival; the engine's idle hook runs when it
-was idle ``idle_seconds`` (the pool's) before that. So a run is exact, machine-independent and
-takes seconds of CPU for minutes of load.
+Scheduling modes (``MODES``), each driven as ``EngineCore`` drives it: ``"sync"``, vLLM's
+``Scheduler`` through ``step()`` (schedule, wait, process); ``"async"``, its ``AsyncScheduler``
+(``vllm serve``'s default where the executor supports it) through ``step_with_batch_queue``
+with a queue of 2; ``"bq2"``, the plain ``Scheduler`` through ``step_with_batch_queue`` with a
+queue of 2 (2 pipeline stages without async scheduling). The loop is that method's: schedule
+whenever the scheduler has requests, an empty batch included (it takes a queue slot); wait for
+the oldest batch only when the queue is full or nothing more can be scheduled. Under "bq2" a
+decoding request with a step in flight gets no tokens until that step's output is processed
+(the plain scheduler's own rule), while a chunked prefill's next chunk may be scheduled.
+
+Time: a batch's model time is ``STEP_BASE_S + STEP_TOKEN_S x`` its scheduled tokens (a model,
+not a measurement: 8192 prefill tokens 0.13 s, 150 decodes 12 ms; an empty batch none), run
+through the pipeline's stages in order, each stage taking its share (one stage unless "bq2");
+scheduling takes no time, the engine's clock moves when it waits for a batch. The pool's clock
+reads the simulated time. An idle engine jumps to the next arrival; the engine's idle hook runs
+when it was idle ``idle_seconds`` (the pool's) before that. So a run is exact,
+machine-independent and takes seconds of CPU for minutes of load.
 
 Families (arrival phases; then "drain" until the idle release after the last arrival, "idle"):
 
@@ -27,8 +39,11 @@ Families (arrival phases; then "drain" until the idle release after the last arr
   pool's holes free the whole chunks between them.
 - ``"zipf"``: 8 shared prefixes of 1500-3000 tokens chosen with Zipf(1.1) popularity, unique
   suffixes (lognormal median 128) and outputs (median 96), Poisson 12/s for 120 s ("load").
-- ``"wave"``: a square wave: Poisson 12/s for 20 s ("high<p>"), 1/s for 20 s ("low<p>"),
-  4 periods; prompts and outputs as "ramp".
+- ``"wave"``: a square wave of one period repeated 4 times: Poisson 12/s for 20 s
+  ("high<p>"), 1/s for 20 s ("low<p>"), prompts and outputs as "ramp", drawn once; every
+  period repeats those arrival times and lengths with fresh tokens (so no prefix hit links the
+  periods). Periodic load makes "the same behaviour every period" checkable
+  (:func:`wave_mismatches`); the first period starts from the floor and may differ.
 - ``"idle"``: 40 requests at t=0 ("burst", 10 s), then nothing for 60 s.
 
 Local; each :class:`FamilyRun` owns its scheduler.
