@@ -90,10 +90,9 @@ def _checks(run, got: dict) -> dict:
 
     out = {}
     rows, cap = run.rows, run.num_blocks
-    busy = [r for r in rows if r.in_use > 0]
-    last_busy = busy[-1].t + busy[-1].dt if busy else 0.0
-    at_floor = [r.t for r in rows if r.t >= last_busy and r.committed == run.el.s.floor]
-    out["floor_after_s"] = (at_floor[0] - last_busy) if at_floor else float("inf")
+    went = run.went_idle[-1] if run.went_idle else 0.0  # the engine's last idle start
+    at_floor = [r.t for r in rows if r.t >= went and r.committed == run.el.s.floor]
+    out["floor_after_s"] = (at_floor[0] - went) if at_floor else float("inf")
     if run.trace == "long":
         fell = dict(run.phase_ends)["peak"]
         light = [r.committed for r in rows if r.phase == "light" and r.t >= fell + 10.0]
@@ -227,7 +226,7 @@ def traces(seeds: list[int]) -> tuple[list[dict], dict]:
 
 
 def host_cost(running: int, steps: int) -> list[dict]:
-    from vmmkv.integrations.vllm.trace import TraceRun, counting_worker, model_output
+    from vmmkv.integrations.vllm.trace import TraceRun, counting_worker, model_output, schedule
 
     rows = []
     for elastic in (False, True):
@@ -257,7 +256,7 @@ def host_cost(running: int, steps: int) -> list[dict]:
         for _ in range(steps):
             hooks.append(0)
             t0 = time.perf_counter_ns()
-            so = s.schedule()
+            so = schedule(s)
             stamp = worker(so)
             s.update_from_output(so, model_output(so, stamp))
             per_step.append(time.perf_counter_ns() - t0)

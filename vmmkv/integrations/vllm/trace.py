@@ -47,7 +47,9 @@ from typing import Any
 from ... import _blockset as blockset
 from ._elastic import RESIZE, STAMP
 
-__all__ = ["IDLE_STEPS", "PHASES", "CountingCache", "TraceRun", "TraceStep", "model_output"]
+__all__ = [
+    "IDLE_STEPS", "PHASES", "CountingCache", "TraceRun", "TraceStep", "model_output", "schedule",
+]  # fmt: skip
 
 BS = 64
 IDLE_STEPS = 20
@@ -82,15 +84,35 @@ def _pipeline_allowed() -> Iterator[None]:
         _elastic_sites.check_elastic_config = check
 
 
+SAMPLING = "_vmmkv_trace_sampling"  # the requests of a step that sample a token
+
+
+def schedule(scheduler: Any) -> Any:
+    """vLLM's ``scheduler.schedule()``, its output marked with the requests that sample a token
+    in that step: those vLLM's scheduler does not leave in a prefill chunk
+    (``Request.is_prefill_chunk``, set as it schedules). vLLM's model runner discards the token
+    of a partial prefill chunk; the mark must be taken here, before a later schedule (async
+    scheduling, a batch queue) moves the request on."""
+    so = scheduler.schedule()
+    reqs = scheduler.requests
+    setattr(so, SAMPLING, frozenset(
+        r for r in so.num_scheduled_tokens if not reqs[r].is_prefill_chunk
+    ))  # fmt: skip
+    return so
+
+
 def model_output(so: Any, stamp: Any = None) -> Any:
-    """The output rank's ``ModelRunnerOutput`` for ``so``: one fixed sampled token per scheduled
-    request, with the worker's elastic stamp when given."""
+    """The output rank's ``ModelRunnerOutput`` for ``so``: one fixed sampled token per request
+    that samples in the step (:func:`schedule` marks them: a partial prefill chunk samples
+    none; an output not made by it, every request), with the worker's elastic stamp when
+    given."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     ids = list(so.num_scheduled_tokens)
+    sampling = getattr(so, SAMPLING, None)
     out = ModelRunnerOutput(
         req_ids=ids,
-        sampled_token_ids=[[7] for _ in ids],
+        sampled_token_ids=[[7] if sampling is None or r in sampling else [] for r in ids],
     )  # fmt: skip
     if stamp is not None:
         setattr(out, STAMP, stamp)
@@ -349,7 +371,7 @@ class TraceRun:
                             on_idle(resize)
                 ran = s.has_requests()
                 if ran:
-                    so = s.schedule()
+                    so = schedule(s)
                     self.hit_tokens += sum(r.num_computed_tokens for r in so.scheduled_new_reqs)
                     self.preemptions += len(so.preempted_req_ids or ())
                     if self.el is not None:

@@ -56,7 +56,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .trace import TraceRun, counting_worker, model_output
+from .trace import TraceRun, counting_worker, model_output, schedule
 
 __all__ = [
     "CAPACITY",
@@ -108,6 +108,8 @@ class FamilyRun(TraceRun):
     max_model_len: int = 16384
     rows: list[Row] = field(default_factory=list)
     events: list[tuple[float, str, int]] = field(default_factory=list)  # (t, kind, blocks)
+    # when the engine went idle (no request, no batch in flight): its idle hook counts from here
+    went_idle: list[float] = field(default_factory=list)
     phase_ends: list[tuple[str, float]] = field(default_factory=list)
     last_arrival: float = 0.0
     now: float = 0.0
@@ -256,7 +258,7 @@ class FamilyRun(TraceRun):
             idle_done = False
             if s.has_requests():  # EngineCore.step_with_batch_queue (step() at depth 1)
                 seq, releases = (self.el.seq, self.el.counts["releases"]) if self.el else (0, 0)
-                so = s.schedule()
+                so = schedule(s)
                 if self.el is not None:
                     if self.el.counts["releases"] > releases:
                         self.events.append((self.now, "release", self.el.committed))
@@ -278,6 +280,7 @@ class FamilyRun(TraceRun):
             s.update_from_output(so0, model_output(so0, stamp))
             if not (s.has_requests() or inflight):
                 idle_since = self.now
+                self.went_idle.append(idle_since)
         return self.rows
 
 
