@@ -92,7 +92,8 @@ def _checks(run, got: dict) -> dict:
     rows, cap = run.rows, run.num_blocks
     went = run.went_idle[-1] if run.went_idle else 0.0  # the engine's last idle start
     at_floor = [r.t for r in rows if r.t >= went and r.committed == run.el.s.floor]
-    out["floor_after_s"] = (at_floor[0] - went) if at_floor else float("inf")
+    # (to the µs: the idle hook fires at went + idle_s, which float sums round either way)
+    out["floor_after_s"] = round(at_floor[0] - went, 6) if at_floor else float("inf")
     if run.trace == "long":
         fell = dict(run.phase_ends)["peak"]
         light = [r.committed for r in rows if r.phase == "light" and r.t >= fell + 10.0]
@@ -108,6 +109,7 @@ def _checks(run, got: dict) -> dict:
         )
         out["wave_mismatches"] = wave_mismatches(run)
         out["periodic"] = not out["wave_mismatches"]
+        out["periodic_from_third"] = not wave_mismatches(run, first=2)  # reported, no target
     return out
 
 
@@ -321,7 +323,8 @@ def main() -> None:
     for r in fam:
         if r["way"] == "elastic":
             extra = {k: r[k] for k in ("light_max", "drain_mean", "low_releases_max", "periodic",
-                                       "wave_mismatches") if k in r}  # fmt: skip
+                                       "periodic_from_third", "wave_mismatches")
+                     if k in r}  # fmt: skip
             print(r["family"], r["mode"], r["seed"],
                   {k: round(v, 3) for k, v in r["phases"].items()}, extra)  # fmt: skip
     summ, goals = per_family(fam), targets(fam)

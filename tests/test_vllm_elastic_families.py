@@ -176,7 +176,9 @@ def test_an_idle_engine_returns_to_the_floor_within_idle_s_and_a_run_is_exact(en
     done = max(r.t + r.dt for r in first.rows if r.in_use > 0)
     went = first.went_idle[-1]
     assert done <= went < idle[0] and idle[0] - went <= first.el.s.idle_seconds + 1e-9, (
-        idle, went, done
+        idle,
+        went,
+        done,
     )
 
 

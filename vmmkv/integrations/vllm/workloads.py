@@ -343,15 +343,16 @@ def wave_periods(run: FamilyRun) -> list[dict[str, Any]]:
     return out
 
 
-def wave_mismatches(run: FamilyRun, tol_s: float = 1.0) -> list[str]:
-    """How the wave's periods from the second on differ from the second (empty: periodic).
-    Periodic means: the same resize decisions in the same order (grow, release, idle release),
-    each within ``tol_s`` of the second period's time into the period, and committed blocks at
-    the end of each half within one quantum of the second period's. The first period starts
-    from the floor and an empty prefix cache, so it may differ."""
+def wave_mismatches(run: FamilyRun, tol_s: float = 1.0, first: int = 1) -> list[str]:
+    """How the wave's periods from period ``first`` on (0-based: 1 is the second) differ from
+    that one (empty: periodic). Periodic means: the same resize decisions in the same order
+    (grow, release, idle release), each within ``tol_s`` of the reference period's time into
+    the period, and committed blocks at the end of each half within one quantum of the
+    reference's. The first period starts from the floor and an empty prefix cache, so it may
+    differ."""
     per, quantum = wave_periods(run), run.el.s.quantum
-    ref, bad = per[1], []
-    for p, got in enumerate(per[2:], 2):
+    ref, bad = per[first], []
+    for p, got in enumerate(per[first + 1 :], first + 1):
         kinds = [k for k, _ in got["events"]]
         if kinds != [k for k, _ in ref["events"]]:
             bad.append(f"period {p}: decisions {got['events']} != {ref['events']}")
