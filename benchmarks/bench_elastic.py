@@ -3,18 +3,21 @@ preemptions on workload families at ``vllm serve``'s defaults, on the step-scale
 engine core's host cost per step.
 
 Families (``vmmkv.integrations.vllm.workloads``: ramp, long-lived requests at a peak, Zipf over
-a few long prefixes, a square wave, idle; simulated seconds, DeepSeek-V3.2 block bytes, 4096
-blocks, ``max_num_batched_tokens`` 8192, ``max_num_seqs`` 1024, async scheduling, no elastic
-knob set), each run three ways through vLLM's real ``Scheduler`` + ``BlockPool``: vLLM unchanged
-(every block committed), elastic KV with vLLM's own free order ("lifo"), elastic KV as shipped.
-Per run: committed of capacity (time-weighted mean, peak, per phase), committed over what it
-must hold (in use + cached-free kept + watermark), prefix-hit tokens over vLLM's, preemptions,
-drain time (last arrival to the last release), releases, grows, the shortest time from a
-release to the next grow decision.
+a few long prefixes, a square wave of one repeated period, idle; simulated seconds,
+DeepSeek-V3.2 block bytes, 4096 blocks, ``max_num_batched_tokens`` 8192, ``max_num_seqs`` 1024,
+no elastic knob set) in three scheduling modes (``workloads.MODES``: sync, async, a batch queue
+of 2 without async scheduling), each run three ways through vLLM's real ``Scheduler`` +
+``BlockPool``: vLLM unchanged (every block committed), elastic KV with vLLM's own free order
+("lifo"), elastic KV as shipped. Per run: committed of capacity (time-weighted mean, peak, per
+phase), committed over what it must hold (in use + cached-free kept + watermark), prefix-hit
+tokens over vLLM's, preemptions, drain time (last arrival to the last release), releases,
+grows, the shortest time from a release to the next grow decision, and the figures the targets
+read (``TARGETS``: the worst case over modes and seeds, and which missed). Per family and way:
+mean [min, max] over modes and seeds. ``bench_elastic.svg`` beside the JSON: committed of
+capacity over time per family, the first seed, async scheduling (``svgplot``).
 
 Traces (``vmmkv.integrations.vllm.trace``: burst / steady / drain / idle, and a square wave, in
-0.03 s steps with the knobs below): per-phase means and every step's (in use, cached-free,
-committed), and ``bench_elastic.png`` beside the JSON (matplotlib; otherwise one line says so).
+0.03 s steps with the knobs below): per-phase means, unless ``--no-traces``.
 
 Host cost: vLLM's scheduler with ``--running`` decoding requests (default 256, 20 ms of the
 pool's clock a step); per step,
@@ -25,7 +28,7 @@ The workers are the plugin's worker step over a block counter (``trace.counting_
 this measures the engine core's decisions, not memory.
 
 usage (a vLLM 0.34.0 venv): python benchmarks/bench_elastic.py [--seeds 0,1,2]
-    [--families ramp,long,zipf,wave,idle] [--no-traces] [--out F]
+    [--families ramp,long,zipf,wave,idle] [--modes sync,async,bq2] [--no-traces] [--out F]
 """
 
 from __future__ import annotations
@@ -69,27 +72,128 @@ class scoped_env:
                 os.environ[k] = v
 
 
-def families(names: list[str], seeds: list[int]) -> list[dict]:
+def _series(run, step: float = 0.25) -> list[tuple[float, float, float]]:
+    """(t, committed, in use) of capacity, sampled every ``step`` simulated seconds."""
+    rows, cap, out = run.rows, run.num_blocks, []
+    end, j = rows[-1].t + rows[-1].dt, 0
+    for k in range(int(end / step) + 1):
+        t = k * step
+        while j + 1 < len(rows) and rows[j + 1].t <= t:
+            j += 1
+        out.append((t, rows[j].committed / cap, rows[j].in_use / cap))
+    return out
+
+
+def _checks(run, got: dict) -> dict:
+    """The figures the targets read, beyond ``summary``'s."""
+    from vmmkv.integrations.vllm.workloads import WAVE_PERIOD_S, wave_mismatches
+
+    out = {}
+    rows, cap = run.rows, run.num_blocks
+    went = run.went_idle[-1] if run.went_idle else 0.0  # the engine's last idle start
+    at_floor = [r.t for r in rows if r.t >= went and r.committed == run.el.s.floor]
+    # (to the µs: the idle hook fires at went + idle_s, which float sums round either way)
+    out["floor_after_s"] = round(at_floor[0] - went, 6) if at_floor else float("inf")
+    if run.trace == "long":
+        fell = dict(run.phase_ends)["peak"]
+        light = [r.committed for r in rows if r.phase == "light" and r.t >= fell + 10.0]
+        out["light_max"] = max(light) / cap
+    if run.trace == "ramp":
+        out["drain_mean"] = got["phases"].get("drain", 0.0)
+    if run.trace == "wave":
+        releases = [t for t, k, _ in run.events if k == "release"]
+        half = WAVE_PERIOD_S / 2
+        out["low_releases_max"] = max(
+            sum(WAVE_PERIOD_S * p + half <= t < WAVE_PERIOD_S * (p + 1) for t in releases)
+            for p in range(4)
+        )
+        out["wave_mismatches"] = wave_mismatches(run)
+        out["periodic"] = not out["wave_mismatches"]
+        out["periodic_from_third"] = not wave_mismatches(run, first=2)  # reported, no target
+    return out
+
+
+def families(names: list[str], seeds: list[int], modes: list[str]) -> tuple[list[dict], dict]:
     from vmmkv.integrations.vllm.workloads import FamilyRun, summary
 
-    rows = []
+    rows, series = [], {}
     for family in names:
-        for seed in seeds:
-            got = {}
-            for way, elastic, order in WAYS:
-                with scoped_env({"VMMKV_ELASTIC_ORDER": order or "lowest"}):
-                    run = FamilyRun(trace=family, seed=seed, elastic=elastic)
-                    t0 = time.perf_counter()
-                    run.run()
-                    wall = time.perf_counter() - t0
-                got[way] = {"way": way, **summary(run), "wall_s": wall}
-            base = got["vllm"]
-            for row in got.values():
-                hits = base["hit_tokens"]
-                row["hits_of_vllm"] = row["hit_tokens"] / hits if hits else None
-                row["preemptions_over_vllm"] = row["preemptions"] - base["preemptions"]
-                rows.append(row)
-    return rows
+        for mode in modes:
+            for seed in seeds:
+                got = {}
+                for way, elastic, order in WAYS:
+                    with scoped_env({"VMMKV_ELASTIC_ORDER": order or "lowest"}):
+                        run = FamilyRun(trace=family, seed=seed, mode=mode, elastic=elastic)
+                        t0 = time.perf_counter()
+                        run.run()
+                        wall = time.perf_counter() - t0
+                    row = {"way": way, "mode": mode, **summary(run), "wall_s": wall}
+                    if elastic:
+                        row.update(_checks(run, row), lead_steps=run.el.s.lead_steps)
+                    got[way] = row
+                    if seed == seeds[0]:
+                        series[f"{family}-{mode}-{way}"] = _series(run)
+                base = got["vllm"]
+                for row in got.values():
+                    hits = base["hit_tokens"]
+                    row["hits_of_vllm"] = row["hit_tokens"] / hits if hits else None
+                    row["preemptions_over_vllm"] = row["preemptions"] - base["preemptions"]
+                    rows.append(row)
+                print(family, mode, seed, f"{sum(r['wall_s'] for r in got.values()):.0f} s",
+                      flush=True)  # fmt: skip
+    return rows, series
+
+
+# (family or "*", figure, "<=" or ">=", bound): the targets elastic KV is held to at vllm
+# serve's defaults, every mode and seed
+TARGETS = (
+    ("*", "hits_of_vllm", ">=", 0.98),
+    ("*", "preemptions_over_vllm", "<=", 1),
+    ("long", "light_max", "<=", 0.5),
+    ("ramp", "drain_mean", "<=", 0.5),
+    ("ramp", "committed_mean", "<=", 0.6),
+    ("idle", "floor_after_s", "<=", 5.0),
+    ("wave", "low_releases_max", "<=", 1),
+    ("wave", "release_to_grow_min_s", ">=", 5.0),
+    ("wave", "periodic", ">=", True),
+)
+
+
+def targets(rows: list[dict], way: str = "elastic") -> list[dict]:
+    """Per target: the worst case over modes and seeds, where, and whether every one met it."""
+    out = []
+    for family, key, op, bound in TARGETS:
+        got = [r for r in rows if r["way"] == way and family in ("*", r["family"])]
+        got = [r for r in got if r.get(key) is not None]
+        for fam in sorted({r["family"] for r in got}) if family == "*" else [family]:
+            mine = [r for r in got if r["family"] == fam]
+            if not mine:
+                continue
+            worst = (max if op == "<=" else min)(mine, key=lambda r: r[key])
+            bad = [f"{r['mode']}/{r['seed']}" for r in mine
+                   if not (r[key] <= bound if op == "<=" else r[key] >= bound)]  # fmt: skip
+            out.append({
+                "family": fam, "figure": key, "target": f"{op} {bound}", "worst": worst[key],
+                "at": f"{worst['mode']}/{worst['seed']}", "missed": ",".join(bad) or "-",
+            })  # fmt: skip
+    return out
+
+
+def per_family(rows: list[dict]) -> list[dict]:
+    """Per family and way: mean [min, max] over modes and seeds of the main figures."""
+    out = []
+    keys = ("committed_mean", "committed_peak", "over_need", "hits_of_vllm", "preemptions",
+            "drain_s", "releases", "grows")  # fmt: skip
+    for fam in dict.fromkeys(r["family"] for r in rows):
+        for way, *_ in WAYS:
+            mine = [r for r in rows if r["family"] == fam and r["way"] == way]
+            row = {"family": fam, "way": way, "runs": len(mine)}
+            for k in keys:
+                v = [r[k] for r in mine if r.get(k) is not None]
+                if v:
+                    row[k] = f"{sum(v) / len(v):.3g} [{min(v):.3g}, {max(v):.3g}]"
+            out.append(row)
+    return out
 
 
 def traces(seeds: list[int]) -> tuple[list[dict], dict]:
@@ -124,7 +228,7 @@ def traces(seeds: list[int]) -> tuple[list[dict], dict]:
 
 
 def host_cost(running: int, steps: int) -> list[dict]:
-    from vmmkv.integrations.vllm.trace import TraceRun, counting_worker, model_output
+    from vmmkv.integrations.vllm.trace import TraceRun, counting_worker, model_output, schedule
 
     rows = []
     for elastic in (False, True):
@@ -154,7 +258,7 @@ def host_cost(running: int, steps: int) -> list[dict]:
         for _ in range(steps):
             hooks.append(0)
             t0 = time.perf_counter_ns()
-            so = s.schedule()
+            so = schedule(s)
             stamp = worker(so)
             s.update_from_output(so, model_output(so, stamp))
             per_step.append(time.perf_counter_ns() - t0)
@@ -172,29 +276,23 @@ def host_cost(running: int, steps: int) -> list[dict]:
     return rows
 
 
-def plot(series: dict, path: str) -> str:
-    try:
-        import matplotlib
+def plot(series: dict, path: str, mode: str = "async") -> str:
+    """Committed of capacity over simulated time, a panel per family (the first seed)."""
+    from svgplot import panels
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot (pip install -e '.[plot]')"
-    keys = sorted({k.rsplit("-", 1)[0].rsplit("-", 1)[0] for k in series})
-    keys = [k for k in ("burst-0", "square-0") if k in keys] or keys[:2]
-    fig, axes = plt.subplots(len(keys), 1, figsize=(10, 4 * len(keys)), squeeze=False)
-    for ax, key in zip(axes[:, 0], keys, strict=True):
-        base = series[f"{key}-elastic"]
-        ax.fill_between(range(len(base)), [u for u, _, _ in base], color="0.8", label="in use")
-        ax.plot([u + c for u, c, _ in base], color="0.5", lw=0.8, label="in use + cached-free")
-        for way, style in (("vllm", ":"), ("elastic-lifo", "--"), ("elastic", "-")):
-            ax.plot([c for _, _, c in series[f"{key}-{way}"]], style, label=f"committed: {way}")
-        ax.set_title(f"vLLM 0.34 scheduler, 2048 blocks, trace {key}")
-        ax.set_xlabel("step")
-        ax.set_ylabel("blocks")
-        ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fams = list(dict.fromkeys(k.split("-")[0] for k in series))
+    plots = []
+    for fam in fams:
+        el = series.get(f"{fam}-{mode}-elastic")
+        if el is None:
+            continue
+        lines = [("in use (elastic)", "#bbb", "", [(t, u) for t, _, u in el])]
+        for way, colour, dash in (("vllm", "#444", "2,3"), ("elastic-lifo", "#d62", "6,3"),
+                                  ("elastic", "#16c", "")):  # fmt: skip
+            pts = series[f"{fam}-{mode}-{way}"]
+            lines.append((f"committed: {way}", colour, dash, [(t, c) for t, c, _ in pts]))
+        plots.append((f"{fam} ({mode} scheduling, seed 0): committed of 4096 blocks", lines))
+    panels(path, plots, x_label="simulated seconds", y_label="of capacity")
     return f"plot: {path}"
 
 
@@ -202,37 +300,51 @@ def main() -> None:
     ap = arguments(__doc__, "bench_elastic")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--families", default="ramp,long,zipf,wave,idle")
+    ap.add_argument("--modes", default="sync,async,bq2")
     ap.add_argument("--no-traces", action="store_true", help="families and host cost only")
     ap.add_argument("--running", type=int, default=256)
     ap.add_argument("--steps", type=int, default=400)
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
     os.environ.update(ENV)
     from vmmkv.integrations.vllm import _patches
 
     _patches.install_engine()
     try:
-        fam = families([f for f in args.families.split(",") if f], seeds)
-        rows, series = ([], {}) if args.no_traces else traces(seeds)
+        fam, series = families([f for f in args.families.split(",") if f], seeds, modes)
+        rows, _ = ([], {}) if args.no_traces else traces(seeds)
         cost = host_cost(args.running, args.steps)
     finally:
         _patches.uninstall()
-    cols = ["family", "seed", "way", "committed_mean", "committed_peak", "over_need"]
+    cols = ["family", "mode", "seed", "way", "committed_mean", "committed_peak", "over_need"]
     print(table(fam, cols + ["hits_of_vllm", "preemptions", "drain_s", "releases", "grows",
-                             "release_to_grow_min_s"]))  # fmt: skip
+                             "release_to_grow_min_s", "floor_after_s"]))  # fmt: skip
     for r in fam:
         if r["way"] == "elastic":
-            print(r["family"], r["seed"], {k: round(v, 3) for k, v in r["phases"].items()})
+            extra = {k: r[k] for k in ("light_max", "drain_mean", "low_releases_max", "periodic",
+                                       "periodic_from_third", "wave_mismatches")
+                     if k in r}  # fmt: skip
+            print(r["family"], r["mode"], r["seed"],
+                  {k: round(v, 3) for k, v in r["phases"].items()}, extra)  # fmt: skip
+    summ, goals = per_family(fam), targets(fam)
+    hooks = max(r["hooks_us"] for r in cost)
+    goals.append({"family": "-", "figure": f"hooks_us at {args.running} running",
+                  "target": "<= 50", "worst": hooks, "at": "sync",
+                  "missed": "-" if hooks <= 50 else "sync"})  # fmt: skip
+    print(table(summ, ["family", "way", "runs", "committed_mean", "committed_peak", "over_need",
+                       "hits_of_vllm", "preemptions", "drain_s", "releases", "grows"]))  # fmt: skip
+    print(table(goals, ["family", "figure", "target", "worst", "at", "missed"]))
     if rows:
         cols = ["trace", "seed", "way", "phase", "in_use", "cached_free", "committed"]
         print(table(rows, cols + ["of_capacity", "hit_tokens", "grows", "releases"]))
     print(table(cost, ["elastic", "running", "steps", "step_us", "hooks_us", "committed"]))
     write_json(
-        args.out, "bench_elastic", fam, traces=rows, host_cost=cost, env=ENV, trace_knobs=KNOBS,
-        series=series, command=" ".join(sys.argv),
+        args.out, "bench_elastic", fam, per_family=summ, targets=goals, traces=rows,
+        host_cost=cost, env=ENV, trace_knobs=KNOBS, series=series, command=" ".join(sys.argv),
     )  # fmt: skip
     if series:
-        out = os.path.join(os.path.dirname(os.path.abspath(args.out)), "bench_elastic.png")
+        out = os.path.join(os.path.dirname(os.path.abspath(args.out)), "bench_elastic.svg")
         print(plot(series, out))
 
 

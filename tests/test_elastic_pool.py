@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 
@@ -81,7 +82,7 @@ def _settings(n=256, **kw):
     }
     return elastic_settings(
         n, 1000, 4000, block_size=64, max_num_batched_tokens=256, max_num_seqs=8,
-        async_scheduling=False, env=env,
+        concurrent_batches=1, env=env,
     )  # fmt: skip
 
 
@@ -181,7 +182,7 @@ def test_the_queue_stays_exact_through_random_churn_with_stale_entries_dropped()
 def test_settings_defaults_rounding_and_refused_knobs():
     s = elastic_settings(
         4096, 3_076_352, 64 << 20, block_size=64, max_num_batched_tokens=8192,
-        max_num_seqs=256, async_scheduling=True, env={},
+        max_num_seqs=256, concurrent_batches=2, env={},
     )  # fmt: skip
     assert s.quantum == 21  # 64 MiB over DeepSeek-V3.2's 3,076,352 B per block
     assert s.watermark == 1024  # a quarter of the pool (3 worst steps of 384 blocks: more)
@@ -210,7 +211,7 @@ def test_settings_defaults_rounding_and_refused_knobs():
     with pytest.raises(ValueError, match=">= 2 blocks"):
         elastic_settings(
             1, 10, 10, block_size=64, max_num_batched_tokens=1, max_num_seqs=1,
-            async_scheduling=False, env={},
+            concurrent_batches=1, env={},
         )  # fmt: skip
 
 
@@ -404,7 +405,7 @@ def test_the_watermark_follows_the_largest_step_of_its_window_and_grows_track_th
     pool, clock = Pool(512), Clock()
     s = elastic_settings(
         512, 1000, 4000, block_size=64, max_num_batched_tokens=256, max_num_seqs=8,
-        async_scheduling=False, env={},
+        concurrent_batches=1, env={},
     )  # fmt: skip
     assert (s.watermark_min, s.watermark, s.floor, s.lead_steps) == (5, 24, 12, 2)
     el = ElasticPool(pool, s, clock=clock)
@@ -549,23 +550,40 @@ def test_no_holes_where_they_are_off_the_pinned_tail_keeps_its_blocks():
     assert el.resize_request() == (5, 136)
 
 
-def test_settings_for_turns_holes_off_under_vllms_extensible_kv_cache():
+def _vllm_config(extensible=None, batches=1):
     from types import SimpleNamespace
 
+    return SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=256, max_num_seqs=8),
+        cache_config=SimpleNamespace(block_size=64, enable_extensible_kv_cache=extensible),
+        max_concurrent_batches=batches,
+    )
+
+
+KVC = SimpleNamespace(num_blocks=256, kv_cache_tensors=[SimpleNamespace(size=256 * 1000)])
+
+
+def test_settings_for_turns_holes_off_under_vllms_extensible_kv_cache():
     from vmmkv.integrations.vllm._elastic_sites import settings_for
 
-    def cfg(extensible):
-        return SimpleNamespace(
-            scheduler_config=SimpleNamespace(
-                max_num_batched_tokens=256, max_num_seqs=8, async_scheduling=False
-            ),
-            cache_config=SimpleNamespace(block_size=64, enable_extensible_kv_cache=extensible),
-        )
+    assert settings_for(_vllm_config(None), KVC, 4000).holes
+    assert settings_for(_vllm_config(False), KVC, 4000).holes
+    assert not settings_for(_vllm_config(True), KVC, 4000).holes
 
-    kvc = SimpleNamespace(num_blocks=256, kv_cache_tensors=[SimpleNamespace(size=256 * 1000)])
-    assert settings_for(cfg(None), kvc, 4000).holes
-    assert settings_for(cfg(False), kvc, 4000).holes
-    assert not settings_for(cfg(True), kvc, 4000).holes
+
+def test_the_watermark_covers_one_step_more_than_vllms_batches_in_flight():
+    """A grow is confirmed by the output of the step that carried it, processed after
+    ``max_concurrent_batches - 1`` more steps were scheduled: a batch queue of 2 without async
+    scheduling (2 pipeline stages) needs the lead of async scheduling, not of a sync engine."""
+    from vmmkv.integrations.vllm._elastic_sites import settings_for
+
+    got = {b: settings_for(_vllm_config(batches=b), KVC, 4000) for b in (1, 2, 3)}
+    assert [got[b].lead_steps for b in (1, 2, 3)] == [2, 3, 4]
+    # 256 / 64 + 8 blocks a worst step: lead x 12, at most a quarter of the pool
+    assert [got[b].watermark for b in (1, 2, 3)] == [24, 36, 48]
+    assert [got[b].floor for b in (1, 2, 3)] == [12, 16, 20]  # lead x 5, in chunks of 4
+    with pytest.raises(ValueError, match="concurrent_batches"):
+        settings_for(_vllm_config(batches=0), KVC, 4000)
 
 
 @pytest.mark.timeout(60)

@@ -398,7 +398,7 @@ def test_the_idle_hook_releases_through_collective_rpc_unless_a_request_arrives(
 def _pressure_free_run(setup, steps, arrive_each_step):
     """vLLM's scheduler (256 tokens a step, 16 sequences) with the plugin's worker step; returns
     per step (committed limit, blocks in use, waiting, running) and the run."""
-    from vmmkv.integrations.vllm.trace import TraceRun, counting_worker, model_output
+    from vmmkv.integrations.vllm.trace import TraceRun, counting_worker, model_output, schedule
 
     run = TraceRun(trace="ranks", num_blocks=N, max_num_batched_tokens=256, max_num_seqs=16)
     s = run.build()
@@ -408,7 +408,7 @@ def _pressure_free_run(setup, steps, arrive_each_step):
     for _ in range(steps):
         if arrive_each_step:
             run._add(100, 8, shared=False)
-        so = s.schedule()
+        so = schedule(s)
         s.update_from_output(so, model_output(so, on_step(so)))
         in_use = sum(1 for b in run.pool.blocks if b.ref_cnt > 0 and not b.is_null)
         rows.append((run.el.limit, in_use, len(s.waiting), len(s.running)))
@@ -438,12 +438,12 @@ def test_a_wait_mode_pause_that_holds_back_new_requests_does_not_grow_the_pool(e
     requests drain, new ones stay waiting until the resume."""
     from vllm.v1.core.sched.interface import PauseState
 
-    from vmmkv.integrations.vllm.trace import model_output
+    from vmmkv.integrations.vllm.trace import model_output, schedule
 
     def paused(run, s, on_step):
         for _ in range(4):
             run._add(200, 40, shared=False)
-        so = s.schedule()  # admitted before the pause
+        so = schedule(s)  # admitted before the pause
         s.update_from_output(so, model_output(so, on_step(so)))
         s.set_pause_state(PauseState.PAUSED_NEW)
         for _ in range(3):

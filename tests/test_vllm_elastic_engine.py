@@ -130,9 +130,9 @@ def worker_step(worker, so):
 def _step(run, executor):
     """One engine step: vLLM's schedule, every worker's step, vLLM's update from rank 0's
     output (which carries its stamp)."""
-    from vmmkv.integrations.vllm.trace import model_output
+    from vmmkv.integrations.vllm.trace import model_output, schedule
 
-    so = run.scheduler.schedule()
+    so = schedule(run.scheduler)
     stamps = executor.collective_rpc(worker_step, args=(so,))
     run.scheduler.update_from_output(so, model_output(so, stamps[0]))
 
@@ -580,7 +580,7 @@ def _forked_engine_core(q):
         from vllm.v1.core.sched.scheduler import Scheduler
 
         from vmmkv.integrations.vllm import _patches
-        from vmmkv.integrations.vllm.trace import TraceRun, counting_worker, model_output
+        from vmmkv.integrations.vllm.trace import TraceRun, counting_worker, model_output, schedule
 
         load_general_plugins()  # EngineCore.__init__'s first call: a no-op after the fork
         patched = Scheduler.schedule is not _patches.original(Scheduler, "schedule")
@@ -590,7 +590,7 @@ def _forked_engine_core(q):
         for _ in range(6):
             run._add(700, 50, shared=False)
         for _ in range(40):
-            so = s.schedule()
+            so = schedule(s)
             s.update_from_output(so, model_output(so, on_step(so)))
         q.put({"patched": patched, "grows": run.el.counts["grows"], "limit": run.el.limit})
     except BaseException as exc:  # reported to the parent

@@ -180,15 +180,19 @@ def elastic_settings(
     block_size: int,
     max_num_batched_tokens: int,
     max_num_seqs: int,
-    async_scheduling: bool,
+    concurrent_batches: int,
     holes: bool = True,
     env: Mapping[str, str] | None = None,
 ) -> ElasticSettings:
     """Elastic mode's settings for a pool of ``num_blocks`` blocks of ``block_bytes`` (every
     layer's bytes of one block, one replica) in chunks of ``chunk_bytes``.
 
-    Defaults. A grow becomes usable 1 step later (2 with async scheduling's batch queue), so the
-    free blocks must cover ``lead_steps`` = 2 (3) steps. The worst step takes
+    Defaults. ``concurrent_batches`` is vLLM's ``max_concurrent_batches`` (1; 2 with async
+    scheduling or 2 pipeline stages; pipeline stages + 1 with both): a grow rides on step k's
+    ``SchedulerOutput`` and is confirmed by its model output, processed after
+    ``concurrent_batches - 1`` more steps were scheduled, so it becomes usable
+    ``concurrent_batches`` steps later and the free blocks must cover ``lead_steps`` =
+    ``concurrent_batches + 1`` steps. The worst step takes
     ``ceil(max_num_batched_tokens / block_size) + max_num_seqs`` blocks (every running request
     crossing a block boundary at once): ``watermark``, the upper bound, covers ``lead_steps`` of
     those (at most a quarter of the pool). A step that admits a full token budget takes
@@ -205,7 +209,9 @@ def elastic_settings(
             f"{num_blocks} blocks of {block_bytes} B, chunks of {chunk_bytes} B"
         )
     quantum = max(1, chunk_bytes // block_bytes)
-    lead = 3 if async_scheduling else 2
+    if concurrent_batches < 1:
+        raise ValueError(f"concurrent_batches must be >= 1, got {concurrent_batches}")
+    lead = concurrent_batches + 1
     budget = -(-max_num_batched_tokens // block_size)
     worst = min(num_blocks // 4, lead * (budget + max_num_seqs))
     admit = min(worst, budget + -(-max_num_seqs // block_size))

@@ -76,7 +76,7 @@ def settings_for(vllm_config: Any, kv_cache_config: Any, chunk_bytes: int,
         block_bytes(kv_cache_config), chunk_bytes,
         block_size=vllm_config.cache_config.block_size,
         max_num_batched_tokens=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs,
-        async_scheduling=bool(sc.async_scheduling), holes=not extensible,
+        concurrent_batches=vllm_config.max_concurrent_batches, holes=not extensible,
     )  # fmt: skip
 
 

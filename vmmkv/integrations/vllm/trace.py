@@ -26,24 +26,30 @@ step's time from its tokens instead). The engine's idle hook is emulated: after
 ``IDLE_STEPS`` steps without a request, the pool's
 ``idle_release`` runs once (``on_idle`` receives its resize request). Async scheduling
 (``async_depth=2``: vLLM's ``AsyncScheduler``) schedules step k+1 before step k's output is
-processed, as ``EngineCore.step_with_batch_queue`` does.
+processed, as ``EngineCore.step_with_batch_queue`` does. ``pipeline``: vLLM's
+``pipeline_parallel_size`` in the scheduler's config (its ``max_concurrent_batches`` and so the
+pool's settings follow it; the plugin refuses pipeline parallelism for its workers, the trace
+builds the engine core's side past that refusal).
 
 Local; each :class:`TraceRun` owns its scheduler.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ... import _blockset as blockset
 from ._elastic import RESIZE, STAMP
 
-__all__ = ["IDLE_STEPS", "PHASES", "CountingCache", "TraceRun", "TraceStep", "model_output"]
+__all__ = [
+    "IDLE_STEPS", "PHASES", "CountingCache", "TraceRun", "TraceStep", "model_output", "schedule",
+]  # fmt: skip
 
 BS = 64
 IDLE_STEPS = 20
@@ -55,15 +61,58 @@ PHASES = {
 }
 
 
+@contextlib.contextmanager
+def _pipeline_allowed() -> Iterator[None]:
+    """The plugin's config check with pipeline stages let through (the engine core's side
+    alone: its refusal is about the workers' collectives, which a trace does not run)."""
+    from . import _elastic_sites
+
+    check = _elastic_sites.check_elastic_config
+
+    def without_stages(cfg: Any) -> None:
+        pc = cfg.parallel_config
+        stages, pc.pipeline_parallel_size = pc.pipeline_parallel_size, 1
+        try:
+            check(cfg)
+        finally:
+            pc.pipeline_parallel_size = stages
+
+    _elastic_sites.check_elastic_config = without_stages
+    try:
+        yield
+    finally:
+        _elastic_sites.check_elastic_config = check
+
+
+SAMPLING = "_vmmkv_trace_sampling"  # the requests of a step that sample a token
+
+
+def schedule(scheduler: Any) -> Any:
+    """vLLM's ``scheduler.schedule()``, its output marked with the requests that sample a token
+    in that step: those vLLM's scheduler does not leave in a prefill chunk
+    (``Request.is_prefill_chunk``, set as it schedules). vLLM's model runner discards the token
+    of a partial prefill chunk; the mark must be taken here, before a later schedule (async
+    scheduling, a batch queue) moves the request on."""
+    so = scheduler.schedule()
+    reqs = scheduler.requests
+    setattr(so, SAMPLING, frozenset(
+        r for r in so.num_scheduled_tokens if not reqs[r].is_prefill_chunk
+    ))  # fmt: skip
+    return so
+
+
 def model_output(so: Any, stamp: Any = None) -> Any:
-    """The output rank's ``ModelRunnerOutput`` for ``so``: one fixed sampled token per scheduled
-    request, with the worker's elastic stamp when given."""
+    """The output rank's ``ModelRunnerOutput`` for ``so``: one fixed sampled token per request
+    that samples in the step (:func:`schedule` marks them: a partial prefill chunk samples
+    none; an output not made by it, every request), with the worker's elastic stamp when
+    given."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     ids = list(so.num_scheduled_tokens)
+    sampling = getattr(so, SAMPLING, None)
     out = ModelRunnerOutput(
         req_ids=ids,
-        sampled_token_ids=[[7] for _ in ids],
+        sampled_token_ids=[[7] if sampling is None or r in sampling else [] for r in ids],
     )  # fmt: skip
     if stamp is not None:
         setattr(out, STAMP, stamp)
@@ -145,6 +194,7 @@ class TraceRun:
     num_blocks: int = 2048
     elastic: bool = True
     async_depth: int = 1
+    pipeline: int = 1  # vLLM's pipeline_parallel_size: batches in flight without async
     world: int = 2
     layers: int = 2
     max_num_batched_tokens: int = 4096
@@ -200,13 +250,14 @@ class TraceRun:
         )
         cfg.scheduler_config.max_num_seqs = self.max_num_seqs
         cfg.scheduler_config.async_scheduling = self.async_depth > 1
+        cfg.parallel_config.pipeline_parallel_size = self.pipeline
         hf = get_hash_fn_by_name(cfg.cache_config.prefix_caching_hash_algo)
         init_none_hash(hf)
         self._hasher = get_request_block_hasher(BS, hf)
         cls = AsyncScheduler if self.async_depth > 1 else Scheduler
         if not self.elastic:  # the same config without the pool: PCP 1 in the scheduler's eyes
             cfg.parallel_config.prefill_context_parallel_size = 1
-        with set_current_vllm_config(cfg):
+        with set_current_vllm_config(cfg), _pipeline_allowed():
             self.scheduler = cls(
                 vllm_config=cfg, kv_cache_config=kvc,
                 structured_output_manager=StructuredOutputManager(cfg), block_size=BS,
@@ -320,7 +371,7 @@ class TraceRun:
                             on_idle(resize)
                 ran = s.has_requests()
                 if ran:
-                    so = s.schedule()
+                    so = schedule(s)
                     self.hit_tokens += sum(r.num_computed_tokens for r in so.scheduled_new_reqs)
                     self.preemptions += len(so.preempted_req_ids or ())
                     if self.el is not None:

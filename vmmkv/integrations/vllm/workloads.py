@@ -3,17 +3,29 @@ in simulated seconds, with or without elastic KV: what committed memory, prefix 
 preemptions a policy gives on load it was not tuned on. For the elastic tests and
 ``benchmarks/bench_elastic.py``; needs vLLM.
 
-Setting (no elastic knob set): ``max_num_batched_tokens`` 8192, ``max_num_seqs`` 1024, async
-scheduling (vLLM's ``AsyncScheduler``, a batch queue of 2: ``vllm serve``'s default where the
-executor supports it), prefix caching on, block size 64 and DeepSeek-V3.2's per-block bytes
-(61 layers, 3,076,352 B: 21 blocks per 64 MiB chunk), ``CAPACITY`` blocks. The workers are the
-plugin's worker step over a block counter (``trace.counting_worker``).
+Setting (no elastic knob set): ``max_num_batched_tokens`` 8192, ``max_num_seqs`` 1024, prefix
+caching on, block size 64 and DeepSeek-V3.2's per-block bytes (61 layers, 3,076,352 B: 21
+blocks per 64 MiB chunk), ``CAPACITY`` blocks. The workers are the plugin's worker step over a
+block counter (``trace.counting_worker``); the pool's settings are the plugin's for the mode
+(its lead follows vLLM's ``max_concurrent_batches``).
 
-Time: a step takes ``STEP_BASE_S + STEP_TOKEN_S x`` its scheduled tokens (a model, not a
-measurement: 8192 prefill tokens 0.13 s, 150 decodes 12 ms); the pool's clock reads the
-simulated time. An idle engine jumps to the next arrival; the engine's idle hook runs when it
-was idle ``idle_seconds`` (the pool's) before that. So a run is exact, machine-independent and
-takes seconds of CPU for minutes of load.
+Scheduling modes (``MODES``), each driven as ``EngineCore`` drives it: ``"sync"``, vLLM's
+``Scheduler`` through ``step()`` (schedule, wait, process); ``"async"``, its ``AsyncScheduler``
+(``vllm serve``'s default where the executor supports it) through ``step_with_batch_queue``
+with a queue of 2; ``"bq2"``, the plain ``Scheduler`` through ``step_with_batch_queue`` with a
+queue of 2 (2 pipeline stages without async scheduling). The loop is that method's: schedule
+whenever the scheduler has requests, an empty batch included (it takes a queue slot); wait for
+the oldest batch only when the queue is full or nothing more can be scheduled. Under "bq2" a
+decoding request with a step in flight gets no tokens until that step's output is processed
+(the plain scheduler's own rule), while a chunked prefill's next chunk may be scheduled.
+
+Time: a batch's model time is ``STEP_BASE_S + STEP_TOKEN_S x`` its scheduled tokens (a model,
+not a measurement: 8192 prefill tokens 0.13 s, 150 decodes 12 ms; an empty batch none), run
+through the pipeline's stages in order, each stage taking its share (one stage unless "bq2");
+scheduling takes no time, the engine's clock moves when it waits for a batch. The pool's clock
+reads the simulated time. An idle engine jumps to the next arrival; the engine's idle hook runs
+when it was idle ``idle_seconds`` (the pool's) before that. So a run is exact,
+machine-independent and takes seconds of CPU for minutes of load.
 
 Families (arrival phases; then "drain" until the idle release after the last arrival, "idle"):
 
@@ -27,8 +39,11 @@ Families (arrival phases; then "drain" until the idle release after the last arr
   pool's holes free the whole chunks between them.
 - ``"zipf"``: 8 shared prefixes of 1500-3000 tokens chosen with Zipf(1.1) popularity, unique
   suffixes (lognormal median 128) and outputs (median 96), Poisson 12/s for 120 s ("load").
-- ``"wave"``: a square wave: Poisson 12/s for 20 s ("high<p>"), 1/s for 20 s ("low<p>"),
-  4 periods; prompts and outputs as "ramp".
+- ``"wave"``: a square wave of one period repeated 4 times: Poisson 12/s for 20 s
+  ("high<p>"), 1/s for 20 s ("low<p>"), prompts and outputs as "ramp", drawn once; every
+  period repeats those arrival times and lengths with fresh tokens (so no prefix hit links the
+  periods). Periodic load makes "the same behaviour every period" checkable
+  (:func:`wave_mismatches`); the first period starts from the floor and may differ.
 - ``"idle"``: 40 requests at t=0 ("burst", 10 s), then nothing for 60 s.
 
 Local; each :class:`FamilyRun` owns its scheduler.
@@ -41,14 +56,29 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .trace import TraceRun, counting_worker, model_output
+from .trace import TraceRun, counting_worker, model_output, schedule
 
-__all__ = ["CAPACITY", "FAMILIES", "FamilyRun", "Row", "summary"]
+__all__ = [
+    "CAPACITY",
+    "FAMILIES",
+    "MODES",
+    "FamilyRun",
+    "Row",
+    "summary",
+    "wave_periods",
+    "wave_mismatches",
+]
 
 CAPACITY = 4096
 STEP_BASE_S = 0.01
 STEP_TOKEN_S = 1.5e-5
 FAMILIES = ("ramp", "long", "zipf", "wave", "idle")
+# scheduling mode -> (TraceRun.async_depth, TraceRun.pipeline): vLLM's Scheduler stepping one
+# batch at a time; its AsyncScheduler with a batch queue of 2; its Scheduler with a batch queue
+# of 2 (2 pipeline stages, no async scheduling)
+MODES = {"sync": (1, 1), "async": (2, 1), "bq2": (1, 2)}
+WAVE_PERIOD_S = 40.0
+WAVE_PERIODS = 4
 
 
 @dataclass
@@ -71,13 +101,15 @@ class FamilyRun(TraceRun):
 
     trace: str = "ramp"
     num_blocks: int = CAPACITY
-    async_depth: int = 2
+    mode: str = "async"
     layers: int = 61
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 1024
     max_model_len: int = 16384
     rows: list[Row] = field(default_factory=list)
     events: list[tuple[float, str, int]] = field(default_factory=list)  # (t, kind, blocks)
+    # when the engine went idle (no request, no batch in flight): its idle hook counts from here
+    went_idle: list[float] = field(default_factory=list)
     phase_ends: list[tuple[str, float]] = field(default_factory=list)
     last_arrival: float = 0.0
     now: float = 0.0
@@ -134,10 +166,13 @@ class FamilyRun(TraceRun):
                 sfx = toks(self._lognormal(128, 0.8, 16, 1024))
                 out.append((t, p + sfx, self._lognormal(96, 0.7, 8, 512)))
         elif fam == "wave":
-            for p in range(4):
-                self.phase_ends += [(f"high{p}", 40.0 * p + 20), (f"low{p}", 40.0 * p + 40)]
-            self._poisson(0, 160, lambda t: 12.0 if t % 40 < 20 else 1.0, times)
-            out = [(t, *plain()) for t in times]
+            period = WAVE_PERIOD_S
+            for p in range(WAVE_PERIODS):
+                self.phase_ends += [(f"high{p}", period * (p + 0.5)), (f"low{p}", period * (p + 1))]
+            self._poisson(0, period, lambda t: 12.0 if t < period / 2 else 1.0, times)
+            shape = [(t, self._lognormal(1024, 0.9, 16, 8000), self._lognormal(192, 0.8, 8, 1500))
+                     for t in times]  # fmt: skip
+            out = [(period * p + t, toks(n), o) for p in range(WAVE_PERIODS) for t, n, o in shape]
         elif fam == "idle":
             self.phase_ends = [("burst", 10.0)]
             out = [(0.0, *plain()) for _ in range(40)]
@@ -174,6 +209,17 @@ class FamilyRun(TraceRun):
             )  # fmt: skip
         )
 
+    def build(self) -> Any:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown scheduling mode {self.mode!r}; expected one of {MODES}")
+        self.async_depth, self.pipeline = MODES[self.mode]
+        return super().build()
+
+    def _advance(self, t: float) -> None:
+        if t > self.now:
+            self._row(t - self.now)
+            self.now = t
+
     def run(self, on_step=None, on_idle=None, idle_tail: float = 20.0) -> list[Row]:
         """Run the family; ``idle_tail`` seconds of idle after its last arrival phase and the
         last request (at least ``idle_seconds`` + 5 s for the idle release to show)."""
@@ -185,8 +231,10 @@ class FamilyRun(TraceRun):
             idle_s = self.el.s.idle_seconds
         else:
             idle_s = math.inf
+        depth, stages = self.vllm_config.max_concurrent_batches, self.pipeline
+        free = [0.0] * stages  # when each pipeline stage is next free
         end_of_load = max(self.phase_ends[-1][1], self.last_arrival)
-        inflight: deque[tuple[Any, Any]] = deque()
+        inflight: deque[tuple[Any, Any, float]] = deque()  # (output, stamp, ready at)
         i, idle_since, idle_done = 0, 0.0, False
         while True:
             while i < len(plan) and plan[i][0] <= self.now:
@@ -197,41 +245,42 @@ class FamilyRun(TraceRun):
                 stop = max(end_of_load, idle_since) + idle_tail
                 until = nxt if nxt is not None else stop
                 if not idle_done and idle_since + idle_s < until:  # the engine's idle hook
-                    self._row(idle_since + idle_s - self.now)
-                    self.now = idle_since + idle_s
+                    self._advance(idle_since + idle_s)
                     resize = self.el.idle_release()
                     idle_done = True
                     if resize is not None:
                         self.events.append((self.now, "idle", self.el.committed))
                         on_idle(resize)
-                self._row(until - self.now)
-                self.now = until
+                self._advance(until)
                 if nxt is None:
                     break
                 continue
             idle_done = False
-            seq, releases = (self.el.seq, self.el.counts["releases"]) if self.el else (0, 0)
-            so = s.schedule()
-            if self.el is not None:
-                if self.el.counts["releases"] > releases:
-                    self.events.append((self.now, "release", self.el.committed))
-                elif self.el.seq > seq and self.el.pending is not None:
-                    self.events.append((self.now, "grow", self.el.pending[1]))
-                self._check_committed(so)
-            self.hit_tokens += sum(r.num_computed_tokens for r in so.scheduled_new_reqs)
-            self.preemptions += len(so.preempted_req_ids or ())
-            inflight.append((so, on_step(so) if on_step is not None else None))
-            while len(inflight) >= self.async_depth:
-                so0, stamp = inflight.popleft()
-                s.update_from_output(so0, model_output(so0, stamp))
-            dt = STEP_BASE_S + STEP_TOKEN_S * so.total_num_scheduled_tokens
-            self._row(dt)
-            self.now += dt
-            if not s.has_requests():
-                while inflight:
-                    so0, stamp = inflight.popleft()
-                    s.update_from_output(so0, model_output(so0, stamp))
+            if s.has_requests():  # EngineCore.step_with_batch_queue (step() at depth 1)
+                seq, releases = (self.el.seq, self.el.counts["releases"]) if self.el else (0, 0)
+                so = schedule(s)
+                if self.el is not None:
+                    if self.el.counts["releases"] > releases:
+                        self.events.append((self.now, "release", self.el.committed))
+                    elif self.el.seq > seq and self.el.pending is not None:
+                        self.events.append((self.now, "grow", self.el.pending[1]))
+                    self._check_committed(so)
+                self.hit_tokens += sum(r.num_computed_tokens for r in so.scheduled_new_reqs)
+                self.preemptions += len(so.preempted_req_ids or ())
+                tokens = so.total_num_scheduled_tokens
+                d = STEP_BASE_S + STEP_TOKEN_S * tokens if tokens else 0.0
+                t = self.now
+                for k in range(stages):  # each stage runs 1/stages of the model, in order
+                    t = free[k] = max(t, free[k]) + d / stages
+                inflight.append((so, on_step(so) if on_step is not None else None, t))
+                if len(inflight) < depth and (tokens > 0 or s.has_requests()):
+                    continue  # the batch queue is not full: schedule again without waiting
+            so0, stamp, ready = inflight.popleft()  # block on the oldest batch
+            self._advance(ready)
+            s.update_from_output(so0, model_output(so0, stamp))
+            if not (s.has_requests() or inflight):
                 idle_since = self.now
+                self.went_idle.append(idle_since)
         return self.rows
 
 
@@ -274,3 +323,44 @@ def summary(run: FamilyRun) -> dict[str, Any]:
         floor=run.el.s.floor / cap,
     )  # fmt: skip
     return out
+
+
+def committed_at(run: FamilyRun, t: float) -> int:
+    """Committed blocks at simulated time ``t`` (the last row starting at or before it)."""
+    return max((r for r in run.rows if r.t <= t), key=lambda r: r.t).committed
+
+
+def wave_periods(run: FamilyRun) -> list[dict[str, Any]]:
+    """Per period of the "wave" family: its resize decisions in order, as (kind, seconds into
+    the period), and committed blocks at the end of its high and its low half."""
+    out = []
+    for p in range(WAVE_PERIODS):
+        t0 = WAVE_PERIOD_S * p
+        ev = [(k, t - t0) for t, k, _ in run.events if t0 <= t < t0 + WAVE_PERIOD_S]
+        ends = [t0 + WAVE_PERIOD_S / 2, t0 + WAVE_PERIOD_S]
+        # the half's end, an instant before the next half's first arrival is scheduled
+        out.append({"events": ev, "committed": [committed_at(run, t - 1e-9) for t in ends]})
+    return out
+
+
+def wave_mismatches(run: FamilyRun, tol_s: float = 1.0, first: int = 1) -> list[str]:
+    """How the wave's periods from period ``first`` on (0-based: 1 is the second) differ from
+    that one (empty: periodic). Periodic means: the same resize decisions in the same order
+    (grow, release, idle release), each within ``tol_s`` of the reference period's time into
+    the period, and committed blocks at the end of each half within one quantum of the
+    reference's. The first period starts from the floor and an empty prefix cache, so it may
+    differ."""
+    per, quantum = wave_periods(run), run.el.s.quantum
+    ref, bad = per[first], []
+    for p, got in enumerate(per[first + 1 :], first + 1):
+        kinds = [k for k, _ in got["events"]]
+        if kinds != [k for k, _ in ref["events"]]:
+            bad.append(f"period {p}: decisions {got['events']} != {ref['events']}")
+        elif any(
+            abs(a[1] - b[1]) > tol_s for a, b in zip(got["events"], ref["events"], strict=True)
+        ):
+            bad.append(f"period {p}: decision times {got['events']} != {ref['events']}")
+        for half, a, b in zip(("high", "low"), got["committed"], ref["committed"], strict=True):
+            if abs(a - b) > quantum:
+                bad.append(f"period {p}: committed at the {half} half's end {a} != {b}")
+    return bad
