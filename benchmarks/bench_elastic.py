@@ -38,7 +38,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import arguments, median, table, write_json  # noqa: E402
+from common import arguments, median, percentile, table, write_json  # noqa: E402
 
 ENV = {"VLLM_USE_VMMKV": "1", "VLLM_VMMKV_ELASTIC": "1"}
 # the step-scale traces' knobs (2048 blocks of 2 layers, 100,864 B per block): 15 blocks per
@@ -276,6 +276,57 @@ def host_cost(running: int, steps: int) -> list[dict]:
     return rows
 
 
+def scan_cost(num_blocks: int = 4096, steps: int = 1500) -> list[dict]:
+    """The pool's step (``before_schedule``) while a release is due and the hole scan finds
+    nothing: vLLM's ``BlockPool`` of ``num_blocks`` committed to the top, one block in use in
+    every chunk (the worst case: every chunk is read, none is free), 20 ms steps on the pool's
+    clock. Side by side: the scan bounded to ``SCAN_BLOCKS`` a step, and the whole pool in one
+    step (``SCAN_BLOCKS`` unbounded, the scan before it was bounded)."""
+    from vmmkv.integrations.vllm import _elastic
+    from vmmkv.integrations.vllm.trace import TraceRun
+
+    rows, bounded = [], _elastic.SCAN_BLOCKS
+    for per_step in (bounded, 1 << 30):
+        _elastic.SCAN_BLOCKS = per_step
+        try:
+            run = TraceRun(num_blocks=num_blocks, elastic=True, max_num_seqs=256, layers=61)
+            run.build()
+            el, pool = run.el, run.pool
+            live = []
+            while el.committed < num_blocks:  # every grow confirmed, every block taken
+                live += pool.get_new_blocks(pool.get_num_free_blocks())
+                el.before_schedule()
+                if el.pending is not None:
+                    el.on_output(type("Out", (), {_elastic.STAMP: (el.seq, el.target, None)})())
+            live += pool.get_new_blocks(pool.get_num_free_blocks())
+            keep, k = set(), 0
+            while True:  # one block in use in every chunk: its last
+                lo, hi = el._chunk_blocks(k)
+                if lo >= hi or hi > num_blocks:
+                    break
+                keep.add(hi - 1)
+                k += 1
+            pool.free_blocks([b for b in live if b.block_id not in keep])
+            times = []
+            for _ in range(steps):
+                run.now += 0.02
+                t = time.perf_counter_ns()
+                el.before_schedule()
+                times.append(time.perf_counter_ns() - t)
+            late = times[int(el.s.calm_seconds / 0.02) + 50 :]  # after the calm time
+            assert el.counts["releases"] == 0 and el.committed == num_blocks, el.counts
+            rows.append({
+                "scan_blocks_per_step": per_step if per_step == bounded else "all",
+                "blocks": num_blocks, "chunks": k, "steps": len(late),
+                "median_us": median(late) / 1e3, "p99_us": percentile(late, 99) / 1e3,
+                "max_us": max(late) / 1e3,
+                "over_50us": sum(x > 50_000 for x in late),
+            })  # fmt: skip
+        finally:
+            _elastic.SCAN_BLOCKS = bounded
+    return rows
+
+
 def plot(series: dict, path: str, mode: str = "async") -> str:
     """Committed of capacity over simulated time, a panel per family (the first seed)."""
     from svgplot import panels
@@ -315,6 +366,7 @@ def main() -> None:
         fam, series = families([f for f in args.families.split(",") if f], seeds, modes)
         rows, _ = ([], {}) if args.no_traces else traces(seeds)
         cost = host_cost(args.running, args.steps)
+        scan = scan_cost()
     finally:
         _patches.uninstall()
     cols = ["family", "mode", "seed", "way", "committed_mean", "committed_peak", "over_need"]
@@ -339,9 +391,11 @@ def main() -> None:
         cols = ["trace", "seed", "way", "phase", "in_use", "cached_free", "committed"]
         print(table(rows, cols + ["of_capacity", "hit_tokens", "grows", "releases"]))
     print(table(cost, ["elastic", "running", "steps", "step_us", "hooks_us", "committed"]))
+    print(table(scan, ["scan_blocks_per_step", "blocks", "chunks", "steps", "median_us",
+                       "p99_us", "max_us", "over_50us"]))  # fmt: skip
     write_json(
         args.out, "bench_elastic", fam, per_family=summ, targets=goals, traces=rows,
-        host_cost=cost, env=ENV, trace_knobs=KNOBS, series=series, command=" ".join(sys.argv),
+        host_cost=cost, scan_cost=scan, env=ENV, trace_knobs=KNOBS, series=series, command=" ".join(sys.argv),
     )  # fmt: skip
     if series:
         out = os.path.join(os.path.dirname(os.path.abspath(args.out)), "bench_elastic.svg")

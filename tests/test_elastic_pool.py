@@ -626,3 +626,74 @@ def test_holes_that_must_take_cached_chunks_drop_their_hashes_and_keep_the_other
     kept = [i for i in range(10, 128) if i % 4 == 2 and not blockset.contains(el.holes, i)]
     assert kept and all(pool.blocks[i].block_hash == ("h", i) for i in kept)
     assert min(holed) > max(kept)  # the highest chunks first
+
+
+def _pinned_top(n=1024):
+    """A pool committed to ``n`` blocks with blocks 1-9 and the top one in use, the rest
+    freed; a release due from t = 1.05 s (calm time 1 s)."""
+    pool, clock = Pool(n), Clock()
+    el = ElasticPool(pool, _settings(n, floor=16, steps=1, cached=50, env=CALM_1S), clock=clock)
+    _, live = _grown(pool, el, clock, n)
+    pool.free_blocks([b for b in live if 10 <= b.block_id < el.limit - 1])
+    clock.t = 0.0
+    el.before_schedule()
+    clock.t = 1.05
+    return pool, clock, el
+
+
+def _until_released(el, clock, most=100):
+    steps = 0
+    while el.counts["releases"] == 0 and steps < most:
+        el.before_schedule()
+        clock.t += 0.001
+        steps += 1
+    return steps
+
+
+def test_a_hole_scan_reads_a_bounded_number_of_blocks_a_step_and_releases_what_one_pass_does(
+    monkeypatch,
+):
+    from vmmkv.integrations.vllm import _elastic
+
+    monkeypatch.setattr(_elastic, "SCAN_BLOCKS", 1 << 30)  # the whole pool in one step
+    pool, clock, el = _pinned_top()
+    whole = _until_released(el, clock)
+    assert whole == 1 and el.holes, (whole, el.counts)
+    monkeypatch.setattr(_elastic, "SCAN_BLOCKS", 64)
+    pool2, clock2, el2 = _pinned_top()
+    reads = []
+    real = pool2.blocks.__class__.__getitem__
+
+    class Counted(list):
+        def __getitem__(self, i):
+            reads.append(i)
+            return real(self, i)
+
+    pool2.blocks = Counted(pool2.blocks)
+    steps = 0
+    while el2.counts["releases"] == 0 and steps < 100:
+        reads.clear()
+        el2.before_schedule()
+        clock2.t += 0.001
+        steps += 1
+        if el2.counts["releases"] == 0:
+            assert len(reads) <= 64 + 4, len(reads)  # one chunk may end past the bound
+    chunks_below = (el2.limit - 1 - 16) // 4  # chunks from the floor to the pinned top
+    assert steps == -(-(chunks_below * 4) // 64), steps  # the last one finishes and releases
+    assert (el2.holes, el2.committed) == (el.holes, el.committed)  # what one pass releases
+
+
+def test_a_chunk_handed_out_while_the_hole_scan_is_under_way_is_not_released(monkeypatch):
+    from vmmkv.integrations.vllm import _elastic
+
+    monkeypatch.setattr(_elastic, "SCAN_BLOCKS", 512)
+    pool, clock, el = _pinned_top()
+    el.before_schedule()  # the scan's first step reads chunks 16-527, every one free
+    assert el.counts["releases"] == 0 and el._scan is not None
+    taken = [pool.blocks[i] for i in range(500, 504)]
+    pool.touch(taken)  # a prefix hit takes a chunk the scan found free
+    steps = _until_released(el, clock)
+    assert el.counts["releases"] == 1 and steps == 1, (steps, el.counts)
+    assert not any(blockset.contains(el.holes, b.block_id) for b in taken), el.holes
+    # the chunks around it, read in the same step, are released
+    assert blockset.contains(el.holes, 499) and blockset.contains(el.holes, 504), el.holes
