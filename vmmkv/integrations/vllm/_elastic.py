@@ -754,6 +754,7 @@ class ElasticPool:
         committed now) and send the committed set that is left."""
         pool, q = self.pool, self.queue
         before, dropped = self.committed, 0
+        self._scan = None  # a hole scan under way read the blocks before this release
         if self.holes or gone:
             spans = blockset.union(blockset.difference(((want, self.limit),), self.holes), gone)
         else:
