@@ -610,6 +610,10 @@ class ElasticPool:
         c, bb = s.chunk_bytes, s.block_bytes
         return k * c // bb, min(s.num_blocks, -(-(k + 1) * c // bb))
 
+    def _any_in_use(self, lo: int, hi: int) -> bool:
+        blocks = self.pool.blocks
+        return any(blocks[i].ref_cnt for i in range(lo, hi))
+
     def _free_chunks(
         self, below: int, want: int, base: int, now: float
     ) -> blockset.BlockSet | None:
@@ -623,7 +627,7 @@ class ElasticPool:
         ``SCAN_BLOCKS`` blocks a step and goes on in the next step (the release waits for it),
         so no step of the engine core pays for a scan of the whole pool; a chunk it found free
         is checked again before it is chosen."""
-        s, blocks, lru, holes = self.s, self.pool.blocks, self.queue.lru, self.holes
+        s, lru, holes = self.s, self.queue.lru, self.holes
         tail = blockset.count(blockset.difference(((want, self.limit),), holes))
         spare = self.committed - tail - base  # blocks below want beyond what must stay
         if spare < s.quantum or now < self._scan_at:
@@ -644,7 +648,7 @@ class ElasticPool:
             if lo < s.floor or blockset.is_subset(((lo, hi),), holes):
                 continue
             read += hi - lo
-            if not any(blocks[i].ref_cnt for i in range(lo, hi)):
+            if not self._any_in_use(lo, hi):
                 found.append((any(i in lru for i in range(lo, hi)), -lo, lo, hi))
         self._scan = None
         found.sort()
@@ -653,7 +657,7 @@ class ElasticPool:
             more = blockset.union(gone, ((lo, hi),))
             if blockset.count(blockset.difference(more, holes)) > spare:
                 break
-            if any(blocks[i].ref_cnt for i in range(lo, hi)):  # handed out since the scan
+            if self._any_in_use(lo, hi):  # handed out since the scan
                 continue
             gone = more
         gone = blockset.difference(gone, holes)
@@ -708,20 +712,9 @@ class ElasticPool:
         _, committed, error = stamp
         target = self.pending[1]
         self.pending = None
-        if isinstance(target, int) and isinstance(committed, int) and not self.holes:
-            held = error is None and committed >= target
-        else:
-            want = blockset.as_set(target)
-            held = error is None and blockset.is_subset(want, blockset.as_set(committed))
-        if held and isinstance(target, int) and not self.holes:
+        want = blockset.as_set(target)  # (a prefix n: the set [0, n))
+        if error is None and blockset.is_subset(want, blockset.as_set(committed)):
             before = self.committed
-            self.queue.prepend_n([self.pool.blocks[i] for i in range(self.limit, target)])
-            self.limit = target
-            self.counts["grows"] += 1
-            self.counts["grown_blocks"] += target - before
-            self._log("grew", before)
-        elif held:
-            before, want = self.committed, blockset.as_set(target)
             new = blockset.difference(want, self._committed_set())
             self.queue.prepend_n([self.pool.blocks[i] for a, b in new for i in range(a, b)])
             self.limit = blockset.top(want)
@@ -755,10 +748,7 @@ class ElasticPool:
         pool, q = self.pool, self.queue
         before, dropped = self.committed, 0
         self._scan = None  # a hole scan under way read the blocks before this release
-        if self.holes or gone:
-            spans = blockset.union(blockset.difference(((want, self.limit),), self.holes), gone)
-        else:
-            spans = ((want, self.limit),)
+        spans = blockset.union(blockset.difference(((want, self.limit),), self.holes), gone)
         for start, end in spans:
             for i in range(start, end):
                 b = pool.blocks[i]
@@ -769,15 +759,12 @@ class ElasticPool:
                 self.hit.discard(i)
                 self._remove_quietly(b)
         self.limit = want
-        if self.holes or gone:
-            holes = blockset.union(
-                blockset.difference(self.holes, ((want, self.s.num_blocks),)), gone
-            )
-            if holes and holes[-1][1] == want:  # a hole that reaches the limit is tail
-                self.limit, holes = holes[-1][0], holes[:-1]
-            self.holes = holes
-            self.holed = blockset.count(self.holes)
-            self.counts["hole_blocks"] += blockset.count(gone)
+        holes = blockset.union(blockset.difference(self.holes, ((want, self.s.num_blocks),)), gone)
+        if holes and holes[-1][1] == want:  # a hole that reaches the limit is tail
+            self.limit, holes = holes[-1][0], holes[:-1]
+        self.holes = holes
+        self.holed = blockset.count(self.holes)
+        self.counts["hole_blocks"] += blockset.count(gone)
         self.seq += 1
         self.target = self._request()
         self.calm_since = self.clock() + self.s.calm_seconds  # the next: 2 calm times
