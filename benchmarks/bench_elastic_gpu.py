@@ -6,8 +6,8 @@ layouts: ``BL`` (BLNHC: one segment of packed blocks, 3,076,352 B each) or ``LB`
 segments, the 61 indexer segments of 8,448 B per block then the 61 MLA segments of 41,984 B per
 block, each ``max_blocks`` blocks long). Every resize goes through the plugin's worker side,
 ``ElasticWorker.apply(cache, (seq, target))`` of ``vmmkv.integrations.vllm._elastic_sites``, over
-an adapter that grows as ``VllmKVCache.grow`` does (``grow_blocks``, the new blocks of every
-segment zeroed in the own replica, the cache barrier) and shrinks with ``shrink_blocks``.
+an adapter that makes the cache calls ``VllmKVCache`` makes (``grow_blocks``, ``shrink_blocks``,
+``set_committed_blocks``; no zeroing or barrier of its own).
 
 Steps per configuration (layout, chunk size, ranks): 0 -> ``--floor`` (1000), then ``--reps``
 times a watermark grow ``+--step`` (256) and its release back to the floor, then a hole: the
@@ -16,7 +16,11 @@ inside them decommitted) and recommitted (``(seq, floor)``), then a full grow to
 ``--max-blocks`` (4000, like a wake) and a release to 0. Each step starts after a
 ``dist.barrier()`` and ends when the device is synchronized; per step and rank: ms, chunks
 committed or released on this rank, committed blocks, and ``committed_bytes / (blocks x
-block_bytes)``. Rows: the slowest rank per repetition, then the median over repetitions. The
+block_bytes)``. Outside the timing, every step is checked (``zero_ok``): before it, every
+committed block of the own replica is dirtied; after it, each rank at once stamps the first byte
+of every block that joined the set in the next rank's replica, and after a barrier every joined
+block reads zero in the own replica but for those stamps (a rank that zeroed late would erase a
+stamp, one that did not zero would show the dirt). Rows: the slowest rank per repetition, then the median over repetitions. The
 issue's criterion (BL at 1000 blocks, 2 processes): ratio <= 1.01 and a +256 grow <= 30 ms.
 
 Ranks share the GPU(s) (rank r on GPU r % count) or run on the host backend (``--backend
@@ -99,7 +103,10 @@ def git_commit() -> str | None:
 
 class ElasticCache:
     """What ``ElasticWorker.apply`` resizes: a ``ReplicatedKVCache`` with a block layout over
-    ``buffer`` (``segments`` in buffer offsets), grown as ``VllmKVCache.grow`` does."""
+    ``buffer`` (``segments`` in buffer offsets), resized with the calls ``VllmKVCache`` makes
+    (``grow_blocks``, ``shrink_blocks``, ``set_committed_blocks``) and nothing else: blocks that
+    join the set read zero in every replica because vmmkv's resize zeroes them before the
+    agreement that lets a peer map them (:func:`check_step` checks it every step)."""
 
     def __init__(self, cache: Any, buffer: Any, segments: list[tuple[int, int]]) -> None:
         self.cache, self.buffer, self.segments = cache, buffer, segments
@@ -113,33 +120,62 @@ class ElasticCache:
         return int(self.cache.committed_blocks or 0)
 
     def set_committed_blocks(self, intervals: Any) -> Any:
-        """Collective: as ``VllmKVCache.set_committed_blocks`` (the blocks that joined the set
-        zeroed in the own replica, then the cache barrier)."""
-        from vmmkv import _blockset as blockset
-
-        old = self.committed_block_set
-        new = self.cache.set_committed_blocks(intervals)
-        added = blockset.difference(new, old)
-        for off, bb in self.segments:
-            for start, end in added:
-                self.buffer[off + start * bb : off + end * bb].zero_()
-        if added:
-            self.cache.barrier()
-        return new
+        return self.cache.set_committed_blocks(intervals)
 
     def grow(self, n: int) -> int:
-        """Collective: ``grow_blocks(n)``, the new blocks of every segment zeroed in the own
-        replica, then the cache barrier (a peer publishes into them only afterwards)."""
-        old = self.committed_blocks
-        new = self.cache.grow_blocks(n)
-        if new > old:
-            for off, bb in self.segments:
-                self.buffer[off + old * bb : off + new * bb].zero_()
-            self.cache.barrier()
-        return new
+        return self.cache.grow_blocks(n)
 
     def shrink(self, n: int) -> int:
         return self.cache.shrink_blocks(n)
+
+
+DIRT, STAMP = 0xA5, 0x5A
+
+
+def dirty(adapter: ElasticCache) -> None:
+    """Every committed block of every segment of the own replica set to ``DIRT``: a chunk that a
+    release keeps (a hole's edges, a neighbouring segment's) holds these bytes afterwards."""
+    for off, bb in adapter.segments:
+        for a, b in adapter.committed_block_set:
+            adapter.buffer[off + a * bb : off + b * bb].fill_(DIRT)
+
+
+def check_step(adapter: ElasticCache, old: Any, replicas: list[Any], base: int) -> str:
+    """Collective, after a step returned on this rank: at once (no barrier) stamp ``STAMP`` into
+    the first byte of every block that joined the set, in the next rank's replica, as a peer's
+    store would; then, after a host barrier, every block that joined reads zero in the own
+    replica but for the previous rank's stamps. A rank that zeroed its replica after the step
+    returned elsewhere would erase a stamp; one that did not zero would show ``DIRT``. Returns
+    "" or what was wrong."""
+    import torch
+    import torch.distributed as dist
+
+    from vmmkv import _blockset as blockset
+
+    rank, world = adapter.rank, dist.get_world_size()
+    added = blockset.difference(adapter.committed_block_set, old)
+    nxt = replicas[(rank + 1) % world]
+    dev = adapter.buffer.device
+    firsts = [
+        torch.arange(base + off + a * bb, base + off + b * bb, bb, device=dev)
+        for off, bb in adapter.segments
+        for a, b in added
+    ]
+    idx = torch.cat(firsts) if firsts else torch.empty(0, dtype=torch.long, device=dev)
+    if world > 1 and idx.numel():
+        nxt.index_fill_(0, idx, STAMP)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    dist.barrier()
+    own, wrong = replicas[rank], []
+    stamped = STAMP if world > 1 else 0
+    for off, bb in adapter.segments:
+        for a, b in added:
+            got = own[base + off + a * bb : base + off + b * bb].view(b - a, bb)
+            if int(got[:, 1:].count_nonzero()) or bool((got[:, 0] != stamped).any()):
+                wrong.append(f"segment at {off} blocks [{a}, {b})")
+    dist.barrier()  # every rank checked before the next step dirties its replica
+    return f"rank {rank}: joined blocks not zero or a stamp lost: {wrong[:3]}" if wrong else ""
 
 
 def hole(floor: int, step: int) -> tuple[tuple[int, int], ...]:
@@ -184,11 +220,15 @@ def run_config(dev: Any, cfg: dict[str, Any], layout: str, chunk: int) -> dict[s
         out["base"] = base
         cache.set_block_layout([(base + off, bb) for off, bb in segs], cfg["max_blocks"])
         adapter, worker = ElasticCache(cache, buffer, segs), ElasticWorker()
+        replicas = [cache.region.view(q, reserve=True) for q in range(dist.get_world_size())]
         block_bytes = sum(bb for _, bb in segs)
         for seq, (name, target) in enumerate(
             plan(cfg["floor"], cfg["step"], cfg["max_blocks"], cfg["reps"]), start=1
         ):
-            before = cache.committed_bytes
+            before, old = cache.committed_bytes, adapter.committed_block_set
+            dirty(adapter)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
             dist.barrier()
             t0 = time.perf_counter()
             error = ""
@@ -203,11 +243,13 @@ def run_config(dev: Any, cfg: dict[str, Any], layout: str, chunk: int) -> dict[s
             held = [list(iv) for iv in adapter.committed_block_set]
             count = sum(b - a for a, b in held)
             error = error or worker.error or ""
+            zero = "" if error else check_step(adapter, old, replicas, base)
             out["steps"].append({
                 "step": name, "target": target, "ms": ms, "blocks": blocks, "held": held,
                 "committed_bytes": committed,
                 "chunks": ceil_div(abs(committed - before), cache.chunk_bytes),
                 "ratio": committed / (count * block_bytes) if count else None, "error": error,
+                "zero": zero,
             })  # fmt: skip
             if error:
                 break
@@ -257,6 +299,7 @@ def summarize(world: int, layout: str, chunk: int, ranks: list[dict[str, Any]],
     row["path"] = ranks[0]["path"]
     n = min(len(s) for s in done)
     want = plan(cfg["floor"], cfg["step"], cfg["max_blocks"], cfg["reps"])
+    row["zero_ok"] = n == len(want) and not any(s[i]["zero"] for s in done for i in range(n))
     row["blocks_ok"] = n == len(want) and all(  # every rank at every step's target
         all(s[i]["held"] == _held(target) for s in done) for i, (_, target) in enumerate(want)
     )
@@ -312,7 +355,7 @@ def main() -> None:
         print(f"pcp {world}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     cols = ["pcp", "layout", "chunk_MiB", "segments", "path", "floor_ms", "floor_chunks",
             "floor_ratio", "grow_ms", "grow_max_ms", "grow_chunks", "grow_ratio", "release_ms",
-            "release_chunks", "hole_ms", "hole_chunks", "recommit_ms", "recommit_chunks", "full_ms", "full_chunks", "zero_ms", "zero_chunks", "blocks_ok",
+            "release_chunks", "hole_ms", "hole_chunks", "recommit_ms", "recommit_chunks", "full_ms", "full_chunks", "zero_ms", "zero_chunks", "blocks_ok", "zero_ok",
             "criterion", "error"]  # fmt: skip
     print(f"{backend}: {a.layers} layers, floor {a.floor}, +{a.step} x {a.reps}, full "
           f"{a.max_blocks}; ms: slowest rank, median over repetitions (max: the worst); chunks "

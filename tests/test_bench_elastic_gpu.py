@@ -92,6 +92,41 @@ def test_the_adapter_zeroes_exactly_the_new_blocks_of_every_segment():
     assert run_world(_zeroing_rank, 1, timeout=60) == [[0] * 6]
 
 
+def _check_rank(rank: int, world: int) -> list[str]:
+    """One rank: ``check_step`` after a real grow (zero: passes) and over the same blocks once
+    dirtied, as if the resize had not zeroed them (fails, naming the blocks)."""
+    import torch
+    import torch.distributed as dist
+
+    from vmmkv import ReplicatedKVCache
+
+    segs, size = be.geometry("LB", 1, 8)
+    cache = ReplicatedKVCache(dist.group.WORLD, 1 << 20, "cpu", chunk_bytes=1 << 20,
+                              initial_bytes=0, backend="host")  # fmt: skip
+    try:
+        buf = cache.allocate(size, reserve=True).view(torch.uint8)
+        base = buf.data_ptr() - cache.region.base_ptr
+        cache.set_block_layout([(base + o, bb) for o, bb in segs], 8)
+        adapter = be.ElasticCache(cache, buf, segs)
+        replicas = [cache.region.view(q, reserve=True) for q in range(world)]
+        adapter.grow(3)
+        passed = be.check_step(adapter, (), replicas, base)
+        be.dirty(adapter)
+        assert int(buf[segs[1][0] : segs[1][0] + 3 * segs[1][1]].count_nonzero()) == 3 * segs[1][1]
+        failed = be.check_step(adapter, ((0, 1),), replicas, base)
+        return [passed, failed]
+    finally:
+        cache.close()
+
+
+def test_the_zero_check_passes_a_real_grow_and_catches_blocks_left_dirty():
+    from vmmkv.testing.spawn import run_world
+
+    [[passed, failed]] = run_world(_check_rank, 1, timeout=60)
+    assert passed == ""
+    assert failed.startswith("rank 0: joined blocks not zero") and "blocks [1, 3)" in failed
+
+
 def _covering(layout: str, base: int, blocks, chunk: int, cap: int) -> tuple[int, int]:
     """(chunks, bytes) covering ``blocks`` (the first n, or a block set) of every segment: the
     grid of ``chunk`` over ``[0, cap)``, its last chunk cut at ``cap``."""
@@ -147,7 +182,7 @@ def test_every_rank_reaches_every_target_with_the_covering_chunks_committed(run)
     assert [(r["pcp"], r["layout"]) for r in data["rows"]] == [(2, "BL"), (2, "LB")]
     for row in data["rows"]:
         layout = row["layout"]
-        assert "error" not in row and row["blocks_ok"] is True
+        assert "error" not in row and row["blocks_ok"] is True and row["zero_ok"] is True
         assert row["segments"] == (1 if layout == "BL" else 2 * LAYERS)
         assert row["block_bytes"] == BLOCK and row["chunk_MiB"] == CHUNK / (1 << 20)
         ranks = row["ranks"]
@@ -168,6 +203,7 @@ def test_every_rank_reaches_every_target_with_the_covering_chunks_committed(run)
                 n = target if isinstance(target, int) else sum(b - a for a, b in target)
                 top = target if isinstance(target, int) else target[-1][1]
                 assert (s["blocks"], s["committed_bytes"], s["error"]) == (top, want_bytes, "")
+                assert s["zero"] == ""
                 assert s["held"] == be._held(target)
                 assert s["chunks"] == abs(want_chunks - prev)
                 prev = want_chunks
