@@ -80,10 +80,12 @@ def _settings(n=256, **kw):
         "VMMKV_ELASTIC_RELEASE_STEPS": str(kw.pop("steps", 3)),
         **kw.pop("env", {}),
     }
-    return elastic_settings(
+    s = elastic_settings(
         n, 1000, 4000, block_size=64, max_num_batched_tokens=256, max_num_seqs=8,
         concurrent_batches=1, env=env,
     )  # fmt: skip
+    # the sizes below are hand-computed without the new level's margin (its own test has it)
+    return dataclasses.replace(s, level_margin=kw.pop("margin", 0.0))
 
 
 def _stamp(seq, committed, error=None):
@@ -408,6 +410,7 @@ def test_the_watermark_follows_the_largest_step_of_its_window_and_grows_track_th
         concurrent_batches=1, env={},
     )  # fmt: skip
     assert (s.watermark_min, s.watermark, s.floor, s.lead_steps) == (5, 24, 12, 2)
+    assert s.level_margin == 0.25
     el = ElasticPool(pool, s, clock=clock)
     assert el.watermark == 5
     live = pool.get_new_blocks(7)  # one step takes 7 blocks: 2 steps of them, within [5, 24]
@@ -423,9 +426,10 @@ def test_the_watermark_follows_the_largest_step_of_its_window_and_grows_track_th
     assert el.watermark == 5
     pool.free_blocks(live)
 
-    # in use growing 10 blocks a second: a grow adds half a calm time (5 s) of it
+    # in use growing 10 blocks a second: a grow adds half a calm time (5 s) of it (no new
+    # level's margin here: a rising need never meets an earlier level)
     pool, clock = Pool(512), Clock()
-    el = ElasticPool(pool, s, clock=clock)
+    el = ElasticPool(pool, dataclasses.replace(s, level_margin=0.0), clock=clock)
     rates = []
     for t in range(12):
         clock.t = float(t)
@@ -697,3 +701,77 @@ def test_a_chunk_handed_out_while_the_hole_scan_is_under_way_is_not_released(mon
     assert not any(blockset.contains(el.holes, b.block_id) for b in taken), el.holes
     # the chunks around it, read in the same step, are released
     assert blockset.contains(el.holes, 499) and blockset.contains(el.holes, 504), el.holes
+
+
+def _release_at(pool, el, clock, live, in_use, step=0.1):
+    """Free every block of ``live`` but the ``in_use`` lowest, step until a release; the new
+    limit (the blocks freed leave ``live``)."""
+    keep = sorted(live, key=lambda b: b.block_id)[:in_use]
+    pool.free_blocks([b for b in live if b not in keep])
+    live[:] = keep
+    releases = el.counts["releases"]
+    for _ in range(100):
+        clock.t += step
+        el.before_schedule()
+        if el.counts["releases"] > releases:
+            return el.limit
+    raise AssertionError(f"no release: {el.stats()}")
+
+
+def test_a_release_returns_to_a_level_it_asked_for_within_a_watermark_until_it_is_forgotten():
+    from vmmkv.integrations.vllm._elastic import LEVEL_SECONDS
+
+    pool, clock = Pool(256), Clock()
+    s = _settings(floor=16, watermark=8, steps=1, cached=50, env=CALM_1S, margin=0.25)
+    el = ElasticPool(pool, s, clock=clock)
+    _, live = _grown(pool, el, clock, 128)
+    # 9 in use: asks 9 + 1 + 2 x 8 = 26, a new level: + a quarter watermark = 28
+    assert _release_at(pool, el, clock, live, 9) == 28
+    clock.t += 3.0
+    _, more = _grown(pool, el, clock, 128)
+    live += more
+    # 3 in use: asks 20; the level 28 is within a watermark above it (without it: 20 + 2 -> 24)
+    assert _release_at(pool, el, clock, live, 3) == 28
+    assert [(n, k) for _, n, k in el._levels if k == "release"] == [(28, "release")] * 2
+    clock.t += LEVEL_SECONDS + 1.0  # forgotten
+    _, more = _grown(pool, el, clock, 128)
+    live += more
+    assert _release_at(pool, el, clock, live, 3) == 24
+
+
+def test_a_grow_returns_to_the_largest_grow_level_within_a_watermark_above_what_it_needs():
+    pool, clock = Pool(512), Clock()
+    el = ElasticPool(pool, _settings(n=512, floor=16, watermark=8, margin=0.25), clock=clock)
+    el._levels.extend([(0.0, 60, "grow"), (0.0, 64, "grow"), (0.0, 90, "release")])
+    assert el._level(57, 1.0, "grow") == 64  # 60 and 64 within [57, 65]: the largest
+    assert el._level(57, 1.0, "release") == 59  # no release level near: 57 + 8 // 4
+    assert el._level(65, 1.0, "grow") == 67  # none at or above 65 within a watermark
+    live = pool.get_new_blocks(pool.get_num_free_blocks())  # 15 in use, 0 free of 16
+    el.before_schedule()  # asks 16 + 1.5 x 8 = 28 (+2): no level within [28, 36]
+    assert el.target == 32 and el._asked == 30
+    el.on_output(_stamp(el.seq, el.target))
+    live += pool.get_new_blocks(pool.get_num_free_blocks())
+    el._levels.append((clock.t, 52, "grow"))
+    el.before_schedule()  # asks 32 + 12 = 44: goes to the level 52 (within [44, 52])
+    assert el.target == 52 and el._asked == 52
+    pool.free_blocks(live)
+
+
+def test_a_rise_that_started_far_above_the_need_is_not_kept_by_a_release():
+    pool, clock = Pool(256), Clock()
+    el = ElasticPool(
+        pool, _settings(floor=16, watermark=8, steps=1, cached=50, env=CALM_1S), clock=clock
+    )
+    _, live = _grown(pool, el, clock, 128)
+    pool.free_blocks([b for b in live if b.block_id > 60])  # 60 in use
+    live = [b for b in live if b.block_id <= 60]
+    for clock.t in (0.5, 0.95):  # the calm time counts from 0.5
+        el.before_schedule()
+    more = pool.get_new_blocks(30)  # the need rises 60 -> 90: a load at a level far above 9
+    clock.t = 1.0
+    el.before_schedule()
+    # the load ends: 9 in use; the rise of 30 (in the release's calm time) started 51 blocks
+    # above the need, beyond a watermark: the release keeps 9 + 1 + 2 x 8 = 26 -> 28 (counted,
+    # the rise would keep 9 + 30 + 1 + 16 -> 56)
+    assert _release_at(pool, el, clock, live + more, 9) == 28
+    assert [t for t, v in el._needs if v == 60] and clock.t < 1.75  # the rise was in the window

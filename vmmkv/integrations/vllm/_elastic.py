@@ -39,7 +39,8 @@ measurements behind each rule.
   - **release in band, in time**: ``calm_seconds`` (and ``release_steps`` steps) after the last
     grow, two after the last release, once the need (in use + cached-free) has stopped falling
     (it fell by less than ``release_min`` in the last half calm time), the tail above the need
-    + its largest rise in the calm time + 2 watermarks is parked at once and the lower target
+    + its largest rise in the calm time (from within a watermark of the need now: the rise of a
+    load that has ended is not kept) + 2 watermarks is parked at once and the lower target
     sent: every step that could still write those blocks was sent to the workers before this
     one, and vmmkv's shrink synchronizes the device before it decommits. Cached blocks in the
     tail lose their hash (counted); the target steps above them when that still frees half as
@@ -51,6 +52,11 @@ measurements behind each rule.
     keeps; the request is then the committed block set, confirmed by a stamp that holds it.
     A grow refills the lowest holes first, then the tail. Off under vLLM's extensible KV
     cache (``ElasticSettings.holes``: its recommit commits a prefix);
+  - **levels**: the size a grow or a release asks for goes to the largest size a resize of
+    the same kind asked for in the last ``LEVEL_SECONDS`` that is at most a watermark above it,
+    else a quarter watermark above it (a new level): a load that returns to a level gets the
+    size it had, so a periodic load repeats its sizes and decisions instead of following each
+    period's jitter, and a grow a level covers is one grow;
   - **idle release** (:meth:`idle_release`): down to the floor or the highest block in use,
     for the engine's idle hook (an idle engine does not step);
   - targets are multiples of ``quantum`` (blocks per chunk), never below ``floor``;
@@ -118,6 +124,13 @@ IDLE_SECONDS = 5.0
 # the whole pool (4096 blocks: about 200 µs on a CPU core; 256 blocks: 13-25 µs); a scan of 4096
 # blocks then spans 16 steps, a fraction of a second beside the calm time's 10 s
 SCAN_BLOCKS = 256
+# the sizes a grow or a release asked for are remembered this long: a load that returns to a
+# level within it gets the size it had (a few periods of a load that swings every minute or so)
+LEVEL_SECONDS = 120.0
+# a new level is a quarter watermark above what a resize needs, so that the next time's need,
+# a little higher by the load's jitter, still finds it (a square wave: without it 1 of 9 runs
+# repeat their sizes from the second period on, with it 8; BENCHMARKS.md)
+LEVEL_MARGIN = 0.25
 STAMP = "vmmkv_kv_blocks"  # (seq, committed blocks, error or None) on a ModelRunnerOutput
 RESIZE = "vmmkv_resize"  # (seq, target blocks) on every SchedulerOutput
 
@@ -155,6 +168,9 @@ class ElasticSettings:
     # release whole free chunks below the highest block in use (False under vLLM's extensible
     # KV cache, whose recommit commits a prefix: a hole would come back committed)
     holes: bool = True
+    # a grow's or a release's new size level is this share of a watermark above what it needs
+    # (ElasticPool._level); elastic_settings: LEVEL_MARGIN
+    level_margin: float = 0.0
 
     def round(self, blocks: int) -> int:
         """``blocks`` rounded up to the quantum, within [floor, num_blocks]."""
@@ -240,6 +256,7 @@ def elastic_settings(
         block_bytes=block_bytes,
         chunk_bytes=chunk_bytes,
         holes=holes,
+        level_margin=LEVEL_MARGIN,
     )
 
 
@@ -416,6 +433,10 @@ class ElasticPool:
         # the next step); in steps
         self.calm_since: float | None = None
         self.calm_steps = 0
+        # the sizes grows and releases asked for in the last LEVEL_SECONDS: (time, blocks,
+        # "grow" or "release"); the pending grow's
+        self._levels: deque[tuple[float, int, str]] = deque()
+        self._asked = 0
         self.counts = {
             "grows": 0, "releases": 0, "refused": 0, "cached_dropped": 0,
             "dropped_by_cap": 0, "dropped_by_release": 0, "grown_blocks": 0,
@@ -499,11 +520,14 @@ class ElasticPool:
 
     def swing(self, now: float, need: int) -> tuple[int, int]:
         """Over the last calm time: the largest rise of the need (a later sample above an
-        earlier one), and how far it fell in its last half (the need still settling)."""
+        earlier one within a watermark of the need now: a rise that started far above it
+        belongs to a load that has ended), and how far it fell in its last half (the need still
+        settling)."""
         low, rise, top = math.inf, 0, need
         for t, v in self._needs:
             rise = max(rise, v - low)
-            low = min(low, v)
+            if v <= need + self.watermark:  # a rise from far above the need: a load that ended
+                low = min(low, v)
             if t >= now - self.s.calm_seconds / 2:
                 top = max(top, v)
         return int(max(rise, need - low)), top - need
@@ -537,6 +561,7 @@ class ElasticPool:
                 need = self.committed - free + self.keep()
                 if self.starved:
                     need = max(need, self.committed + self.watermark)
+                need = self._asked = self._level(need, now, "grow")
                 self.seq += 1
                 self.target = self._grow_target(need)
                 self.pending = (self.seq, self.target)
@@ -563,7 +588,7 @@ class ElasticPool:
             return
         if self.peak_need - need < rm:  # no fall since the last grow or release: a plateau
             return
-        base = need + rise + 1 + keep
+        base = self._level(need + rise + 1 + keep, now, "release")
         want = s.round(max(top, base + holed))
         tail = self.limit - want >= rm
         if tail:
@@ -573,10 +598,25 @@ class ElasticPool:
         gone = self._free_chunks(min(want, top), want, base, now) if s.holes else ()
         if gone is None:  # the hole scan goes on in the next step
             return
+        if gone or tail:
+            self._levels.append((now, base, "release"))
         if gone:
             self._release(want, gone)
         elif tail:
             self._release(want)
+
+    def _level(self, blocks: int, now: float, kind: str) -> int:
+        """The size a grow or a release (``kind``) asks for, given the ``blocks`` it needs: the
+        largest size a resize of that kind asked for in the last ``LEVEL_SECONDS`` that is at
+        most a watermark above ``blocks``, else ``blocks`` + ``level_margin`` watermarks (a new
+        level, with room for the next time's jitter). A load that returns to a level gets the size it
+        had, not one drawn from this time's noise: a square wave's periods repeat their sizes,
+        and a grow that a level covers is one grow, not several. Costs at most a watermark."""
+        levels, wm = self._levels, self.watermark
+        while levels and levels[0][0] < now - LEVEL_SECONDS:
+            levels.popleft()
+        near = [n for _, n, k in levels if k == kind and blocks <= n <= blocks + wm]
+        return max(near, default=blocks + int(self.s.level_margin * wm))
 
     def _net_of_dropped(self, want: int, used_cached: int) -> int:
         """``want`` less the prefix-cache entries a release to it drops (each target counted
@@ -722,6 +762,7 @@ class ElasticPool:
             self.holed = blockset.count(self.holes)
             self.counts["grows"] += 1
             self.counts["grown_blocks"] += self.committed - before
+            self._levels.append((self.clock(), self._asked, "grow"))
             self._log("grew", before)
         else:
             self.target = self._request()
