@@ -130,6 +130,7 @@ class ElasticCache:
 
 
 DIRT, STAMP = 0xA5, 0x5A
+PIECE = 256 << 20  # bytes of a replica the zero check reads at once
 
 
 def dirty(adapter: ElasticCache) -> None:
@@ -145,8 +146,11 @@ def check_step(adapter: ElasticCache, old: Any, replicas: list[Any], base: int) 
     the first byte of every block that joined the set, in the next rank's replica, as a peer's
     store would; then, after a host barrier, every block that joined reads zero in the own
     replica but for the previous rank's stamps. A rank that zeroed its replica after the step
-    returned elsewhere would erase a stamp; one that did not zero would show ``DIRT``. Returns
-    "" or what was wrong."""
+    returned elsewhere would erase a stamp; one that did not zero would show ``DIRT``. Reads
+    in pieces of at most ``PIECE`` bytes (a whole cache at once would need temporaries of its
+    size, which the next grow's ``cuMemCreate`` could then not have) and returns the caching
+    allocator's memory to the driver. Returns "" or what was wrong; an exception is reported
+    the same way, so every rank reaches both barriers."""
     import torch
     import torch.distributed as dist
 
@@ -154,26 +158,37 @@ def check_step(adapter: ElasticCache, old: Any, replicas: list[Any], base: int) 
 
     rank, world = adapter.rank, dist.get_world_size()
     added = blockset.difference(adapter.committed_block_set, old)
-    nxt = replicas[(rank + 1) % world]
-    dev = adapter.buffer.device
-    firsts = [
-        torch.arange(base + off + a * bb, base + off + b * bb, bb, device=dev)
-        for off, bb in adapter.segments
-        for a, b in added
-    ]
-    idx = torch.cat(firsts) if firsts else torch.empty(0, dtype=torch.long, device=dev)
-    if world > 1 and idx.numel():
-        nxt.index_fill_(0, idx, STAMP)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+    dev, wrong = adapter.buffer.device, []
+    stamped = world > 1
+    try:
+        if stamped:
+            nxt = replicas[(rank + 1) % world]
+            for off, bb in adapter.segments:
+                for a, b in added:
+                    idx = torch.arange(base + off + a * bb, base + off + b * bb, bb, device=dev)
+                    nxt.index_fill_(0, idx, STAMP)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    except Exception as exc:  # reported, not raised: the peers wait at the barrier
+        wrong.append(f"stamping: {type(exc).__name__}: {exc}"[:300])
     dist.barrier()
-    own, wrong = replicas[rank], []
-    stamped = STAMP if world > 1 else 0
-    for off, bb in adapter.segments:
-        for a, b in added:
-            got = own[base + off + a * bb : base + off + b * bb].view(b - a, bb)
-            if int(got[:, 1:].count_nonzero()) or bool((got[:, 0] != stamped).any()):
-                wrong.append(f"segment at {off} blocks [{a}, {b})")
+    try:
+        own = replicas[rank]
+        for off, bb in adapter.segments:
+            for a, b in added:
+                step = max(1, PIECE // bb)
+                for lo in range(a, b, step):
+                    hi = min(b, lo + step)
+                    piece = own[base + off + lo * bb : base + off + hi * bb]
+                    firsts = piece[::bb]
+                    nonzero = int(torch.count_nonzero(piece))
+                    good = (firsts == STAMP).all() if stamped else (firsts == 0).all()
+                    if nonzero != (hi - lo if stamped else 0) or not bool(good):
+                        wrong.append(f"segment at {off} blocks [{lo}, {hi})")
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    except Exception as exc:
+        wrong.append(f"checking: {type(exc).__name__}: {exc}"[:300])
     dist.barrier()  # every rank checked before the next step dirties its replica
     return f"rank {rank}: joined blocks not zero or a stamp lost: {wrong[:3]}" if wrong else ""
 
