@@ -20,8 +20,9 @@ block_bytes)``. Outside the timing, every step is checked (``zero_ok``): before 
 committed block of the own replica is dirtied; after it, each rank at once stamps the first byte
 of every block that joined the set in the next rank's replica, and after a barrier every joined
 block reads zero in the own replica but for those stamps (a rank that zeroed late would erase a
-stamp, one that did not zero would show the dirt). Rows: the slowest rank per repetition, then the median over repetitions. The
-issue's criterion (BL at 1000 blocks, 2 processes): ratio <= 1.01 and a +256 grow <= 30 ms.
+stamp, one that did not zero would show the dirt). Rows: the slowest rank per repetition, then
+the median over repetitions. The criterion (BL at 1000 blocks, 2 processes): ratio <= 1.01 and
+a +256 grow <= 30 ms.
 
 Ranks share the GPU(s) (rank r on GPU r % count) or run on the host backend (``--backend
 host``); each group size is one spawn running every configuration in turn. ``--configs``:
