@@ -609,9 +609,10 @@ class ElasticPool:
         """The size a grow or a release (``kind``) asks for, given the ``blocks`` it needs: the
         largest size a resize of that kind asked for in the last ``LEVEL_SECONDS`` that is at
         most a watermark above ``blocks``, else ``blocks`` + ``level_margin`` watermarks (a new
-        level, with room for the next time's jitter). A load that returns to a level gets the size it
-        had, not one drawn from this time's noise: a square wave's periods repeat their sizes,
-        and a grow that a level covers is one grow, not several. Costs at most a watermark."""
+        level, with room for the next time's jitter). A load that returns to a level gets the
+        size it had, not one drawn from this time's noise: a square wave's periods repeat their
+        sizes, and a grow that a level covers is one grow, not several. Costs at most a
+        watermark."""
         levels, wm = self._levels, self.watermark
         while levels and levels[0][0] < now - LEVEL_SECONDS:
             levels.popleft()
