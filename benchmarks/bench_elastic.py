@@ -2,7 +2,7 @@
 preemptions on workload families at ``vllm serve``'s defaults, on the step-scale traces, and the
 engine core's host cost per step.
 
-Families (``vmmkv.integrations.vllm.workloads``: ramp, long-lived requests at a peak, Zipf over
+Families (``vmmkv.testing.vllm.workloads``: ramp, long-lived requests at a peak, Zipf over
 a few long prefixes, a square wave of one repeated period, idle; simulated seconds,
 DeepSeek-V3.2 block bytes, 4096 blocks, ``max_num_batched_tokens`` 8192, ``max_num_seqs`` 1024,
 no elastic knob set) in three scheduling modes (``workloads.MODES``: sync, async, a batch queue
@@ -16,7 +16,7 @@ read (``TARGETS``: the worst case over modes and seeds, and which missed). Per f
 mean [min, max] over modes and seeds. ``bench_elastic.svg`` beside the JSON: committed of
 capacity over time per family, the first seed, async scheduling (``svgplot``).
 
-Traces (``vmmkv.integrations.vllm.trace``: burst / steady / drain / idle, and a square wave, in
+Traces (``vmmkv.testing.vllm.trace``: burst / steady / drain / idle, and a square wave, in
 0.03 s steps with the knobs below): per-phase means, unless ``--no-traces``.
 
 Host cost: vLLM's scheduler with ``--running`` decoding requests (default 256, 20 ms of the
@@ -86,7 +86,7 @@ def _series(run, step: float = 0.25) -> list[tuple[float, float, float]]:
 
 def _checks(run, got: dict) -> dict:
     """The figures the targets read, beyond ``summary``'s."""
-    from vmmkv.integrations.vllm.workloads import WAVE_PERIOD_S, wave_mismatches
+    from vmmkv.testing.vllm.workloads import WAVE_PERIOD_S, wave_mismatches
 
     out = {}
     rows, cap = run.rows, run.num_blocks
@@ -114,7 +114,7 @@ def _checks(run, got: dict) -> dict:
 
 
 def families(names: list[str], seeds: list[int], modes: list[str]) -> tuple[list[dict], dict]:
-    from vmmkv.integrations.vllm.workloads import FamilyRun, summary
+    from vmmkv.testing.vllm.workloads import FamilyRun, summary
 
     rows, series = [], {}
     for family in names:
@@ -197,7 +197,7 @@ def per_family(rows: list[dict]) -> list[dict]:
 
 
 def traces(seeds: list[int]) -> tuple[list[dict], dict]:
-    from vmmkv.integrations.vllm.trace import TraceRun
+    from vmmkv.testing.vllm.trace import TraceRun
 
     rows, series = [], {}
     for trace, trace_seeds in (("burst", seeds), ("square", seeds[:1])):
@@ -228,7 +228,7 @@ def traces(seeds: list[int]) -> tuple[list[dict], dict]:
 
 
 def host_cost(running: int, steps: int) -> list[dict]:
-    from vmmkv.integrations.vllm.trace import TraceRun, counting_worker, model_output, schedule
+    from vmmkv.testing.vllm.trace import TraceRun, counting_worker, model_output, schedule
 
     rows = []
     for elastic in (False, True):
@@ -283,7 +283,7 @@ def scan_cost(num_blocks: int = 4096, steps: int = 1500) -> list[dict]:
     clock. Side by side: the scan bounded to ``SCAN_BLOCKS`` a step, and the whole pool in one
     step (``SCAN_BLOCKS`` unbounded, the scan before it was bounded)."""
     from vmmkv.integrations.vllm import _elastic
-    from vmmkv.integrations.vllm.trace import TraceRun
+    from vmmkv.testing.vllm.trace import TraceRun
 
     rows, bounded = [], _elastic.SCAN_BLOCKS
     for per_step in (bounded, 1 << 30):

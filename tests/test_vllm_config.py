@@ -28,9 +28,9 @@ LAYOUT = "LBNHC"
 
 
 def _config(**kw):
-    from vmmkv.integrations.vllm import testing
+    from vmmkv.testing.vllm import configs
 
-    return testing.vllm_config(LAYOUT, pcp=2, **kw)
+    return configs.vllm_config(LAYOUT, pcp=2, **kw)
 
 
 def _refusal(cfg) -> str:

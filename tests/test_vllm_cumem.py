@@ -215,10 +215,10 @@ def _cumem_rank(rank, world, port):
     from vllm.v1.worker.gpu import attn_utils
 
     from vmmkv.integrations import vllm as integration
-    from vmmkv.integrations.vllm import testing
+    from vmmkv.testing.vllm import configs
 
-    with testing.vllm_groups(testing.vllm_config(LAYOUT, pcp=world), rank, world, port) as ps:
-        cfg, config = testing.build_kv_cache_config(LAYOUT, NUM_BLOCKS, pcp=world)
+    with configs.vllm_groups(configs.vllm_config(LAYOUT, pcp=world), rank, world, port) as ps:
+        cfg, config = configs.build_kv_cache_config(LAYOUT, NUM_BLOCKS, pcp=world)
         pcp = ps.get_pcp_group()
         routing = _TorchPools()
         _driver_stand_ins()

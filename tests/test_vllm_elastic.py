@@ -57,7 +57,7 @@ def engine(monkeypatch):
 
 
 def _run(trace="burst", seed=0, **kw):
-    from vmmkv.integrations.vllm.trace import TraceRun
+    from vmmkv.testing.vllm.trace import TraceRun
 
     run = TraceRun(trace=trace, seed=seed, **{"num_blocks": N, **kw})
     run.run()
@@ -114,7 +114,7 @@ def test_under_vllms_extensible_cache_the_pool_is_the_measured_budget_and_keeps_
     # the extensible cache (its recommit commits a prefix): the same decisions step by step,
     # so the figures test_committed_memory_follows_load_... checks hold against the budget
     assert not run.el.s.holes
-    from vmmkv.integrations.vllm.trace import TraceRun
+    from vmmkv.testing.vllm.trace import TraceRun
 
     direct = TraceRun(trace="burst", seed=0, num_blocks=N)
     direct.build()
@@ -182,7 +182,7 @@ def test_a_refused_grow_keeps_every_size_and_the_next_grow_works(engine):
     unchanged); the scheduler keeps its limit, hands out nothing beyond it, and grows later."""
     from vmmkv.integrations.vllm._elastic import RESIZE
     from vmmkv.integrations.vllm._elastic_sites import ElasticWorker, step_block_ids
-    from vmmkv.integrations.vllm.trace import CountingCache, TraceRun
+    from vmmkv.testing.vllm.trace import CountingCache, TraceRun
 
     run = TraceRun(trace="burst", seed=0, num_blocks=N)
     run.build()
@@ -244,7 +244,7 @@ def test_what_elastic_mode_has_not_been_tested_with_is_refused_by_name(engine):
     from vmmkv.integrations.vllm._elastic_sites import check_elastic_config
     from vmmkv.integrations.vllm._extensible import _elastic_chunk
     from vmmkv.integrations.vllm._layout import UnsupportedKVCache
-    from vmmkv.integrations.vllm.testing import build_kv_cache_config
+    from vmmkv.testing.vllm.configs import build_kv_cache_config
 
     cfg, kvc = build_kv_cache_config("BLNHC", num_blocks=256, num_layers=2, pcp=2)
     check_elastic_config(cfg)  # the plain PCP config passes
@@ -293,7 +293,7 @@ def test_worker_outputs_carry_the_steps_stamp_through_copies_async_outputs_and_p
 
     from vmmkv.integrations.vllm._elastic import STAMP
     from vmmkv.integrations.vllm._elastic_sites import WORKER, stamp_output
-    from vmmkv.integrations.vllm.trace import CountingCache, model_output
+    from vmmkv.testing.vllm.trace import CountingCache, model_output
 
     cache = CountingCache(64)
     WORKER.reset()
@@ -329,8 +329,8 @@ def test_the_idle_hook_releases_through_collective_rpc_unless_a_request_arrives(
 
     from vmmkv.integrations.vllm import _elastic_sites as sites
     from vmmkv.integrations.vllm._state import _STATE
-    from vmmkv.integrations.vllm.trace import CountingCache, TraceRun
     from vmmkv.testing.spawn import capture_logs
+    from vmmkv.testing.vllm.trace import CountingCache, TraceRun
 
     run = TraceRun(num_blocks=N)
     run.build()
@@ -398,7 +398,7 @@ def test_the_idle_hook_releases_through_collective_rpc_unless_a_request_arrives(
 def _pressure_free_run(setup, steps, arrive_each_step):
     """vLLM's scheduler (256 tokens a step, 16 sequences) with the plugin's worker step; returns
     per step (committed limit, blocks in use, waiting, running) and the run."""
-    from vmmkv.integrations.vllm.trace import TraceRun, counting_worker, model_output, schedule
+    from vmmkv.testing.vllm.trace import TraceRun, counting_worker, model_output, schedule
 
     run = TraceRun(trace="ranks", num_blocks=N, max_num_batched_tokens=256, max_num_seqs=16)
     s = run.build()
@@ -438,7 +438,7 @@ def test_a_wait_mode_pause_that_holds_back_new_requests_does_not_grow_the_pool(e
     requests drain, new ones stay waiting until the resume."""
     from vllm.v1.core.sched.interface import PauseState
 
-    from vmmkv.integrations.vllm.trace import model_output, schedule
+    from vmmkv.testing.vllm.trace import model_output, schedule
 
     def paused(run, s, on_step):
         for _ in range(4):

@@ -130,7 +130,7 @@ def worker_step(worker, so):
 def _step(run, executor):
     """One engine step: vLLM's schedule, every worker's step, vLLM's update from rank 0's
     output (which carries its stamp)."""
-    from vmmkv.integrations.vllm.trace import model_output, schedule
+    from vmmkv.testing.vllm.trace import model_output, schedule
 
     so = schedule(run.scheduler)
     stamps = executor.collective_rpc(worker_step, args=(so,))
@@ -140,7 +140,7 @@ def _step(run, executor):
 def _grown(executor_for, requests=6, plen=700):
     """vLLM's scheduler with the elastic pool, grown by load above its floor; returns the run and
     the executor (``executor_for(cfg)``) with requests still running."""
-    from vmmkv.integrations.vllm.trace import TraceRun
+    from vmmkv.testing.vllm.trace import TraceRun
 
     run = TraceRun(trace="ranks", num_blocks=N, max_num_batched_tokens=256, max_num_seqs=16)
     run.build()
@@ -198,7 +198,7 @@ def _wait_for(cond, seconds=10.0):
 
 
 def test_a_wait_mode_pause_completes_when_the_engine_drains_not_idle_seconds_later(engine_sites):
-    from vmmkv.integrations.vllm.trace import CountingCache
+    from vmmkv.testing.vllm.trace import CountingCache
 
     cache = CountingCache(35)
     run, ex = _grown(_in_process(cache))
@@ -230,7 +230,7 @@ def test_an_input_vllm_deferred_during_the_last_step_is_handled_before_any_idle_
     ``_deferred_inputs`` until the step ends; the idle hook must not wait or release first."""
     from vllm.v1.engine import EngineCoreRequestType
 
-    from vmmkv.integrations.vllm.trace import CountingCache
+    from vmmkv.testing.vllm.trace import CountingCache
 
     cache = CountingCache(35)
     run, ex = _grown(_in_process(cache))
@@ -272,7 +272,7 @@ def test_an_input_vllm_deferred_during_the_last_step_is_handled_before_any_idle_
 def test_the_idle_wait_runs_with_vllms_watchdog_off_and_then_releases(engine_sites):
     from vllm.utils import watch_dog
 
-    from vmmkv.integrations.vllm.trace import CountingCache
+    from vmmkv.testing.vllm.trace import CountingCache
 
     cache = CountingCache(35)
     run, ex = _grown(_in_process(cache))
@@ -328,7 +328,7 @@ def test_the_pools_stats_reach_a_client_through_vllms_utility_call_and_its_encod
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
     from vmmkv.integrations.vllm import STATS_UTILITY
-    from vmmkv.integrations.vllm.trace import CountingCache
+    from vmmkv.testing.vllm.trace import CountingCache
 
     cache = CountingCache(35)
     run, ex = _grown(_in_process(cache))
@@ -362,7 +362,7 @@ def test_elastic_stats_asks_vllms_llm_engine_and_in_process_client_and_refuses_o
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from vmmkv.integrations.vllm import STATS_UTILITY, elastic_stats
-    from vmmkv.integrations.vllm.trace import CountingCache
+    from vmmkv.testing.vllm.trace import CountingCache
 
     cache = CountingCache(35)
     run, ex = _grown(_in_process(cache))
@@ -420,12 +420,13 @@ def _sleep_ranks(rank, world):
 
     from tests.test_vllm_sleep import _RecordingAllocator
     from vmmkv.integrations.vllm import _elastic_sites as sites
-    from vmmkv.integrations.vllm import _patches, testing
+    from vmmkv.integrations.vllm import _patches
     from vmmkv.integrations.vllm._cache import VllmKVCache, elastic_chunk_bytes
     from vmmkv.integrations.vllm._sleep import VmmkvSleepModeBackend, register_backend
+    from vmmkv.testing.vllm import configs
 
     register_backend()
-    cfg, kvc = testing.build_kv_cache_config("BLNHC", num_blocks=N, num_layers=2, pcp=world)
+    cfg, kvc = configs.build_kv_cache_config("BLNHC", num_blocks=N, num_layers=2, pcp=world)
     chunk = elastic_chunk_bytes()
     sites.WORKER.reset()
     vc = VllmKVCache(kvc, "BLNHC", cpu_group=dist.group.WORLD, device="cpu", backend="host",
@@ -580,7 +581,7 @@ def _forked_engine_core(q):
         from vllm.v1.core.sched.scheduler import Scheduler
 
         from vmmkv.integrations.vllm import _patches
-        from vmmkv.integrations.vllm.trace import TraceRun, counting_worker, model_output, schedule
+        from vmmkv.testing.vllm.trace import TraceRun, counting_worker, model_output, schedule
 
         load_general_plugins()  # EngineCore.__init__'s first call: a no-op after the fork
         patched = Scheduler.schedule is not _patches.original(Scheduler, "schedule")
@@ -611,7 +612,7 @@ def test_a_worker_refuses_a_step_without_a_resize_request_in_elastic_mode(engine
     """vLLM's scheduler without the engine sites (PCP 1 in its eyes: no pool) sends what an
     engine core without them sends; the worker's step refuses it, naming rank and cause."""
     from vmmkv.integrations.vllm import _elastic_sites as sites
-    from vmmkv.integrations.vllm.trace import CountingCache, TraceRun
+    from vmmkv.testing.vllm.trace import CountingCache, TraceRun
 
     run = TraceRun(trace="ranks", num_blocks=N, elastic=False, max_num_batched_tokens=256)
     s = run.build()

@@ -1,5 +1,5 @@
 """Elastic KV on workload families it was not tuned on, through vLLM 0.34.0's own scheduler at
-``vllm serve``'s defaults with no elastic knob set (``vmmkv.integrations.vllm.workloads``:
+``vllm serve``'s defaults with no elastic knob set (``vmmkv.testing.vllm.workloads``:
 simulated seconds, DeepSeek-V3.2's block bytes, 4096 blocks), in the three scheduling modes of
 ``workloads.MODES``: sync (vLLM's ``Scheduler``), async (its ``AsyncScheduler``, a batch queue
 of 2) and a batch queue of 2 without async scheduling (2 pipeline stages: a decoding request
@@ -46,7 +46,7 @@ def engine(monkeypatch):
 def _pair(family, seed, mode):
     """(elastic run, its summary, unmodified vLLM's summary) of one family, seed and mode (runs
     are exact: the module computes each once; call it under ``engine``)."""
-    from vmmkv.integrations.vllm.workloads import FamilyRun, summary
+    from vmmkv.testing.vllm.workloads import FamilyRun, summary
 
     el = FamilyRun(trace=family, seed=seed, mode=mode)
     plain = FamilyRun(trace=family, seed=seed, mode=mode, elastic=False)
@@ -97,7 +97,7 @@ def test_the_square_waves_load_repeats_one_period_and_the_check_sees_a_changed_p
     """The wave's arrivals repeat one period (times and lengths; fresh tokens, so no prefix
     hit links the periods); ``wave_mismatches`` finds a period whose decisions or committed
     blocks differ from the second's."""
-    from vmmkv.integrations.vllm.workloads import WAVE_PERIOD_S, FamilyRun, wave_mismatches
+    from vmmkv.testing.vllm.workloads import WAVE_PERIOD_S, FamilyRun, wave_mismatches
 
     run = FamilyRun(trace="wave", seed=1, elastic=False)
     run.build()
@@ -123,7 +123,7 @@ def test_a_square_wave_behaves_identically_from_its_second_period_on(engine, req
     """The same resize decisions in order, each within 1 s of the second period's time into
     the period, and committed blocks at each half's end within one quantum
     (``workloads.wave_mismatches``); from the third period on in every run."""
-    from vmmkv.integrations.vllm.workloads import wave_mismatches
+    from vmmkv.testing.vllm.workloads import wave_mismatches
 
     run, _, _ = _pair("wave", seed, mode)
     assert wave_mismatches(run, first=2) == []
@@ -158,7 +158,7 @@ def test_long_lived_requests_from_a_peak_leave_half_the_capacity_10s_after_the_l
 
 @pytest.mark.parametrize("mode", MODES)
 def test_an_idle_engine_returns_to_the_floor_within_idle_s_and_a_run_is_exact(engine, mode):
-    from vmmkv.integrations.vllm.workloads import FamilyRun
+    from vmmkv.testing.vllm.workloads import FamilyRun
 
     runs = [FamilyRun(trace="idle", seed=3, mode=mode) for _ in range(2)]
     for r in runs:
@@ -186,8 +186,8 @@ def test_each_mode_runs_vllms_scheduler_as_its_engine_loop_does(engine, mode):
     again while its step is in flight. A batch queue of 2 on the plain ``Scheduler``: two
     batches in flight, but a decoding request waits for its step's output. The pool's lead
     covers vLLM's batches in flight + 1."""
-    from vmmkv.integrations.vllm.trace import counting_worker
-    from vmmkv.integrations.vllm.workloads import FamilyRun
+    from vmmkv.testing.vllm.trace import counting_worker
+    from vmmkv.testing.vllm.workloads import FamilyRun
 
     run = FamilyRun(trace="idle", seed=0, mode=mode)
     inner, inflight, seen = [], {}, {"clashes": 0, "most": 0}

@@ -458,7 +458,7 @@ def _scheduler(world: int, async_depth: int, zeroing: bool):
 
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from vmmkv.integrations.vllm.trace import TraceRun
+    from vmmkv.testing.vllm.trace import TraceRun
 
     run = TraceRun(trace="ranks", seed=0, num_blocks=NUM_BLOCKS, async_depth=async_depth,
                    world=world, layers=LAYERS, max_num_batched_tokens=TOKENS,
@@ -507,10 +507,11 @@ def _one_run(ps, world, spec, late=None):
     from tests.test_vllm_pcp import _flat
     from tests.test_vllm_zero_grow import _HostZeroKernel, _zeroer
     from vmmkv.integrations import vllm as integration
-    from vmmkv.integrations.vllm import _patches, testing
+    from vmmkv.integrations.vllm import _patches
+    from vmmkv.testing.vllm import configs
 
     name, async_depth, zeroing, fail_grow, sleep_at = spec
-    cfg, config = testing.build_kv_cache_config("BLNHC", NUM_BLOCKS, LAYERS, pcp=world)
+    cfg, config = configs.build_kv_cache_config("BLNHC", NUM_BLOCKS, LAYERS, pcp=world)
     sc = cfg.scheduler_config
     sc.max_num_batched_tokens, sc.max_num_seqs = TOKENS, SEQS
     sc.async_scheduling = async_depth > 1
@@ -585,10 +586,10 @@ def _one_run(ps, world, spec, late=None):
 def _ranks(rank, world, port, specs, late=None):
     import torch.distributed as dist
 
-    from vmmkv.integrations.vllm import testing
+    from vmmkv.testing.vllm import configs
 
-    cfg = testing.vllm_config("BLNHC", NUM_BLOCKS, LAYERS, pcp=world)
-    ps = testing.join_vllm_groups(cfg, rank, world, port)
+    cfg = configs.vllm_config("BLNHC", NUM_BLOCKS, LAYERS, pcp=world)
+    ps = configs.join_vllm_groups(cfg, rank, world, port)
     try:
         out = {spec[0]: _one_run(ps, world, spec, late) for spec in specs}
         # rank 0 hosts the store every group uses: it tears down only after every rank is done

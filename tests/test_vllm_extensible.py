@@ -161,20 +161,20 @@ def _scenario(rank, world, port, runs, dcps):
 
     from tests.test_vllm_pcp import _flat
     from vmmkv.integrations import vllm as integration
-    from vmmkv.integrations.vllm import testing
     from vmmkv.integrations.vllm._extensible import PeerKVBuffer
+    from vmmkv.testing.vllm import configs
 
-    cfg = testing.vllm_config("LBNHC", CAPACITY, pcp=world)
+    cfg = configs.vllm_config("LBNHC", CAPACITY, pcp=world)
     cpu = torch.device("cpu")
     out = {}
-    with testing.vllm_groups(cfg, rank, world, port) as ps:
+    with configs.vllm_groups(cfg, rank, world, port) as ps:
         pcp = ps.get_pcp_group()
         prank = pcp.rank_in_group
         for layout, direct in runs:
             os.environ["VMMKV_DIRECT"] = "1" if direct else "0"
             lay = KVCacheLayout[layout]
             rep = {}
-            _, config = testing.build_kv_cache_config(layout, CAPACITY, pcp=world)
+            _, config = configs.build_kv_cache_config(layout, CAPACITY, pcp=world)
             # Worker.initialize_from_config pads the layer regions onto granules
             config = ekc.pad_kv_cache_segments(config, lay, GRANULE)
             size = config.kv_cache_tensors[0].size
@@ -246,11 +246,11 @@ def _pcp1(rank, world, port):
     from vllm.v1.worker import extensible_kv_cache as ekc
 
     from vmmkv.integrations import vllm as integration
-    from vmmkv.integrations.vllm import testing
+    from vmmkv.testing.vllm import configs
 
-    cfg = testing.vllm_config("LBNHC", CAPACITY)
-    with testing.vllm_groups(cfg, rank, world, port):
-        _, config = testing.build_kv_cache_config("LBNHC", CAPACITY)
+    cfg = configs.vllm_config("LBNHC", CAPACITY)
+    with configs.vllm_groups(cfg, rank, world, port):
+        _, config = configs.build_kv_cache_config("LBNHC", CAPACITY)
         with set_current_vllm_config(cfg), integration.patched():
             try:
                 ekc.ExtensibleKVCache(config, torch.device("cpu"), KVCacheLayout.LBNHC)
@@ -426,10 +426,11 @@ def _elastic_one_run(ps, world, async_depth):
     from tests.test_vllm_sleep import _worker
     from tests.test_vllm_zero_grow import _HostZeroKernel, _zeroer
     from vmmkv.integrations import vllm as integration
-    from vmmkv.integrations.vllm import _patches, testing
-    from vmmkv.integrations.vllm.trace import TraceRun
+    from vmmkv.integrations.vllm import _patches
+    from vmmkv.testing.vllm import configs
+    from vmmkv.testing.vllm.trace import TraceRun
 
-    cfg, config = testing.build_kv_cache_config("BLNHC", EL_CAPACITY, LAYERS, pcp=world)
+    cfg, config = configs.build_kv_cache_config("BLNHC", EL_CAPACITY, LAYERS, pcp=world)
     sc = cfg.scheduler_config
     sc.max_num_batched_tokens, sc.max_num_seqs = TOKENS, SEQS
     sc.async_scheduling = async_depth > 1
@@ -524,10 +525,10 @@ def _elastic_ranks(rank, world, port, async_depth):
     import torch.distributed as dist
 
     from tests.test_vllm_elastic_ranks import LAYERS
-    from vmmkv.integrations.vllm import testing
+    from vmmkv.testing.vllm import configs
 
-    cfg = testing.vllm_config("BLNHC", EL_CAPACITY, LAYERS, pcp=world)
-    ps = testing.join_vllm_groups(cfg, rank, world, port)
+    cfg = configs.vllm_config("BLNHC", EL_CAPACITY, LAYERS, pcp=world)
+    ps = configs.join_vllm_groups(cfg, rank, world, port)
     try:
         out = _elastic_one_run(ps, world, async_depth)
         dist.barrier(group=ps.get_world_group().cpu_group)

@@ -45,13 +45,13 @@ def _worker(rank, world):
 
     from vmmkv.alloc.region import covering_chunks
     from vmmkv.integrations.vllm import _elastic_sites as sites
-    from vmmkv.integrations.vllm import testing
     from vmmkv.integrations.vllm._cache import VllmKVCache
     from vmmkv.integrations.vllm._extensible import PeerKVBuffer
     from vmmkv.integrations.vllm._sleep import VmmkvSleepModeBackend
     from vmmkv.integrations.vllm._state import _STATE
+    from vmmkv.testing.vllm import configs
 
-    _, kvc = testing.build_kv_cache_config("BLNHC", num_blocks=N, num_layers=LAYERS, pcp=world)
+    _, kvc = configs.build_kv_cache_config("BLNHC", num_blocks=N, num_layers=LAYERS, pcp=world)
     sites.WORKER.reset()
     vc = VllmKVCache(kvc, "BLNHC", cpu_group=dist.group.WORLD, device="cpu", backend="host",
                      initial_blocks=40, chunk_bytes=CHUNK, timeout=20)  # fmt: skip

@@ -125,7 +125,7 @@ def _call_sites(views, layer, kv_c, k_pe, k, mapping, nd_mla, nd_idx, shard, wor
     from vllm.models.deepseek_v32 import attention as v32
     from vllm.v1.attention.backend import MLAAttentionImpl
 
-    from vmmkv.integrations.vllm.testing import idx_layer, mla_layer
+    from vmmkv.testing.vllm.configs import idx_layer, mla_layer
 
     k_cache, k_slots = sai.maybe_gather_indexer_k(
         k, mapping, nd_idx, True, pcp_shard_decode_requests=shard
@@ -149,8 +149,8 @@ def _vllm_reference(vc, plain, layer, kv_c, k_pe, k, mapping, nd_mla, nd_idx, sh
     at its slots into the plain allocation by vmmkv's reference writer."""
     from vllm.v1.attention.ops import pcp as vpcp
 
-    from vmmkv.integrations.vllm.testing import idx_layer, mla_layer
     from vmmkv.ops import reference as ref
+    from vmmkv.testing.vllm.configs import idx_layer, mla_layer
 
     idx, mla = idx_layer(layer), mla_layer(layer)
     (ik,), islots = vpcp._gather_prefill_cache_inputs((k,), mapping, nd_idx, shard)
@@ -186,15 +186,15 @@ def _refusal(pcp_size, tp):
     from vllm.v1.worker.gpu import attn_utils
 
     from vmmkv.integrations import vllm as integration
-    from vmmkv.integrations.vllm import testing
+    from vmmkv.testing.vllm import configs
 
-    cfg = testing.vllm_config("LBNHC", NUM_BLOCKS, tp=tp, pcp=pcp_size)
-    specs = testing.layer_specs(cfg)
+    cfg = configs.vllm_config("LBNHC", NUM_BLOCKS, tp=tp, pcp=pcp_size)
+    specs = configs.layer_specs(cfg)
     for n in [n for n in specs if n.endswith(".attn")]:
         specs[n] = dataclasses.replace(
             specs[n], cache_dtype_str="auto", dtype=torch.bfloat16, state_content_bytes=None
         )
-    cfg, config = testing.build_kv_cache_config("LBNHC", NUM_BLOCKS, tp=tp, pcp=pcp_size,
+    cfg, config = configs.build_kv_cache_config("LBNHC", NUM_BLOCKS, tp=tp, pcp=pcp_size,
                                                 specs=specs)  # fmt: skip
     with set_current_vllm_config(cfg), integration.patched():
         try:
@@ -213,12 +213,12 @@ def _allocate_as_mrv2(layout, tp, pcp_size):
     from vllm.v1.worker.gpu import attn_utils
 
     from vmmkv.integrations import vllm as integration
-    from vmmkv.integrations.vllm import testing
+    from vmmkv.testing.vllm import configs
 
-    _, prof_config = testing.build_profiling_kv_cache_config(
+    _, prof_config = configs.build_profiling_kv_cache_config(
         layout, PROFILE_BLOCKS, tp=tp, pcp=pcp_size
     )
-    _, config = testing.build_kv_cache_config(layout, NUM_BLOCKS, tp=tp, pcp=pcp_size)
+    _, config = configs.build_kv_cache_config(layout, NUM_BLOCKS, tp=tp, pcp=pcp_size)
     cpu, lay = torch.device("cpu"), KVCacheLayout[layout]
     prof_views = attn_utils.allocate_kv_cache(prof_config, cpu, lay, [BS])
     prof = integration.active_cache()
@@ -244,11 +244,11 @@ def _shutdown_closes(vc):
     from vllm.v1.worker.gpu import model_runner as mrv2
 
     from vmmkv.integrations import vllm as integration
-    from vmmkv.integrations.vllm import testing
+    from vmmkv.testing.vllm import configs
 
     runner = object.__new__(mrv2.GPUModelRunner)
     runner.aux_output_connector = None
-    runner.vllm_config = testing.vllm_config("LBNHC", NUM_BLOCKS)  # shutdown resets its fields
+    runner.vllm_config = configs.vllm_config("LBNHC", NUM_BLOCKS)  # shutdown resets its fields
     with mock.patch("torch.accelerator.synchronize", lambda *a: None):  # CPU: no device
         mrv2.GPUModelRunner.shutdown(runner)
     try:
@@ -270,11 +270,11 @@ def _scenario(rank, world, port, tp, runs, dcps):
     from vllm.v1.worker import utils as worker_utils
 
     from vmmkv.integrations import vllm as integration
-    from vmmkv.integrations.vllm import testing
+    from vmmkv.testing.vllm import configs
 
     pcp_size = world // tp
-    cfg = testing.vllm_config("LBNHC", NUM_BLOCKS, tp=tp, pcp=pcp_size)
-    with testing.vllm_groups(cfg, rank, world, port) as ps:
+    cfg = configs.vllm_config("LBNHC", NUM_BLOCKS, tp=tp, pcp=pcp_size)
+    with configs.vllm_groups(cfg, rank, world, port) as ps:
         pcp, tpg = ps.get_pcp_group(), ps.get_tp_group()
         prank = pcp.rank_in_group
         out = {"pcp_ranks": pcp.ranks, "tp_ranks": tpg.ranks, "runs": {}}

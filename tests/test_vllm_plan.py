@@ -31,7 +31,7 @@ def _python(code: str, **env: str) -> str:
 
 @pytest.fixture(scope="module")
 def configs():
-    from vmmkv.integrations.vllm.testing import build_kv_cache_config
+    from vmmkv.testing.vllm.configs import build_kv_cache_config
 
     return {layout: build_kv_cache_config(layout)[1] for layout in VLLM_LAYOUTS}
 
@@ -224,7 +224,7 @@ def test_the_plan_reads_vllms_placement_and_growth_segments_from_its_kv_cache_te
 
 @pytest.mark.parametrize("layout", ["LHBNC", "BHLNC"])
 def test_vllm_itself_refuses_the_layouts_that_split_a_page(layout):
-    from vmmkv.integrations.vllm.testing import build_kv_cache_config
+    from vmmkv.testing.vllm.configs import build_kv_cache_config
 
     with pytest.raises(ValueError, match=f"layout {layout} cannot express"):
         build_kv_cache_config(layout)
@@ -236,7 +236,7 @@ def test_unsupported_layouts_specs_and_kernel_blocks_are_refused_naming_them(con
     import torch
 
     from vmmkv.integrations.vllm import UnsupportedKVCache, VllmKVCache, plan_kv_cache
-    from vmmkv.integrations.vllm.testing import build_kv_cache_config, layer_specs, vllm_config
+    from vmmkv.testing.vllm.configs import build_kv_cache_config, layer_specs, vllm_config
 
     with pytest.raises(UnsupportedKVCache, match="layout LHBNC is not supported.*LBHNC, LBNHC"):
         plan_kv_cache(configs["LBNHC"], "LHBNC")
@@ -262,7 +262,7 @@ def test_the_vllm_config_check_refuses_float16_models_and_micro_batching():
 
     from vmmkv.integrations.vllm import UnsupportedKVCache
     from vmmkv.integrations.vllm._patches import check_vllm_config
-    from vmmkv.integrations.vllm.testing import vllm_config
+    from vmmkv.testing.vllm.configs import vllm_config
 
     cfg = vllm_config("LBNHC")
     check_vllm_config(cfg)

@@ -85,17 +85,17 @@ def _scale(rank, world, port, nofile, chunk_mib):
     from vllm.v1.worker.gpu import attn_utils
 
     from vmmkv.integrations import vllm as integration
-    from vmmkv.integrations.vllm import testing
+    from vmmkv.testing.vllm import configs
 
-    cfg = testing.vllm_config("LBNHC", BLOCKS, LAYERS, pcp=world)
+    cfg = configs.vllm_config("LBNHC", BLOCKS, LAYERS, pcp=world)
     out = {}
     with _fd_limit(nofile, chunk_mib) as peak:
-        with testing.vllm_groups(cfg, rank, world, port) as ps:
+        with configs.vllm_groups(cfg, rank, world, port) as ps:
             cpu, lay = torch.device("cpu"), KVCacheLayout.LBNHC
-            _, prof = testing.build_profiling_kv_cache_config(
+            _, prof = configs.build_profiling_kv_cache_config(
                 "LBNHC", PROFILE_BLOCKS, LAYERS, pcp=world
             )
-            _, config = testing.build_kv_cache_config("LBNHC", BLOCKS, LAYERS, pcp=world)
+            _, config = configs.build_kv_cache_config("LBNHC", BLOCKS, LAYERS, pcp=world)
             with set_current_vllm_config(cfg), integration.patched():
                 views = attn_utils.allocate_kv_cache(prof, cpu, lay, [BS])
                 del views  # vLLM's teardown of the profiling state
@@ -145,14 +145,14 @@ def _scale_extensible(rank, world, port, nofile, chunk_mib, layout):
     from vllm.v1.worker.gpu import attn_utils
 
     from vmmkv.integrations import vllm as integration
-    from vmmkv.integrations.vllm import testing
+    from vmmkv.testing.vllm import configs
 
-    cfg = testing.vllm_config(layout, BLOCKS, LAYERS, pcp=world)
+    cfg = configs.vllm_config(layout, BLOCKS, LAYERS, pcp=world)
     out = {}
     with _fd_limit(nofile, chunk_mib) as peak:
-        with testing.vllm_groups(cfg, rank, world, port) as ps:
+        with configs.vllm_groups(cfg, rank, world, port) as ps:
             cpu, lay = torch.device("cpu"), KVCacheLayout[layout]
-            _, config = testing.build_kv_cache_config(layout, BLOCKS, LAYERS, pcp=world)
+            _, config = configs.build_kv_cache_config(layout, BLOCKS, LAYERS, pcp=world)
             config = ekc.pad_kv_cache_segments(config, lay, 2 << 20)  # CUDA's granule floor
             with set_current_vllm_config(cfg), integration.patched():
                 ext = ekc.ExtensibleKVCache(config, cpu, lay)

@@ -99,25 +99,26 @@ def _inputs(seed, prank, world):
 
 def _store(vc, seed, prank, world, layers=range(LAYERS)):
     """Every layer's rows through the cache (direct publication + barrier)."""
-    from vmmkv.integrations.vllm import pcp_store_plan, testing
+    from vmmkv.integrations.vllm import pcp_store_plan
+    from vmmkv.testing.vllm import configs
 
     for layer in layers:
         kv_c, k_pe, k, mapping, _ = _inputs(seed + layer, prank, world)
         plan = pcp_store_plan(ROWS, mapping, 0, True, prank, world)
-        vc.store(vc.bindings[testing.idx_layer(layer)], (k,), plan)
-        vc.store(vc.bindings[testing.mla_layer(layer)], (kv_c, k_pe), plan)
+        vc.store(vc.bindings[configs.idx_layer(layer)], (k,), plan)
+        vc.store(vc.bindings[configs.mla_layer(layer)], (kv_c, k_pe), plan)
 
 
 def _reference(plain, vc, seed, world):
     """vLLM's plain-torch KV cache, zeroed, then every rank's rows of ``seed`` through
     ``vmmkv.ops.reference`` (in the kinds the plugin bound: those the installed vLLM writes)."""
-    from vmmkv.integrations.vllm import testing
     from vmmkv.ops import reference as ref
+    from vmmkv.testing.vllm import configs
 
     for view in plain.values():
         view.zero_()
     for layer in range(LAYERS):
-        idx, mla = testing.idx_layer(layer), testing.mla_layer(layer)
+        idx, mla = configs.idx_layer(layer), configs.mla_layer(layer)
         for (kv_c, k_pe, k), slots in _inputs(seed + layer, 0, world)[4]:
             ref.insert_indexer_k(plain[idx].squeeze(1), k, slots, kind=vc.bindings[idx].kind)
             ref.insert_ds_mla(plain[mla].squeeze(1), kv_c, k_pe, slots,
@@ -236,11 +237,12 @@ def _without_vmmkv_cache():
 
 
 def _refusal():
-    from vmmkv.integrations.vllm import UnsupportedKVCache, _sleep, testing
+    from vmmkv.integrations.vllm import UnsupportedKVCache, _sleep
+    from vmmkv.testing.vllm import configs
 
     out = {}
     for name in ("cumem", "vmmkv"):
-        cfg = testing.vllm_config(LAYOUT)
+        cfg = configs.vllm_config(LAYOUT)
         # set after construction: vLLM refuses sleep mode on the CPU platform
         cfg.model_config.enable_sleep_mode, cfg.model_config.sleep_mode_backend = True, name
         try:
@@ -248,7 +250,7 @@ def _refusal():
             out[name] = ""
         except UnsupportedKVCache as exc:
             out[name] = str(exc)
-    _sleep.check_config(testing.vllm_config(LAYOUT))  # sleep allocator off: vLLM's defaults
+    _sleep.check_config(configs.vllm_config(LAYOUT))  # sleep allocator off: vLLM's defaults
     return out
 
 
@@ -263,11 +265,11 @@ def _sleep_rank(rank, world, port):
     from vllm.v1.worker.gpu import attn_utils  # MRV2: the runner that runs PCP
 
     from vmmkv.integrations import vllm as integration
-    from vmmkv.integrations.vllm import testing
+    from vmmkv.testing.vllm import configs
 
-    with testing.vllm_groups(testing.vllm_config(LAYOUT, pcp=world), rank, world, port) as ps:
+    with configs.vllm_groups(configs.vllm_config(LAYOUT, pcp=world), rank, world, port) as ps:
         out = {"no cache": _without_vmmkv_cache(), "refusal": _refusal()}
-        cfg, config = testing.build_kv_cache_config(LAYOUT, NUM_BLOCKS, pcp=world)
+        cfg, config = configs.build_kv_cache_config(LAYOUT, NUM_BLOCKS, pcp=world)
         size = config.kv_cache_tensors[0].size
         pcp = ps.get_pcp_group()
         prank = pcp.rank_in_group

@@ -72,7 +72,7 @@ def _inputs(layer, prank, world, blocks):
 
 def _lost_rows(views, plain, every, layer):
     """(cache, token) rows of ``every`` whose bytes in the replica differ from the reference."""
-    from vmmkv.integrations.vllm.testing import idx_layer, mla_layer
+    from vmmkv.testing.vllm.configs import idx_layer, mla_layer
 
     lost = 0
     mla, mla_ref = views[mla_layer(layer)].squeeze(1), plain[mla_layer(layer)].squeeze(1)
@@ -102,8 +102,8 @@ def _zero_race(rank, world, ps, store, variant):
 
     from tests.test_vllm_pcp import _call_sites, _flat
     from vmmkv.integrations import vllm as integration
-    from vmmkv.integrations.vllm.testing import build_kv_cache_config, idx_layer, mla_layer
     from vmmkv.ops import reference as ref
+    from vmmkv.testing.vllm.configs import build_kv_cache_config, idx_layer, mla_layer
 
     pcp = ps.get_pcp_group()
     cfg, config = build_kv_cache_config("LBNHC", NUM_BLOCKS, pcp=world)
@@ -185,11 +185,12 @@ def _growth(rank, world, ps, layout):
     from vllm.v1.worker import utils as worker_utils
 
     from tests.test_vllm_pcp import _flat
-    from vmmkv.integrations.vllm import VllmKVCache, pcp_store_plan, testing
+    from vmmkv.integrations.vllm import VllmKVCache, pcp_store_plan
     from vmmkv.ops import reference as ref
+    from vmmkv.testing.vllm import configs
 
     pcp = ps.get_pcp_group()
-    _, config = testing.build_kv_cache_config(layout, NUM_BLOCKS, pcp=world)
+    _, config = configs.build_kv_cache_config(layout, NUM_BLOCKS, pcp=world)
     size = config.kv_cache_tensors[0].size
     plain = worker_utils.allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout[layout], [BS])
     want = _flat(next(iter(plain.values())), size)
@@ -208,12 +209,12 @@ def _growth(rank, world, ps, layout):
             for layer in range(LAYERS):
                 kv_c, k_pe, k, mapping, every = _inputs(layer + seed, prank, world, [0, 7, 20])
                 plan = pcp_store_plan(ROWS, mapping, 0, True, prank, world)
-                vc.store(vc.bindings[testing.idx_layer(layer)], (k,), plan)
-                vc.store(vc.bindings[testing.mla_layer(layer)], (kv_c, k_pe), plan)
+                vc.store(vc.bindings[configs.idx_layer(layer)], (k,), plan)
+                vc.store(vc.bindings[configs.mla_layer(layer)], (kv_c, k_pe), plan)
                 for (r_kv_c, r_k_pe, r_k), slots in every:
                     ok = torch.where(slots < committed * BS, slots, -1)
-                    ref.insert_indexer_k(plain[testing.idx_layer(layer)].squeeze(1), r_k, ok)
-                    ref.insert_ds_mla(plain[testing.mla_layer(layer)].squeeze(1), r_kv_c,
+                    ref.insert_indexer_k(plain[configs.idx_layer(layer)].squeeze(1), r_k, ok)
+                    ref.insert_ds_mla(plain[configs.mla_layer(layer)].squeeze(1), r_kv_c,
                                       r_k_pe, ok)  # fmt: skip
             out[tag] = {
                 "blocks": committed,
@@ -246,9 +247,9 @@ def _growth(rank, world, ps, layout):
 def _zero_and_grow(rank, world, port):
     import torch.distributed as dist
 
-    from vmmkv.integrations.vllm import testing
+    from vmmkv.testing.vllm import configs
 
-    with testing.vllm_groups(testing.vllm_config("LBNHC", pcp=world), rank, world, port) as ps:
+    with configs.vllm_groups(configs.vllm_config("LBNHC", pcp=world), rank, world, port) as ps:
         store = dist.distributed_c10d._get_default_store()
         out = {v: _zero_race(rank, world, ps, store, v) for v in ("without", "with the fix")}
         out.update({f"growth {lay}": _growth(rank, world, ps, lay) for lay in ("LBNHC", "BLNHC")})

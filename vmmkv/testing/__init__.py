@@ -7,6 +7,8 @@
   (expected replica bytes through ``vmmkv.ops.reference``).
 - ``timing``: one timing loop and one percentile function.
 - ``markers``: pytest markers (``requires_gpu``); imports pytest, the others do not.
+- ``vllm``: the vLLM plugin's test and benchmark tooling (configs, traces, workload families);
+  its modules import vLLM lazily.
 
 Names here may change with the tests that use them. Importing this package imports nothing
 heavy; each submodule imports what it needs.

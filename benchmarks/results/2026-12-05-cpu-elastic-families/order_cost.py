@@ -31,7 +31,7 @@ def lowest_any(self):
 def main() -> None:
     os.environ.update({"VLLM_USE_VMMKV": "1", "VLLM_VMMKV_ELASTIC": "1"})
     from vmmkv.integrations.vllm import _elastic, _patches
-    from vmmkv.integrations.vllm.workloads import FamilyRun, summary
+    from vmmkv.testing.vllm.workloads import FamilyRun, summary
 
     _patches.install_engine()
     shipped, out = _elastic.LowestIdFreeQueue._pop, {}

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ... import _blockset as blockset
-from ._elastic import RESIZE, STAMP
+from ...integrations.vllm._elastic import RESIZE, STAMP
 
 __all__ = [
     "IDLE_STEPS", "PHASES", "CountingCache", "TraceRun", "TraceStep", "model_output", "schedule",
@@ -65,7 +65,7 @@ PHASES = {
 def _pipeline_allowed() -> Iterator[None]:
     """The plugin's config check with pipeline stages let through (the engine core's side
     alone: its refusal is about the workers' collectives, which a trace does not run)."""
-    from . import _elastic_sites
+    from ...integrations.vllm import _elastic_sites
 
     check = _elastic_sites.check_elastic_config
 
@@ -153,7 +153,7 @@ class CountingCache:
 def counting_worker(run: TraceRun) -> Callable[[Any], Any]:
     """An ``on_step`` for :meth:`TraceRun.run`: the plugin's worker step
     (``_elastic_sites.ElasticWorker``) over a :class:`CountingCache` starting at the floor."""
-    from ._elastic_sites import ElasticWorker, step_block_ids
+    from ...integrations.vllm._elastic_sites import ElasticWorker, step_block_ids
 
     cache, worker = CountingCache(run.el.s.floor, run.el.s.num_blocks), ElasticWorker()
 
@@ -225,7 +225,7 @@ class TraceRun:
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
-        from .testing import build_kv_cache_config
+        from .configs import build_kv_cache_config
 
         cfg, kvc = build_kv_cache_config(
             "BLNHC", num_blocks=self.num_blocks, num_layers=self.layers, pcp=self.world
@@ -387,7 +387,7 @@ class TraceRun:
         return self.steps
 
     def _check_committed(self, so: Any) -> None:
-        from ._elastic_sites import step_block_ids
+        from ...integrations.vllm._elastic_sites import step_block_ids
 
         el, ids = self.el, step_block_ids(so)
         if ids and max(ids) >= el.limit:

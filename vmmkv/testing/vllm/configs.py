@@ -1,5 +1,6 @@
-"""Internal helpers of the vLLM integration's tests (no API promise): a DeepSeek-V3.2-shaped
-``KVCacheConfig`` built by vLLM 0.34.0's own functions, on the CPU, without weights.
+"""Internal helpers of the vLLM plugin's tests (no API promise; ``vmmkv.testing``): a
+DeepSeek-V3.2-shaped ``KVCacheConfig`` built by vLLM 0.34.0's own functions, on the CPU, without
+weights.
 
 :func:`build_kv_cache_config` does what vLLM's engine does between the worker's
 ``get_kv_cache_spec`` and ``initialize_kv_cache``: the per-layer specs (each layer's indexer K
