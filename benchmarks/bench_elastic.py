@@ -282,12 +282,13 @@ def scan_cost(num_blocks: int = 4096, steps: int = 1500) -> list[dict]:
     every chunk (the worst case: every chunk is read, none is free), 20 ms steps on the pool's
     clock. Side by side: the scan bounded to ``SCAN_BLOCKS`` a step, and the whole pool in one
     step (``SCAN_BLOCKS`` unbounded, the scan before it was bounded)."""
-    from vmmkv.integrations.vllm import _elastic
+    from vmmkv.integrations.vllm import _elastic_holes
+    from vmmkv.integrations.vllm._elastic_settings import STAMP
     from vmmkv.testing.vllm.trace import TraceRun
 
-    rows, bounded = [], _elastic.SCAN_BLOCKS
+    rows, bounded = [], _elastic_holes.SCAN_BLOCKS
     for per_step in (bounded, 1 << 30):
-        _elastic.SCAN_BLOCKS = per_step
+        _elastic_holes.SCAN_BLOCKS = per_step
         try:
             run = TraceRun(num_blocks=num_blocks, elastic=True, max_num_seqs=256, layers=61)
             run.build()
@@ -297,7 +298,7 @@ def scan_cost(num_blocks: int = 4096, steps: int = 1500) -> list[dict]:
                 live += pool.get_new_blocks(pool.get_num_free_blocks())
                 el.before_schedule()
                 if el.pending is not None:
-                    el.on_output(type("Out", (), {_elastic.STAMP: (el.seq, el.target, None)})())
+                    el.on_output(type("Out", (), {STAMP: (el.seq, el.target, None)})())
             live += pool.get_new_blocks(pool.get_num_free_blocks())
             keep, k = set(), 0
             while True:  # one block in use in every chunk: its last
@@ -323,7 +324,7 @@ def scan_cost(num_blocks: int = 4096, steps: int = 1500) -> list[dict]:
                 "over_50us": sum(x > 50_000 for x in late),
             })  # fmt: skip
         finally:
-            _elastic.SCAN_BLOCKS = bounded
+            _elastic_holes.SCAN_BLOCKS = bounded
     return rows
 
 

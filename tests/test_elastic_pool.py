@@ -1,4 +1,4 @@
-"""Elastic KV's engine-core pieces without vLLM (``vmmkv.integrations.vllm._elastic``): the free
+"""Elastic KV's engine-core pieces without vLLM (``vmmkv.integrations.vllm._elastic*``): the free
 queue's order and bookkeeping, the pool's two-phase grow, calm-gated release, cached cap and
 idle release, and the settings' knobs. A minimal stand-in for vLLM's ``BlockPool`` holds the
 blocks (id, ref count, hash) and evicts a hash as vLLM's ``_maybe_evict_cached_block`` does;
@@ -14,13 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from vmmkv import _blockset as blockset
-from vmmkv.integrations.vllm._elastic import (
-    STAMP,
-    ElasticPool,
-    LowestIdFreeQueue,
-    elastic_enabled,
-    elastic_settings,
-)
+from vmmkv.integrations.vllm._elastic import ElasticPool
+from vmmkv.integrations.vllm._elastic_queue import LowestIdFreeQueue
+from vmmkv.integrations.vllm._elastic_settings import STAMP, elastic_enabled, elastic_settings
 
 
 @dataclass(eq=False)
@@ -568,7 +564,7 @@ KVC = SimpleNamespace(num_blocks=256, kv_cache_tensors=[SimpleNamespace(size=256
 
 
 def test_settings_for_turns_holes_off_under_vllms_extensible_kv_cache():
-    from vmmkv.integrations.vllm._elastic_sites import settings_for
+    from vmmkv.integrations.vllm._elastic_settings import settings_for
 
     assert settings_for(_vllm_config(None), KVC, 4000).holes
     assert settings_for(_vllm_config(False), KVC, 4000).holes
@@ -579,7 +575,7 @@ def test_the_watermark_covers_one_step_more_than_vllms_batches_in_flight():
     """A grow is confirmed by the output of the step that carried it, processed after
     ``max_concurrent_batches - 1`` more steps were scheduled: a batch queue of 2 without async
     scheduling (2 pipeline stages) needs the lead of async scheduling, not of a sync engine."""
-    from vmmkv.integrations.vllm._elastic_sites import settings_for
+    from vmmkv.integrations.vllm._elastic_settings import settings_for
 
     got = {b: settings_for(_vllm_config(batches=b), KVC, 4000) for b in (1, 2, 3)}
     assert [got[b].lead_steps for b in (1, 2, 3)] == [2, 3, 4]
@@ -657,13 +653,13 @@ def _until_released(el, clock, most=100):
 def test_a_hole_scan_reads_a_bounded_number_of_blocks_a_step_and_releases_what_one_pass_does(
     monkeypatch,
 ):
-    from vmmkv.integrations.vllm import _elastic
+    from vmmkv.integrations.vllm import _elastic_holes
 
-    monkeypatch.setattr(_elastic, "SCAN_BLOCKS", 1 << 30)  # the whole pool in one step
+    monkeypatch.setattr(_elastic_holes, "SCAN_BLOCKS", 1 << 30)  # the whole pool in one step
     pool, clock, el = _pinned_top()
     whole = _until_released(el, clock)
     assert whole == 1 and el.holes, (whole, el.counts)
-    monkeypatch.setattr(_elastic, "SCAN_BLOCKS", 64)
+    monkeypatch.setattr(_elastic_holes, "SCAN_BLOCKS", 64)
     pool2, clock2, el2 = _pinned_top()
     reads = []
     real = pool2.blocks.__class__.__getitem__
@@ -688,9 +684,9 @@ def test_a_hole_scan_reads_a_bounded_number_of_blocks_a_step_and_releases_what_o
 
 
 def test_a_chunk_handed_out_while_the_hole_scan_is_under_way_is_not_released(monkeypatch):
-    from vmmkv.integrations.vllm import _elastic
+    from vmmkv.integrations.vllm import _elastic_holes
 
-    monkeypatch.setattr(_elastic, "SCAN_BLOCKS", 512)
+    monkeypatch.setattr(_elastic_holes, "SCAN_BLOCKS", 512)
     pool, clock, el = _pinned_top()
     el.before_schedule()  # the scan's first step reads chunks 16-527, every one free
     assert el.counts["releases"] == 0 and el._scan is not None

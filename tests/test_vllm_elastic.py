@@ -180,7 +180,7 @@ def test_square_wave_releases_once_per_period_without_drift(engine):
 def test_a_refused_grow_keeps_every_size_and_the_next_grow_works(engine):
     """The worker refuses the 2nd grow (as vmmkv's resize does on every rank: an error, sizes
     unchanged); the scheduler keeps its limit, hands out nothing beyond it, and grows later."""
-    from vmmkv.integrations.vllm._elastic import RESIZE
+    from vmmkv.integrations.vllm._elastic_settings import RESIZE
     from vmmkv.integrations.vllm._elastic_sites import ElasticWorker, step_block_ids
     from vmmkv.testing.vllm.trace import CountingCache, TraceRun
 
@@ -291,7 +291,7 @@ def test_worker_outputs_carry_the_steps_stamp_through_copies_async_outputs_and_p
 
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput
 
-    from vmmkv.integrations.vllm._elastic import STAMP
+    from vmmkv.integrations.vllm._elastic_settings import STAMP
     from vmmkv.integrations.vllm._elastic_sites import WORKER, stamp_output
     from vmmkv.testing.vllm.trace import CountingCache, model_output
 

@@ -212,7 +212,7 @@ class _Rank:
 
         from vmmkv import _blockset as blockset
         from vmmkv.integrations.vllm import _elastic_sites
-        from vmmkv.integrations.vllm._elastic import RESIZE
+        from vmmkv.integrations.vllm._elastic_settings import RESIZE
 
         so = pickle.loads(blob)
         vc, WORKER = self.vc, _elastic_sites.WORKER

@@ -25,7 +25,7 @@ CHUNK = 1 << 19  # 0.5 MiB: about 5 blocks of 100,864 bytes
 def _step(resize, ids=()):
     from types import SimpleNamespace
 
-    from vmmkv.integrations.vllm._elastic import RESIZE
+    from vmmkv.integrations.vllm._elastic_settings import RESIZE
 
     so = SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(block_ids=(list(ids),))],

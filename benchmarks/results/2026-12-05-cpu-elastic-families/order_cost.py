@@ -30,16 +30,16 @@ def lowest_any(self):
 
 def main() -> None:
     os.environ.update({"VLLM_USE_VMMKV": "1", "VLLM_VMMKV_ELASTIC": "1"})
-    from vmmkv.integrations.vllm import _elastic, _patches
+    from vmmkv.integrations.vllm import _elastic_queue, _patches
     from vmmkv.testing.vllm.workloads import FamilyRun, summary
 
     _patches.install_engine()
-    shipped, out = _elastic.LowestIdFreeQueue._pop, {}
+    shipped, out = _elastic_queue.LowestIdFreeQueue._pop, {}
     keys = ("committed_mean", "committed_peak", "hit_tokens", "over_need", "preemptions")
     for family in sys.argv[1].split(","):
         for seed in (0, 1, 2):
             for name, pop in (("uncached-first", shipped), ("lowest-any", lowest_any)):
-                _elastic.LowestIdFreeQueue._pop = pop
+                _elastic_queue.LowestIdFreeQueue._pop = pop
                 run = FamilyRun(trace=family, seed=seed)
                 run.run()
                 got = summary(run)

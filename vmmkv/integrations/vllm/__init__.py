@@ -190,7 +190,7 @@ def register() -> None:
     import no vLLM module on vmmkv's behalf. With ``VLLM_VMMKV_ELASTIC=1`` also elastic mode's
     engine sites once the process imports ``vllm.v1.engine.core``
     (``install_when_engine_core_loads``). Unset or '0': nothing. Idempotent."""
-    from ._elastic import ELASTIC_ENV, elastic_enabled
+    from ._elastic_settings import ELASTIC_ENV, elastic_enabled
 
     if elastic_enabled() and not enabled():
         raise ValueError(f"{ELASTIC_ENV}=1 needs {ENV}=1 (elastic KV is vmmkv's KV cache)")

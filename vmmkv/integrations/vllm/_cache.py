@@ -149,7 +149,7 @@ def _chunk_bytes_from_env(granularity: int, capacity: int) -> int | None:
 def elastic_chunk_bytes() -> int:
     """Elastic mode's chunk size: ``VMMKV_CHUNK_MIB`` (parsed as the plugin does), else
     ``ELASTIC_CHUNK_MIB``; the cache clamps it to its capacity and checks the granularity."""
-    from ._elastic import ELASTIC_CHUNK_MIB
+    from ._elastic_settings import ELASTIC_CHUNK_MIB
 
     return _chunk_bytes_from_env(1, 1 << 62) or ELASTIC_CHUNK_MIB << 20
 

@@ -42,7 +42,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ... import _blockset as blockset
-from ._elastic import RESIZE, STAMP, ElasticPool, elastic_settings
+from ._elastic import ElasticPool
+from ._elastic_settings import RESIZE, STAMP, check_elastic_config, settings_for
 from ._extensible import PeerKVBuffer, settle_elastic, vllm_cache_of
 
 log = logging.getLogger(__name__)
@@ -51,58 +52,6 @@ __all__ = [
     "ENGINE_SITES", "STATS_UTILITY", "WORKER", "WORKER_SITES", "ElasticWorker", "elastic_stats",
     "worker_resize", "worker_stats",
 ]  # fmt: skip
-
-
-def block_bytes(kv_cache_config: Any) -> int:
-    """Bytes of one block over every layer (one replica): vLLM's backing allocation (every
-    ``KVCacheTensor`` places its layers in the same one and names its size) over the block
-    count. The engine core's copy of the config keeps the tensors (its groups' specs do not: a
-    uniform group keeps one layer's spec), so both sides derive the same quantum."""
-    return max(t.size for t in kv_cache_config.kv_cache_tensors) // kv_cache_config.num_blocks
-
-
-def settings_for(vllm_config: Any, kv_cache_config: Any, chunk_bytes: int,
-                 num_blocks: int | None = None):  # fmt: skip
-    """:func:`~._elastic.elastic_settings` from vLLM's configs, identical in every process.
-    ``num_blocks``: the pool's size when it is not the config's (a worker under vLLM's
-    extensible KV cache: the budget ``extend_kv_cache`` commits, which the engine core's
-    config holds once vLLM has shrunk it; the block's bytes are the same)."""
-    sc = vllm_config.scheduler_config
-    # no holes under vLLM's extensible KV cache: its recommit (wake, the end of a lending)
-    # commits a prefix of its count, so a hole would come back committed behind the pool
-    extensible = bool(getattr(vllm_config.cache_config, "enable_extensible_kv_cache", False))
-    return elastic_settings(
-        kv_cache_config.num_blocks if num_blocks is None else num_blocks,
-        block_bytes(kv_cache_config), chunk_bytes,
-        block_size=vllm_config.cache_config.block_size,
-        max_num_batched_tokens=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs,
-        concurrent_batches=vllm_config.max_concurrent_batches, holes=not extensible,
-    )  # fmt: skip
-
-
-def check_elastic_config(cfg: Any) -> None:
-    """Refuse what elastic mode has not been built or tested for (local, before any
-    collective; the plugin's own refusals run too): pipeline and data parallelism, speculative
-    decoding, KV cache events."""
-    from ._layout import UnsupportedKVCache
-
-    pc = cfg.parallel_config
-    untested = []
-    if pc.pipeline_parallel_size > 1:
-        untested.append(f"pipeline parallelism ({pc.pipeline_parallel_size} stages)")
-    if pc.data_parallel_size > 1:
-        untested.append(f"data parallelism ({pc.data_parallel_size} ranks)")
-    if getattr(cfg, "speculative_config", None) is not None:
-        untested.append("speculative decoding (speculative_config)")
-    events = getattr(cfg, "kv_events_config", None)
-    if events is not None and getattr(events, "enable_kv_cache_events", False):
-        untested.append("KV cache events (a released block's hash is dropped without an event)")
-    if untested:
-        raise UnsupportedKVCache(
-            "elastic KV (VLLM_VMMKV_ELASTIC=1) has not been tested with "
-            + "; ".join(untested)
-            + ": run without VLLM_VMMKV_ELASTIC=1"
-        )
 
 
 # -- the worker ------------------------------------------------------------------------------

@@ -278,7 +278,7 @@ def _elastic_chunk(cfg: Any, layout: Any) -> int | None:
     the refusals of vmmkv's own allocation in elastic mode (what it has not been tested with; a
     layer-major layout, whose blocks span every layer's segment); the worker's applied resize
     requests reset. None otherwise. Local."""
-    from ._elastic import elastic_enabled
+    from ._elastic_settings import elastic_enabled
 
     if not elastic_enabled():
         return None
@@ -312,7 +312,7 @@ def _chunk_bytes(device: Any, size: int, layout: Any) -> int:
     from ..._util import round_up
     from ...alloc.region import make_backend
     from ._cache import _chunk_bytes_from_env
-    from ._elastic import ELASTIC_CHUNK_MIB
+    from ._elastic_settings import ELASTIC_CHUNK_MIB
 
     gran = make_backend(device, "auto").granularity
     env = _chunk_bytes_from_env(gran, round_up(size, gran))

@@ -283,7 +283,7 @@ def _elastic_kwargs(cfg: Any, kv_cache_config: Any, layout: Any) -> dict[str, An
     chunk, as the engine core computes them; a block-major layout is required (a layer-major
     one spreads each block over every layer's segment: chunks of 64 MiB would commit up to 2 x
     the blocks' bytes, small chunks cost a driver call each). Otherwise nothing."""
-    from ._elastic import elastic_enabled
+    from ._elastic_settings import elastic_enabled
 
     if not elastic_enabled():
         return {}
@@ -602,7 +602,7 @@ def install(sites: Sites = ()) -> None:
     only (default: every site of 0.34.0)."""
     if _STATE.patches:
         return
-    from ._elastic import elastic_enabled
+    from ._elastic_settings import elastic_enabled
 
     if not sites:
         sites = _SITES

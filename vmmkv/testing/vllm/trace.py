@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ... import _blockset as blockset
-from ...integrations.vllm._elastic import RESIZE, STAMP
+from ...integrations.vllm._elastic_settings import RESIZE, STAMP
 
 __all__ = [
     "IDLE_STEPS", "PHASES", "CountingCache", "TraceRun", "TraceStep", "model_output", "schedule",
