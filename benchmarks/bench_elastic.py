@@ -360,16 +360,16 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     modes = [m for m in args.modes.split(",") if m]
     os.environ.update(ENV)
-    from vmmkv.integrations.vllm import _patches
+    from vmmkv.integrations.vllm import _install
 
-    _patches.install_engine()
+    _install.install_engine()
     try:
         fam, series = families([f for f in args.families.split(",") if f], seeds, modes)
         rows, _ = ([], {}) if args.no_traces else traces(seeds)
         cost = host_cost(args.running, args.steps)
         scan = scan_cost()
     finally:
-        _patches.uninstall()
+        _install.uninstall()
     cols = ["family", "mode", "seed", "way", "committed_mean", "committed_peak", "over_need"]
     print(table(fam, cols + ["hits_of_vllm", "preemptions", "drain_s", "releases", "grows",
                              "release_to_grow_min_s", "floor_after_s"]))  # fmt: skip

@@ -5,7 +5,7 @@ Per rank a 61-layer DeepSeek-V3.2 cache (MLA 41,984 B + indexer 8,448 B per bloc
 layouts: ``BL`` (BLNHC: one segment of packed blocks, 3,076,352 B each) or ``LB`` (LBNHC: 122
 segments, the 61 indexer segments of 8,448 B per block then the 61 MLA segments of 41,984 B per
 block, each ``max_blocks`` blocks long). Every resize goes through the plugin's worker side,
-``ElasticWorker.apply(cache, (seq, target))`` of ``vmmkv.integrations.vllm._elastic_sites``, over
+``ElasticWorker.apply(cache, (seq, target))`` of ``vmmkv.integrations.vllm._elastic_worker``, over
 an adapter that makes the cache calls ``VllmKVCache`` makes (``grow_blocks``, ``shrink_blocks``,
 ``set_committed_blocks``; no zeroing or barrier of its own).
 
@@ -220,7 +220,7 @@ def run_config(dev: Any, cfg: dict[str, Any], layout: str, chunk: int) -> dict[s
     from vmmkv import ReplicatedKVCache
     from vmmkv._util import ceil_div, round_up
     from vmmkv.alloc.region import make_backend
-    from vmmkv.integrations.vllm._elastic_sites import ElasticWorker
+    from vmmkv.integrations.vllm._elastic_worker import ElasticWorker
 
     segs, size = geometry(layout, cfg["layers"], cfg["max_blocks"])
     cap = round_up(size, make_backend(dev, cfg["backend"]).granularity)

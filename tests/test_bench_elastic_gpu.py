@@ -63,7 +63,7 @@ def _zeroing_rank(rank: int, world: int) -> list[int]:
     import torch.distributed as dist
 
     from vmmkv import ReplicatedKVCache
-    from vmmkv.integrations.vllm._elastic_sites import ElasticWorker
+    from vmmkv.integrations.vllm._elastic_worker import ElasticWorker
 
     segs, size = be.geometry("LB", 1, 8)  # 8448 B and 41984 B blocks, 8 of each
     cache = ReplicatedKVCache(dist.group.WORLD, 1 << 20, "cpu", chunk_bytes=1 << 20,

@@ -45,15 +45,15 @@ KNOBS = {
 @pytest.fixture
 def engine(monkeypatch):
     """The plugin's engine-core sites on vLLM's classes for one test, with the trace's knobs."""
-    from vmmkv.integrations.vllm import _patches
+    from vmmkv.integrations.vllm import _install
 
     for k, v in KNOBS.items():
         monkeypatch.setenv(k, v)
-    _patches.install_engine()
+    _install.install_engine()
     try:
         yield monkeypatch
     finally:
-        _patches.uninstall()
+        _install.uninstall()
 
 
 def _run(trace="burst", seed=0, **kw):
@@ -181,7 +181,7 @@ def test_a_refused_grow_keeps_every_size_and_the_next_grow_works(engine):
     """The worker refuses the 2nd grow (as vmmkv's resize does on every rank: an error, sizes
     unchanged); the scheduler keeps its limit, hands out nothing beyond it, and grows later."""
     from vmmkv.integrations.vllm._elastic_settings import RESIZE
-    from vmmkv.integrations.vllm._elastic_sites import ElasticWorker, step_block_ids
+    from vmmkv.integrations.vllm._elastic_worker import ElasticWorker, step_block_ids
     from vmmkv.testing.vllm.trace import CountingCache, TraceRun
 
     run = TraceRun(trace="burst", seed=0, num_blocks=N)
@@ -240,8 +240,8 @@ def test_what_elastic_mode_has_not_been_tested_with_is_refused_by_name(engine):
 
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from vmmkv.integrations.vllm import _patches
-    from vmmkv.integrations.vllm._elastic_sites import check_elastic_config
+    from vmmkv.integrations.vllm import _install
+    from vmmkv.integrations.vllm._elastic_settings import check_elastic_config
     from vmmkv.integrations.vllm._extensible import _elastic_chunk
     from vmmkv.integrations.vllm._layout import UnsupportedKVCache
     from vmmkv.testing.vllm.configs import build_kv_cache_config
@@ -264,14 +264,14 @@ def test_what_elastic_mode_has_not_been_tested_with_is_refused_by_name(engine):
         finally:
             object.__setattr__(owner, name, old)
     with pytest.raises(UnsupportedKVCache, match="needs a block-major KV cache layout, got LBNHC"):
-        _patches._elastic_kwargs(cfg, kvc, KVCacheLayout.LBNHC)
+        _install._elastic_kwargs(cfg, kvc, KVCacheLayout.LBNHC)
     with pytest.raises(UnsupportedKVCache, match="needs a block-major KV cache layout, got LBNHC"):
         _elastic_chunk(cfg, KVCacheLayout.LBNHC)  # under vLLM's extensible KV cache
     assert _elastic_chunk(cfg, KVCacheLayout.BLNHC) == int(1.5 * (1 << 20))
-    got = _patches._elastic_kwargs(cfg, kvc, KVCacheLayout.BLNHC)
+    got = _install._elastic_kwargs(cfg, kvc, KVCacheLayout.BLNHC)
     assert got == {"initial_blocks": 75, "chunk_bytes": int(1.5 * (1 << 20))}  # 64 -> 5 chunks
     engine.delenv("VLLM_VMMKV_ELASTIC")
-    assert _patches._elastic_kwargs(cfg, kvc, KVCacheLayout.LBNHC) == {}
+    assert _install._elastic_kwargs(cfg, kvc, KVCacheLayout.LBNHC) == {}
     assert _elastic_chunk(cfg, KVCacheLayout.LBNHC) is None
 
 
@@ -292,7 +292,7 @@ def test_worker_outputs_carry_the_steps_stamp_through_copies_async_outputs_and_p
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput
 
     from vmmkv.integrations.vllm._elastic_settings import STAMP
-    from vmmkv.integrations.vllm._elastic_sites import WORKER, stamp_output
+    from vmmkv.integrations.vllm._elastic_worker import WORKER, stamp_output
     from vmmkv.testing.vllm.trace import CountingCache, model_output
 
     cache = CountingCache(64)
@@ -327,7 +327,8 @@ def test_the_idle_hook_releases_through_collective_rpc_unless_a_request_arrives(
     import dataclasses
     import queue
 
-    from vmmkv.integrations.vllm import _elastic_sites as sites
+    from vmmkv.integrations.vllm import _elastic_engine as engine_side
+    from vmmkv.integrations.vllm import _elastic_worker as worker_side
     from vmmkv.integrations.vllm._state import _STATE
     from vmmkv.testing.spawn import capture_logs
     from vmmkv.testing.vllm.trace import CountingCache, TraceRun
@@ -365,9 +366,9 @@ def test_the_idle_hook_releases_through_collective_rpc_unless_a_request_arrives(
             self.rpcs.append(args)
             return [method(None, *args)]
 
-    hook = sites._process_input_queue(lambda self: "vllm's loop")
+    hook = engine_side._process_input_queue(lambda self: "vllm's loop")
     eng = Engine()
-    sites.WORKER.reset()
+    worker_side.WORKER.reset()
     _STATE.active = cache
     try:
         eng.input_queue.put(("ADD", "r1"))  # a request arrives during the wait: no release
@@ -383,16 +384,16 @@ def test_the_idle_hook_releases_through_collective_rpc_unless_a_request_arrives(
         # goes on with the tail parked
         eng.collective_rpc = lambda method, args=(): [(args[0], 600, "refused")] * 2
         logs = capture_logs("vmmkv")
-        sites.idle_release(eng, el)
+        engine_side.idle_release(eng, el)
         assert el.limit == el.s.floor and any("refused by the group" in m for m in logs), logs
         el.queue.prepend_n(run.pool.blocks[el.limit : 600])
         el.limit = 600
         eng.collective_rpc = lambda method, args=(): [(args[0], 75, None), (args[0], 600, "x")]
         with pytest.raises(RuntimeError, match=r"idle release to 75 blocks .* different outcomes"):
-            sites.idle_release(eng, el)
+            engine_side.idle_release(eng, el)
     finally:
         _STATE.active = None
-        sites.WORKER.reset()
+        worker_side.WORKER.reset()
 
 
 def _pressure_free_run(setup, steps, arrive_each_step):

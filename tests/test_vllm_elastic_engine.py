@@ -50,20 +50,20 @@ N = 256
 
 @pytest.fixture
 def engine_sites(monkeypatch):
-    from vmmkv.integrations.vllm import _elastic_sites as sites
-    from vmmkv.integrations.vllm import _patches
+    from vmmkv.integrations.vllm import _elastic_worker as worker_side
+    from vmmkv.integrations.vllm import _install
     from vmmkv.integrations.vllm._state import _STATE
 
     for k, v in KNOBS.items():
         monkeypatch.setenv(k, v)
-    _patches.install_engine()
-    sites.WORKER.reset()
+    _install.install_engine()
+    worker_side.WORKER.reset()
     try:
         yield
     finally:
         _STATE.active = None
-        sites.WORKER.reset()
-        _patches.uninstall()
+        worker_side.WORKER.reset()
+        _install.uninstall()
 
 
 def _executor(cfg, call):
@@ -119,12 +119,12 @@ def _in_process_call(cache):
 
 def worker_step(worker, so):
     """A worker's part of a step (the patched ``update_requests`` and stamp)."""
-    from vmmkv.integrations.vllm import _elastic_sites as sites
+    from vmmkv.integrations.vllm import _elastic_worker as worker_side
     from vmmkv.integrations.vllm._state import active_cache
 
     cache = active_cache()
-    sites.on_update_requests(cache, so)
-    return sites.WORKER.stamp(cache)
+    worker_side.on_update_requests(cache, so)
+    return worker_side.WORKER.stamp(cache)
 
 
 def _step(run, executor):
@@ -388,25 +388,25 @@ def test_elastic_stats_asks_vllms_llm_engine_and_in_process_client_and_refuses_o
 def test_the_added_utility_is_refused_where_vllm_has_one_and_removed_on_unregister():
     from vllm.v1.engine.core import EngineCore
 
-    from vmmkv.integrations.vllm import STATS_UTILITY, UnsupportedVLLM, _patches
-    from vmmkv.integrations.vllm._elastic_sites import ENGINE_SITES
+    from vmmkv.integrations.vllm import STATS_UTILITY, UnsupportedVLLM, _install
+    from vmmkv.integrations.vllm._install import ENGINE_SITES
 
     added = [site for site in ENGINE_SITES if site[3] is None]
     assert [site[1] for site in added] == [f"EngineCore.{STATS_UTILITY}"]
     try:
-        _patches.install_engine()
+        _install.install_engine()
         assert callable(getattr(EngineCore, STATS_UTILITY))
     finally:
-        _patches.uninstall()
+        _install.uninstall()
     assert not hasattr(EngineCore, STATS_UTILITY)
     setattr(EngineCore, STATS_UTILITY, lambda self: "vLLM's own")
     try:
         with pytest.raises(UnsupportedVLLM, match=f"EngineCore.{STATS_UTILITY}: exists"):
-            _patches.install_engine()
+            _install.install_engine()
         assert getattr(EngineCore, STATS_UTILITY)(None) == "vLLM's own"  # nothing patched
     finally:
         delattr(EngineCore, STATS_UTILITY)
-        _patches.uninstall()
+        _install.uninstall()
 
 
 # -- sleep over 2 ranks -------------------------------------------------------------------------
@@ -419,20 +419,23 @@ def _sleep_ranks(rank, world):
     import vllm.device_allocator as dalloc
 
     from tests.test_vllm_sleep import _RecordingAllocator
-    from vmmkv.integrations.vllm import _elastic_sites as sites
-    from vmmkv.integrations.vllm import _patches
+    from vmmkv.integrations.vllm import _elastic_engine as engine_side
+    from vmmkv.integrations.vllm import _elastic_settings as settings
+    from vmmkv.integrations.vllm import _elastic_worker as worker_side
+    from vmmkv.integrations.vllm import _install
     from vmmkv.integrations.vllm._cache import VllmKVCache, elastic_chunk_bytes
     from vmmkv.integrations.vllm._sleep import VmmkvSleepModeBackend, register_backend
+    from vmmkv.integrations.vllm._state import _STATE
     from vmmkv.testing.vllm import configs
 
     register_backend()
     cfg, kvc = configs.build_kv_cache_config("BLNHC", num_blocks=N, num_layers=2, pcp=world)
     chunk = elastic_chunk_bytes()
-    sites.WORKER.reset()
+    worker_side.WORKER.reset()
     vc = VllmKVCache(kvc, "BLNHC", cpu_group=dist.group.WORLD, device="cpu", backend="host",
-                     initial_blocks=sites.settings_for(cfg, kvc, chunk).floor, chunk_bytes=chunk,
+                     initial_blocks=settings.settings_for(cfg, kvc, chunk).floor, chunk_bytes=chunk,
                      timeout=20)  # fmt: skip
-    _patches._STATE.active = vc
+    _STATE.active = vc
     rec = _RecordingAllocator(vc)
     dalloc.get_mem_allocator_instance = lambda: rec
     backend = VmmkvSleepModeBackend()
@@ -473,7 +476,7 @@ def _sleep_ranks(rank, world):
 
     from vllm.v1.engine import EngineCoreRequestType
 
-    _patches.install_engine()
+    _install.install_engine()
     try:
         run, ex = _grown(lambda c: _executor(c, call))
         eng = _engine(run, ex)
@@ -481,7 +484,7 @@ def _sleep_ranks(rank, world):
         while run.scheduler.has_requests():
             _step(run, ex)
         grown = el.limit
-        stats = {"grown": ex.collective_rpc(sites.worker_stats)}  # each rank's, through vLLM
+        stats = {"grown": ex.collective_rpc(worker_side.worker_stats)}  # each rank's, through vLLM
         # 1. vLLM's sleep (pause "abort", caches reset, every worker's sleep); while asleep a
         #    client adds a request and drops it: its abort is one more step; then the engine's
         #    loop idles longer than idle_seconds, and a wake arrives
@@ -490,7 +493,7 @@ def _sleep_ranks(rank, world):
         eng.abort_requests([run._add(100, 8, shared=False)])
         while eng.has_work():
             _step(run, ex)
-        stats["asleep"] = ex.collective_rpc(sites.worker_stats)
+        stats["asleep"] = ex.collective_rpc(worker_side.worker_stats)
         stop = _loop_in_thread(eng)
         time.sleep(2.5 * IDLE_S)
         asleep = el.limit
@@ -500,13 +503,13 @@ def _sleep_ranks(rank, world):
         awake = (el.limit, run.scheduler.pause_state.name)
         # 2. asleep again, and a release reaches the sleeping workers (an idle release)
         eng.sleep(level=1)
-        sites.idle_release(eng, el)
+        engine_side.idle_release(eng, el)
         released = el.limit
         eng.wake_up(None)
         again = (el.limit, run.scheduler.pause_state.name)
     finally:
         bcast(None)
-        _patches.uninstall()
+        _install.uninstall()
     return {"seen": seen, "grown": grown, "asleep": asleep, "awake": awake, "floor": el.s.floor,
             "released": released, "again": again, "stats": stats,
             "block_bytes": el.s.block_bytes, "chunk": chunk}  # fmt: skip
@@ -580,11 +583,11 @@ def _forked_engine_core(q):
         from vllm.plugins import load_general_plugins
         from vllm.v1.core.sched.scheduler import Scheduler
 
-        from vmmkv.integrations.vllm import _patches
+        from vmmkv.integrations.vllm import _install
         from vmmkv.testing.vllm.trace import TraceRun, counting_worker, model_output, schedule
 
         load_general_plugins()  # EngineCore.__init__'s first call: a no-op after the fork
-        patched = Scheduler.schedule is not _patches.original(Scheduler, "schedule")
+        patched = Scheduler.schedule is not _install.original(Scheduler, "schedule")
         run = TraceRun(trace="ranks", num_blocks=N, max_num_batched_tokens=256, max_num_seqs=16)
         s = run.build()  # raises without the engine sites
         on_step = counting_worker(run)
@@ -611,7 +614,7 @@ def test_engine_sites_install_when_the_plugins_load_before_the_engine_core_modul
 def test_a_worker_refuses_a_step_without_a_resize_request_in_elastic_mode(engine_sites):
     """vLLM's scheduler without the engine sites (PCP 1 in its eyes: no pool) sends what an
     engine core without them sends; the worker's step refuses it, naming rank and cause."""
-    from vmmkv.integrations.vllm import _elastic_sites as sites
+    from vmmkv.integrations.vllm import _elastic_worker as worker_side
     from vmmkv.testing.vllm.trace import CountingCache, TraceRun
 
     run = TraceRun(trace="ranks", num_blocks=N, elastic=False, max_num_batched_tokens=256)
@@ -621,8 +624,8 @@ def test_a_worker_refuses_a_step_without_a_resize_request_in_elastic_mode(engine
     cache = CountingCache(75)
     cache.rank = 1
     with pytest.raises(RuntimeError) as err:
-        sites.on_update_requests(cache, so)
+        worker_side.on_update_requests(cache, so)
     msg = str(err.value)
     assert msg.startswith("rank 1: ") and "vmmkv_resize" in msg, msg
     assert "without vmmkv's elastic engine sites" in msg and "VLLM_VMMKV_ELASTIC=1" in msg, msg
-    assert cache.committed_blocks == 75 and sites.WORKER.seq == 0
+    assert cache.committed_blocks == 75 and worker_side.WORKER.seq == 0

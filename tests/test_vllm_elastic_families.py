@@ -31,15 +31,15 @@ MODES = ["sync", "async", "bq2"]
 @pytest.fixture
 def engine(monkeypatch):
     """The plugin's engine-core sites on vLLM's classes; elastic mode with its defaults."""
-    from vmmkv.integrations.vllm import _patches
+    from vmmkv.integrations.vllm import _install
 
     monkeypatch.setenv("VLLM_USE_VMMKV", "1")
     monkeypatch.setenv("VLLM_VMMKV_ELASTIC", "1")
-    _patches.install_engine()
+    _install.install_engine()
     try:
         yield monkeypatch
     finally:
-        _patches.uninstall()
+        _install.uninstall()
 
 
 @functools.cache

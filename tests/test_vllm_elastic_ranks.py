@@ -8,7 +8,7 @@ What runs through vLLM's own code:
   k's output is processed) and its ``Scheduler``, with ``KVCacheManager``, ``BlockPool``, prefix
   caching and chunked prefill, built by ``trace.TraceRun`` (the ``"ranks"`` trace: a burst,
   steady arrivals, a drain, idle releases with arrivals right after them) in rank 0's process
-  (the output rank) with the plugin's engine sites installed (``_patches.install_engine``: the
+  (the output rank) with the plugin's engine sites installed (``_install.install_engine``: the
   elastic pool comes from the patched ``Scheduler.__init__``).
 - **Delivery**: each ``SchedulerOutput`` is pickled and broadcast (``broadcast_object_list`` on
   the PCP group's gloo group); every rank, rank 0 included, works on the unpickled copy, as
@@ -20,13 +20,13 @@ What runs through vLLM's own code:
 - **Worker step**, in MRV2's order (``finish_requests``, ``add_requests``, ``update_requests``):
   per-request block tables kept as MRV2 keeps them (new requests' ``block_ids``, cached
   requests' ``new_block_ids``, finished and preempted requests dropped, resumed ones arriving as
-  new requests); ``_elastic_sites.on_update_requests`` (the resize, the block-id check); vLLM's
+  new requests); ``_elastic_worker.on_update_requests`` (the resize, the block-id check); vLLM's
   real ``KVBlockZeroer.zero_block_ids`` through the patched site; then every scheduled token's
   KV rows (random non-zero bf16, seeded per step and layer) split across ranks by vLLM's MRV2
   ``PCPManager`` and written through vLLM's cache-write call sites
   (``tests.test_vllm_pcp._call_sites``).
 - **Idle release**: ``TraceRun``'s idle hook broadcasts the pool's resize request; every rank
-  runs ``_elastic_sites.worker_resize`` (the body of the engine's ``collective_rpc``).
+  runs ``_elastic_worker.worker_resize`` (the body of the engine's ``collective_rpc``).
 - **Sleep and wake** at the second idle release: the scheduler's ``reset_prefix_cache`` (what
   ``EngineCore.sleep`` does first), then on every rank the plugin's ``VmmkvSleepModeBackend``
   ``suspend(())`` and ``resume()`` around vLLM's own ``CuMemBackend``.
@@ -211,11 +211,11 @@ class _Rank:
         import pickle
 
         from vmmkv import _blockset as blockset
-        from vmmkv.integrations.vllm import _elastic_sites
+        from vmmkv.integrations.vllm import _elastic_worker as worker_side
         from vmmkv.integrations.vllm._elastic_settings import RESIZE
 
         so = pickle.loads(blob)
-        vc, WORKER = self.vc, _elastic_sites.WORKER
+        vc, WORKER = self.vc, worker_side.WORKER
         # MRV2 finish_requests: finished and preempted requests leave the batch
         for rid in set(so.finished_req_ids) | set(so.preempted_req_ids or ()):
             for d in (self.tables, self.prefill_len, self.computed):
@@ -233,7 +233,7 @@ class _Rank:
         growing = seq > WORKER.seq and not blockset.is_subset(blockset.as_set(target), held)
         undo = self._arm_failure() if growing and self._next_grow_fails() else None
         try:
-            _elastic_sites.on_update_requests(vc, so)
+            worker_side.on_update_requests(vc, so)
         finally:
             if undo is not None:
                 undo()
@@ -374,9 +374,9 @@ class _Rank:
     def idle(self, n: int, seq: int, target: int) -> tuple:
         """The idle release's ``collective_rpc`` body on this rank; then at the floor within a
         chunk, every peer's chunks mapped, the replica equal to the reference."""
-        from vmmkv.integrations.vllm import _elastic_sites
+        from vmmkv.integrations.vllm import _elastic_worker as worker_side
 
-        stamp = _elastic_sites.worker_resize(None, seq, target)
+        stamp = worker_side.worker_resize(None, seq, target)
         stamps = self.gather(stamp)
         vc = self.vc
         bb = sum(b for _, b in vc.segments)
@@ -478,7 +478,7 @@ def _scheduled(so) -> tuple:
     """What the scheduler handed out in ``so``: the highest block id the step adds, its new
     requests, the requests finished before it, and per new request whether its prefill is
     split (chunked: it does not reach the end of its prefill in this step)."""
-    from vmmkv.integrations.vllm._elastic_sites import step_block_ids
+    from vmmkv.integrations.vllm._elastic_worker import step_block_ids
 
     new = so.scheduled_new_reqs
     ends = [x.num_computed_tokens + so.num_scheduled_tokens[x.req_id] for x in new]
@@ -507,7 +507,7 @@ def _one_run(ps, world, spec, late=None):
     from tests.test_vllm_pcp import _flat
     from tests.test_vllm_zero_grow import _HostZeroKernel, _zeroer
     from vmmkv.integrations import vllm as integration
-    from vmmkv.integrations.vllm import _patches
+    from vmmkv.integrations.vllm import _install
     from vmmkv.testing.vllm import configs
 
     name, async_depth, zeroing, fail_grow, sleep_at = spec
@@ -541,7 +541,7 @@ def _one_run(ps, world, spec, late=None):
                 r.events["zeroed"] = r.zeroed
                 return {"records": r.records, "problems": r.problems, "events": r.events,
                         "seconds": time.monotonic() - t0}  # fmt: skip
-            _patches.install_engine()  # the engine core's sites, in the output rank's process
+            _install.install_engine()  # the engine core's sites, in the output rank's process
             run = _scheduler(world, async_depth, zeroing)
             el, sched = run.el, []
 

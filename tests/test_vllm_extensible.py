@@ -374,7 +374,7 @@ def _elastic_rank_class():
 
             from tests.test_vllm_scale import _mapped
             from tests.test_vllm_sleep import _HostAccelerator, _RecordingAllocator
-            from vmmkv.integrations.vllm import _elastic_sites
+            from vmmkv.integrations.vllm import _elastic_worker as worker_side
 
             vc, ext, w = self.vc, self.ext, self.worker
             rec, real = _RecordingAllocator(vc), dalloc.get_mem_allocator_instance
@@ -384,7 +384,7 @@ def _elastic_rank_class():
                 with _HostAccelerator():
                     w.sleep(level=1)
                     seen["asleep"] = {"blocks": vc.committed_blocks, **_mapped(vc)}
-                    stamp = _elastic_sites.worker_resize(None, seq, target)
+                    stamp = worker_side.worker_resize(None, seq, target)
                     seen["idle asleep"] = {"blocks": vc.committed_blocks, **_mapped(vc),
                                            "vllm": ext.num_committed_blocks}  # fmt: skip
                     w.wake_up(None)
@@ -426,7 +426,7 @@ def _elastic_one_run(ps, world, async_depth):
     from tests.test_vllm_sleep import _worker
     from tests.test_vllm_zero_grow import _HostZeroKernel, _zeroer
     from vmmkv.integrations import vllm as integration
-    from vmmkv.integrations.vllm import _patches
+    from vmmkv.integrations.vllm import _install
     from vmmkv.testing.vllm import configs
     from vmmkv.testing.vllm.trace import TraceRun
 
@@ -471,7 +471,7 @@ def _elastic_one_run(ps, world, async_depth):
             _poison(r)
             dist.barrier(group=r.group)
             if r.rank == 0:
-                _patches.install_engine()
+                _install.install_engine()
                 run = TraceRun(trace="ranks", seed=0, num_blocks=EL_CAPACITY, budget=BUDGET,
                                async_depth=async_depth, world=world, layers=LAYERS,
                                max_num_batched_tokens=TOKENS, max_num_seqs=SEQS)  # fmt: skip

@@ -1,4 +1,4 @@
-"""Holes on the worker side of elastic mode (``_elastic_sites``), over two spawned PCP ranks
+"""Holes on the worker side of elastic mode (``_elastic_worker``), over two spawned PCP ranks
 with a real ``VllmKVCache`` (vLLM 0.34's planned BLNHC config, host backend, gloo).
 
 A ``SchedulerOutput`` carrying ``vmmkv_resize = (seq, block set)`` reaches every rank's
@@ -44,7 +44,7 @@ def _worker(rank, world):
     import torch.distributed as dist
 
     from vmmkv.alloc.region import covering_chunks
-    from vmmkv.integrations.vllm import _elastic_sites as sites
+    from vmmkv.integrations.vllm import _elastic_worker as worker_side
     from vmmkv.integrations.vllm._cache import VllmKVCache
     from vmmkv.integrations.vllm._extensible import PeerKVBuffer
     from vmmkv.integrations.vllm._sleep import VmmkvSleepModeBackend
@@ -52,7 +52,7 @@ def _worker(rank, world):
     from vmmkv.testing.vllm import configs
 
     _, kvc = configs.build_kv_cache_config("BLNHC", num_blocks=N, num_layers=LAYERS, pcp=world)
-    sites.WORKER.reset()
+    worker_side.WORKER.reset()
     vc = VllmKVCache(kvc, "BLNHC", cpu_group=dist.group.WORLD, device="cpu", backend="host",
                      initial_blocks=40, chunk_bytes=CHUNK, timeout=20)  # fmt: skip
     out = {}
@@ -77,30 +77,34 @@ def _worker(rank, world):
         dist.barrier()
         holed = ((0, 10), (30, 40))
         before = vc.cache.committed_bytes
-        sites.on_update_requests(vc, _step((1, holed), [0, 5, 35]))
-        sites.on_update_requests(vc, _step((1, holed), [1]))  # the same seq: not again
-        out["applied"] = (len(calls), vc.committed_block_set, sites.WORKER.stamp(vc))
+        worker_side.on_update_requests(vc, _step((1, holed), [0, 5, 35]))
+        worker_side.on_update_requests(vc, _step((1, holed), [1]))  # the same seq: not again
+        out["applied"] = (len(calls), vc.committed_block_set, worker_side.WORKER.stamp(vc))
         out["released"] = before - vc.cache.committed_bytes
         out["chunks"] = sr.region.chunks() == chunks_of(holed) and mapped_as_owned()
         off, bb = vc.segments[0]
         out["kept"] = bool((flat[off - base + 31 * bb : off - base + 40 * bb] == 7).all())
         try:
-            sites.on_update_requests(vc, _step((1, holed), [3, 15]))
+            worker_side.on_update_requests(vc, _step((1, holed), [3, 15]))
             out["hole_id"] = "no error"
         except ValueError as exc:
             out["hole_id"] = str(exc)
-        sites.on_update_requests(vc, _step((2, 40)))  # the prefix again: the hole recommitted
+        worker_side.on_update_requests(vc, _step((2, 40)))  # the prefix again: the hole recommitted
         hole = flat[off - base + 10 * bb : off - base + 30 * bb]
-        out["recommitted"] = (sites.WORKER.stamp(vc), int(hole.count_nonzero()), mapped_as_owned())
+        out["recommitted"] = (
+            worker_side.WORKER.stamp(vc),
+            int(hole.count_nonzero()),
+            mapped_as_owned(),
+        )
 
         # vmmkv's sleep-mode backend: a holed set survives sleep, retargeted while asleep
-        sites.on_update_requests(vc, _step((3, holed)))
+        worker_side.on_update_requests(vc, _step((3, holed)))
         _STATE.active = vc
         backend = VmmkvSleepModeBackend()
         backend._release(vc, "sleep")
-        asleep = (vc.committed_block_set, sites.WORKER.stamp(vc))
-        sites.WORKER.apply(vc, (4, ((0, 5), (30, 40))))
-        asleep += (sites.WORKER.stamp(vc),)
+        asleep = (vc.committed_block_set, worker_side.WORKER.stamp(vc))
+        worker_side.WORKER.apply(vc, (4, ((0, 5), (30, 40))))
+        asleep += (worker_side.WORKER.stamp(vc),)
         backend._restore()
         out["sleep"] = (*asleep, vc.committed_block_set, mapped_as_owned())
         _STATE.active = None
@@ -115,11 +119,11 @@ def _worker(rank, world):
         ext = Ext()
         ext.buffer, ext.num_committed_blocks = buffer, vc.committed_blocks
         _STATE.extensible = weakref.ref(ext)
-        sites.WORKER.apply(vc, (5, holed))
-        out["extensible"] = (sites.WORKER.stamp(vc), vc.committed_block_set)
+        worker_side.WORKER.apply(vc, (5, holed))
+        out["extensible"] = (worker_side.WORKER.stamp(vc), vc.committed_block_set)
         _STATE.extensible = None
     finally:
-        sites.WORKER.reset()
+        worker_side.WORKER.reset()
         vc.close()
     return out
 

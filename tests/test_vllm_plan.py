@@ -53,7 +53,7 @@ def test_vllms_plugin_loader_finds_the_entry_point_and_it_patches_only_in_a_work
         "import vllm.v1.worker.gpu.attn_utils as a\n"
         "print(before, v.installed(), a.allocate_kv_cache.__module__)\n"
     )
-    assert _python(code, VLLM_USE_VMMKV="1") == "(False, []) True vmmkv.integrations.vllm._patches"
+    assert _python(code, VLLM_USE_VMMKV="1") == "(False, []) True vmmkv.integrations.vllm._install"
     assert _python(code, VLLM_USE_VMMKV="0") == "(False, []) False vllm.v1.worker.utils"
 
 
@@ -93,7 +93,7 @@ def test_a_moved_or_changed_site_is_refused_at_install_naming_it_and_nothing_is_
     from vllm.v1.worker.gpu import attn_utils
 
     from vmmkv.integrations import vllm as integration
-    from vmmkv.integrations.vllm import _patches
+    from vmmkv.integrations.vllm import _install
 
     real_alloc, real_op = attn_utils.allocate_kv_cache, ops.indexer_k_quant_and_cache
     del ops.indexer_k_quant_and_cache  # a moved site (R3's simulation)
@@ -122,7 +122,7 @@ def test_a_moved_or_changed_site_is_refused_at_install_naming_it_and_nothing_is_
         assert attn_utils.allocate_kv_cache is changed and not integration.installed()
     finally:
         attn_utils.allocate_kv_cache = real_alloc
-    assert len(_patches._SITES) == 13
+    assert len(_install._SITES) == 13
 
 
 @pytest.mark.timeout(120)
@@ -176,7 +176,7 @@ def test_patched_replaces_every_call_site_and_unregister_restores_vllms_objects(
         with integration.patched():  # idempotent
             now = [getattr(owner, name) for owner, name in sites]
             assert all(a is not b for a, b in zip(before, now, strict=True))
-            assert all(f.__module__.endswith(("_patches", "_extensible")) for f in now)
+            assert all(f.__module__.endswith(("_install", "_extensible")) for f in now)
             assert integration.original(ops, "concat_and_cache_mla") is before[4]
     assert [getattr(owner, name) for owner, name in sites] == before
     assert not integration.installed() and integration.active_cache() is None
@@ -261,7 +261,7 @@ def test_the_vllm_config_check_refuses_float16_models_and_micro_batching():
     import torch
 
     from vmmkv.integrations.vllm import UnsupportedKVCache
-    from vmmkv.integrations.vllm._patches import check_vllm_config
+    from vmmkv.integrations.vllm._install import check_vllm_config
     from vmmkv.testing.vllm.configs import vllm_config
 
     cfg = vllm_config("LBNHC")

@@ -30,10 +30,10 @@ def lowest_any(self):
 
 def main() -> None:
     os.environ.update({"VLLM_USE_VMMKV": "1", "VLLM_VMMKV_ELASTIC": "1"})
-    from vmmkv.integrations.vllm import _elastic_queue, _patches
+    from vmmkv.integrations.vllm import _elastic_queue, _install
     from vmmkv.testing.vllm.workloads import FamilyRun, summary
 
-    _patches.install_engine()
+    _install.install_engine()
     shipped, out = _elastic_queue.LowestIdFreeQueue._pop, {}
     keys = ("committed_mean", "committed_peak", "hit_tokens", "over_need", "preemptions")
     for family in sys.argv[1].split(","):

@@ -64,7 +64,7 @@ Elastic KV (``VLLM_VMMKV_ELASTIC=1``, with ``VLLM_USE_VMMKV=1``; block-major lay
 committed blocks follow load. In every process that imports ``vllm.v1.engine.core`` (at once
 if it did before ``register`` ran, else through an import hook: vLLM loads its plugins once per
 process, possibly first, and a forked or in-process engine core never loads them again) the
-plugin installs ``_elastic_sites.ENGINE_SITES``: vLLM's block
+plugin installs ``_install.ENGINE_SITES``: vLLM's block
 pool hands out only committed blocks, uncached ones lowest id first, and the scheduler asks for
 grows (two phases: new blocks are handed out after a worker's output confirms them) and
 releases (in band, after a calm time; idle: through ``collective_rpc``) on every
@@ -105,7 +105,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from ._patches import (
+from ._install import (
     SUPPORTED_VLLM,
     check_vllm_version,
     install,
@@ -159,9 +159,9 @@ _LAZY = {
     "VllmKVCache": "_cache",
     "pcp_store_plan": "_cache",
     "VmmkvSleepModeBackend": "_sleep",
-    "STATS_UTILITY": "_elastic_sites",
-    "elastic_stats": "_elastic_sites",
-    "worker_stats": "_elastic_sites",
+    "STATS_UTILITY": "_elastic_engine",
+    "elastic_stats": "_elastic_engine",
+    "worker_stats": "_elastic_worker",
 }
 
 

@@ -40,7 +40,7 @@ weight update, is agreed here.
 
 Elastic mode (``VLLM_VMMKV_ELASTIC=1``, docs/design.md "Elastic KV in vLLM"): the engine
 core's pool lives below the budget ``extend_kv_cache`` commits; :func:`settle_elastic` brings
-every rank down to the floor right after it, and ``_elastic_sites`` keeps vLLM's count of
+every rank down to the floor right after it, and ``_elastic_worker`` keeps vLLM's count of
 committed blocks equal to vmmkv's (:func:`vllm_cache_of` finds vLLM's cache), so that vLLM's
 recommit commits the elastic size; :attr:`PeerKVBuffer.released` says that vLLM holds the
 memory released (nothing is committed for a resize then).
@@ -154,7 +154,7 @@ class PeerKVBuffer:
             return
         self._closed = True
         if _STATE.active is self.cache:
-            from ._patches import close_active
+            from ._install import close_active
 
             close_active("vLLM frees its extensible KV cache")
         else:
@@ -219,7 +219,7 @@ def make_buffer(
     over the PCP group; it replaces the process's previous cache). Refuses
     (``UnsupportedKVCache``) what the plugin cannot hold, and export handle types (a KV
     connector's), before any collective."""
-    from ._patches import build_cache, check_vllm_config, close_active, original
+    from ._install import build_cache, check_vllm_config, close_active, original
 
     spec = _STATE.extensible_spec
     pcp = _pcp_group()
@@ -283,7 +283,8 @@ def _elastic_chunk(cfg: Any, layout: Any) -> int | None:
     if not elastic_enabled():
         return None
     from ._cache import elastic_chunk_bytes
-    from ._elastic_sites import WORKER, check_elastic_config
+    from ._elastic_settings import check_elastic_config
+    from ._elastic_worker import WORKER
     from ._layout import UnsupportedKVCache
 
     if cfg is None:
@@ -371,7 +372,7 @@ def settle_elastic(ext: Any, vllm_config: Any, kv_cache_config: Any, budget: int
     block addresses at replay, and the pool hands out no block at or above the floor until a
     grow to it is confirmed."""
     from ._cache import elastic_chunk_bytes
-    from ._elastic_sites import settings_for
+    from ._elastic_settings import settings_for
     from ._layout import UnsupportedKVCache
 
     buffer = ext.buffer

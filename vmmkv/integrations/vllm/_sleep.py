@@ -42,7 +42,7 @@ and graphs. When the plugin holds this worker's KV cache (:func:`active_cache`):
   the inner backend's suspend.
 - ``resume(tags)``: the inner backend's resume first; then, when ``tags`` is None or holds
   ``"kv_cache"``, a collective ``VllmKVCache.grow(n)`` to the remembered count (or the last
-  elastic target a worker applied while released, ``_elastic_sites``): the blocks come
+  elastic target a worker applied while released, ``_elastic_worker``): the blocks come
   back **zeroed** (a grow's new blocks read zero before any peer writes them), at the **same virtual
   addresses** (the reservation never moves), so vLLM's views and captured CUDA graphs stay
   valid. vLLM clears its prefix cache before a sleep of level 1 or 2 (``EngineCore.sleep``), so

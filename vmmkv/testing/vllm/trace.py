@@ -65,9 +65,9 @@ PHASES = {
 def _pipeline_allowed() -> Iterator[None]:
     """The plugin's config check with pipeline stages let through (the engine core's side
     alone: its refusal is about the workers' collectives, which a trace does not run)."""
-    from ...integrations.vllm import _elastic_sites
+    from ...integrations.vllm import _elastic_engine
 
-    check = _elastic_sites.check_elastic_config
+    check = _elastic_engine.check_elastic_config
 
     def without_stages(cfg: Any) -> None:
         pc = cfg.parallel_config
@@ -77,11 +77,11 @@ def _pipeline_allowed() -> Iterator[None]:
         finally:
             pc.pipeline_parallel_size = stages
 
-    _elastic_sites.check_elastic_config = without_stages
+    _elastic_engine.check_elastic_config = without_stages
     try:
         yield
     finally:
-        _elastic_sites.check_elastic_config = check
+        _elastic_engine.check_elastic_config = check
 
 
 SAMPLING = "_vmmkv_trace_sampling"  # the requests of a step that sample a token
@@ -152,8 +152,8 @@ class CountingCache:
 
 def counting_worker(run: TraceRun) -> Callable[[Any], Any]:
     """An ``on_step`` for :meth:`TraceRun.run`: the plugin's worker step
-    (``_elastic_sites.ElasticWorker``) over a :class:`CountingCache` starting at the floor."""
-    from ...integrations.vllm._elastic_sites import ElasticWorker, step_block_ids
+    (``_elastic_worker.ElasticWorker``) over a :class:`CountingCache` starting at the floor."""
+    from ...integrations.vllm._elastic_worker import ElasticWorker, step_block_ids
 
     cache, worker = CountingCache(run.el.s.floor, run.el.s.num_blocks), ElasticWorker()
 
@@ -387,7 +387,7 @@ class TraceRun:
         return self.steps
 
     def _check_committed(self, so: Any) -> None:
-        from ...integrations.vllm._elastic_sites import step_block_ids
+        from ...integrations.vllm._elastic_worker import step_block_ids
 
         el, ids = self.el, step_block_ids(so)
         if ids and max(ids) >= el.limit:

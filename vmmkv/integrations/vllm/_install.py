@@ -54,6 +54,15 @@ from typing import Any
 import torch
 
 from ...ops.formats import FORMATS, INDEXER_DIM
+from ._elastic_engine import (
+    STATS_UTILITY,
+    _process_input_queue,
+    _schedule,
+    _scheduler_init,
+    _stats_utility,
+    _update_from_output,
+)
+from ._elastic_worker import _extend, _stamping, _update_requests
 from ._extensible import agreed_lending, capture_spec, make_buffer
 from ._state import _STATE, ABSENT, UnsupportedVLLM, _Patch, _Pending
 
@@ -288,7 +297,8 @@ def _elastic_kwargs(cfg: Any, kv_cache_config: Any, layout: Any) -> dict[str, An
     if not elastic_enabled():
         return {}
     from ._cache import elastic_chunk_bytes
-    from ._elastic_sites import WORKER, check_elastic_config, settings_for
+    from ._elastic_settings import check_elastic_config, settings_for
+    from ._elastic_worker import WORKER
     from ._layout import UnsupportedKVCache
 
     if cfg is None:
@@ -539,6 +549,44 @@ _SITES: tuple[tuple[str, str, Callable[..., Any], tuple[str, ...]], ...] = (
 )  # fmt: skip
 
 
+WORKER_SITES: tuple[tuple[str, str, Callable[..., Any], tuple[str, ...]], ...] = (
+    (
+        "vllm.v1.worker.gpu.model_runner", "GPUModelRunner.update_requests", _update_requests,
+        ("self", "scheduler_output"),
+    ),
+    (
+        "vllm.v1.worker.gpu.model_runner", "GPUModelRunner.execute_model", _stamping,
+        ("self", "scheduler_output", "intermediate_tensors", "dummy_run",
+         "skip_attn_for_dummy_run", "is_profile", "context_len", "valid_dummy_state_slots",
+         "randomize_inputs"),
+    ),
+    (
+        "vllm.v1.worker.gpu.model_runner", "GPUModelRunner.sample_tokens", _stamping,
+        ("self", "grammar_output"),
+    ),
+    ("vllm.v1.worker.gpu_worker", "Worker.extend_kv_cache", _extend, ("self", "num_blocks")),
+)  # fmt: skip
+
+
+ENGINE_SITES: tuple[tuple[str, str, Callable[..., Any], tuple[str, ...] | None], ...] = (
+    (
+        "vllm.v1.core.sched.scheduler", "Scheduler.__init__", _scheduler_init,
+        ("self", "vllm_config", "kv_cache_config", "structured_output_manager", "block_size",
+         "hash_block_size", "mm_registry", "include_finished_set", "log_stats"),
+    ),
+    (
+        "vllm.v1.core.sched.scheduler", "Scheduler.schedule", _schedule,
+        ("self", "throttle_prefills"),
+    ),
+    (
+        "vllm.v1.core.sched.scheduler", "Scheduler.update_from_output", _update_from_output,
+        ("self", "scheduler_output", "model_runner_output"),
+    ),
+    ("vllm.v1.engine.core", "EngineCoreProc._process_input_queue", _process_input_queue, ("self",)),
+    ("vllm.v1.engine.core", f"EngineCore.{STATS_UTILITY}", _stats_utility, None),
+)  # fmt: skip
+
+
 def _lookup(module: str, path: str, added: bool = False) -> tuple[Any, str, Any]:
     owner: Any = importlib.import_module(module)
     *outer, name = path.split(".")
@@ -607,8 +655,6 @@ def install(sites: Sites = ()) -> None:
     if not sites:
         sites = _SITES
         if elastic_enabled():
-            from ._elastic_sites import WORKER_SITES
-
             sites += WORKER_SITES
     patches = _patches_for(sites)
     from ._sleep import register_backend  # vLLM's sleep-mode factory: the "vmmkv" backend
@@ -618,12 +664,10 @@ def install(sites: Sites = ()) -> None:
 
 
 def install_engine() -> None:
-    """Elastic mode's engine-core sites (``_elastic_sites.ENGINE_SITES``), all or nothing,
+    """Elastic mode's engine-core sites (``ENGINE_SITES``), all or nothing,
     idempotent. ``register()`` calls it in the process that runs vLLM's ``EngineCore``."""
     if _STATE.engine_patches:
         return
-    from ._elastic_sites import ENGINE_SITES
-
     _STATE.engine_patches = _apply(_patches_for(ENGINE_SITES), "engine core, elastic KV")
 
 

@@ -1,25 +1,15 @@
-"""Elastic KV: the vLLM 0.34.0 call sites elastic mode adds, in the engine core and in every
-worker (``_elastic`` holds the policy; the package docstring, "Elastic KV", the user's view).
+"""Elastic KV: the worker's side. Every worker applies the engine core's resize requests
+collectively and stamps its outputs with what it holds (``_elastic`` has the policy,
+``_elastic_engine`` the engine core's sites; the package docstring, "Elastic KV", the user's
+view).
 
-Engine core (``ENGINE_SITES``, installed by ``_patches.install_engine`` when elastic mode is on,
-in every process that imports ``vllm.v1.engine.core``, through an import hook if the plugins
-load first):
-
-| site | replaced by |
-|---|---|
-| ``Scheduler.__init__`` | vLLM's, then an :class:`~._elastic.ElasticPool` on its block pool (PCP > 1 only; refusals first); the manager's ``allocate_slots`` watched for refusals (KV pressure) |
-| ``Scheduler.schedule`` | the pool's step (cached cap, grow or release), vLLM's schedule, the resize request set on the output |
-| ``Scheduler.update_from_output`` | the pool reads the worker's stamp (confirms or refuses a pending grow), then vLLM's |
-| ``EngineCoreProc._process_input_queue`` (the busy loop of an engine-core process) | the inputs vLLM deferred during the last step handled first (as vLLM's loop does); then, while idle, awake, unpaused, with no idle-state callback pending and blocks above the floor: wait ``idle_seconds`` for a request (vLLM's watchdog off), else the idle release through ``collective_rpc`` (ordered with every step in vLLM's one queue); then vLLM's |
-| ``EngineCore.vmmkv_elastic_stats`` (added: vLLM has none) | the pool's ``stats()``, a utility vLLM's client calls by name (:func:`elastic_stats`) |
-
-Worker (``WORKER_SITES``, added to the plugin's sites in elastic mode):
+The sites (``_install.WORKER_SITES``, added to the plugin's worker sites in elastic mode):
 
 | site | replaced by |
 |---|---|
 | ``GPUModelRunner.update_requests`` | a step without a resize request refused (an engine core without the engine sites); the step's resize request applied (collective, once per sequence number, before vLLM's zeroing and block copies, outside any graph), every block id the step adds checked committed, then vLLM's |
 | ``GPUModelRunner.execute_model``, ``sample_tokens`` | vLLM's; the output stamped ``(seq, committed blocks, error)`` |
-| ``Worker.extend_kv_cache`` | vLLM's (its extensible KV cache commits the budget on every rank), then, under vmmkv's buffer, every rank down to the floor, vLLM's count of committed blocks with it (``_extensible.settle_elastic``) |
+| ``Worker.extend_kv_cache`` | vLLM's (its extensible KV cache commits the budget on every rank), then, under vmmkv's buffer, every rank down to the floor, vLLM's count of committed blocks with it (:func:`settle_elastic`) |
 
 Why the worker may resize there: every PCP rank receives the same ``SchedulerOutput``s in the
 same order and runs ``update_requests`` for each (even a step of 0 tokens), before any graph
@@ -32,29 +22,24 @@ vLLM's extensible KV cache every resize also sets vLLM's count of committed bloc
 own recommit (wake, the end of a lending) commits the size elastic mode holds; a target above
 the budget vLLM committed at extend is refused on the stamp. Local
 state: one :class:`ElasticWorker` per worker process, reset with each cache.
+
+Also run on every worker through vLLM's ``collective_rpc``: :func:`worker_resize` (the engine
+core's idle release) and :func:`worker_stats` (each rank's committed blocks and bytes).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 from collections.abc import Callable
 from typing import Any
 
 from ... import _blockset as blockset
-from ._elastic import ElasticPool
-from ._elastic_settings import RESIZE, STAMP, check_elastic_config, settings_for
+from ._elastic_settings import RESIZE, STAMP
 from ._extensible import PeerKVBuffer, settle_elastic, vllm_cache_of
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "ENGINE_SITES", "STATS_UTILITY", "WORKER", "WORKER_SITES", "ElasticWorker", "elastic_stats",
-    "worker_resize", "worker_stats",
-]  # fmt: skip
-
-
-# -- the worker ------------------------------------------------------------------------------
+__all__ = ["WORKER", "ElasticWorker", "on_update_requests", "worker_resize", "worker_stats"]
 
 
 class ElasticWorker:
@@ -323,180 +308,6 @@ def _stamping(orig: Callable[..., Any]) -> Callable[..., Any]:
     return stamped
 
 
-WORKER_SITES: tuple[tuple[str, str, Callable[..., Any], tuple[str, ...]], ...] = (
-    (
-        "vllm.v1.worker.gpu.model_runner", "GPUModelRunner.update_requests", _update_requests,
-        ("self", "scheduler_output"),
-    ),
-    (
-        "vllm.v1.worker.gpu.model_runner", "GPUModelRunner.execute_model", _stamping,
-        ("self", "scheduler_output", "intermediate_tensors", "dummy_run",
-         "skip_attn_for_dummy_run", "is_profile", "context_len", "valid_dummy_state_slots",
-         "randomize_inputs"),
-    ),
-    (
-        "vllm.v1.worker.gpu.model_runner", "GPUModelRunner.sample_tokens", _stamping,
-        ("self", "grammar_output"),
-    ),
-    ("vllm.v1.worker.gpu_worker", "Worker.extend_kv_cache", _extend, ("self", "num_blocks")),
-)  # fmt: skip
-
-
-# -- the engine core -------------------------------------------------------------------------
-
-
-def pool_of(scheduler: Any) -> ElasticPool | None:
-    return getattr(scheduler, "_vmmkv_elastic", None)
-
-
-def install_pool(scheduler: Any, chunk_bytes: int) -> ElasticPool:
-    """An :class:`ElasticPool` on the scheduler's (single) block pool; vLLM's whole-pool
-    questions (usage, prefix-cache reset) answered over the committed blocks; a refused
-    ``allocate_slots`` reported to the pool (the only "starved" signal)."""
-    cfg = scheduler.vllm_config
-    check_elastic_config(cfg)
-    pool = scheduler.kv_cache_manager.block_pool
-    el = ElasticPool(pool, settings_for(cfg, scheduler.kv_cache_config, chunk_bytes))
-    reset = pool.reset_prefix_cache
-
-    def reset_prefix_cache():  # vLLM counts every block not in the queue as in use
-        el.queue.num_free_blocks += el.parked()
-        try:
-            return reset()
-        finally:
-            el.queue.num_free_blocks -= el.parked()
-
-    pool.reset_prefix_cache = reset_prefix_cache
-    pool.get_usage = el.usage
-    manager = scheduler.kv_cache_manager
-    allocate_slots = manager.allocate_slots
-
-    def allocate_slots_watched(*args, **kwargs):  # None: KV holds a request back
-        blocks = allocate_slots(*args, **kwargs)
-        if blocks is None:
-            el.kv_refused()
-        return blocks
-
-    manager.allocate_slots = allocate_slots_watched
-    scheduler._vmmkv_elastic = el
-    log.info(
-        "vmmkv: elastic KV: %d of %d blocks committed at start (floor), watermark %d, "
-        "quantum %d, cached cap %d", el.limit, el.s.num_blocks, el.s.watermark, el.s.quantum,
-        el.s.cached_blocks,
-    )  # fmt: skip
-    return el
-
-
-def _scheduler_init(orig: Callable[..., Any]) -> Callable[..., Any]:
-    def __init__(self, vllm_config, kv_cache_config, *args, **kwargs):
-        from ._cache import elastic_chunk_bytes
-
-        orig(self, vllm_config, kv_cache_config, *args, **kwargs)
-        if vllm_config.parallel_config.prefill_context_parallel_size > 1:
-            install_pool(self, elastic_chunk_bytes())
-
-    return __init__
-
-
-def _schedule(orig: Callable[..., Any]) -> Callable[..., Any]:
-    def schedule(self, *args, **kwargs):
-        el = pool_of(self)
-        if el is not None:
-            el.before_schedule()
-        out = orig(self, *args, **kwargs)
-        if el is not None:
-            el.after_schedule(self, out)
-        return out
-
-    return schedule
-
-
-def _update_from_output(orig: Callable[..., Any]) -> Callable[..., Any]:
-    def update_from_output(self, scheduler_output, model_runner_output):
-        el = pool_of(self)
-        if el is not None:
-            el.on_output(model_runner_output)
-        return orig(self, scheduler_output, model_runner_output)
-
-    return update_from_output
-
-
-def idle_release(engine: Any, el: ElasticPool) -> None:
-    """Release down to the floor on every worker through ``collective_rpc``. A release the
-    group refused (vmmkv's resize: the same error on every rank, every size unchanged) is
-    logged and the engine goes on: the pool parked the blocks already, the safe direction.
-    Workers that report different outcomes raise RuntimeError naming each worker's stamp."""
-    resize = el.idle_release()
-    if resize is None:
-        return
-    stamps = [s for s in engine.collective_rpc(worker_resize, args=resize) if s is not None]
-    if all(s[:2] == resize for s in stamps):
-        return
-    if len({s[:2] for s in stamps}) > 1:
-        raise RuntimeError(
-            f"vmmkv: elastic idle release to {resize[1]} blocks (seq {resize[0]}): the workers "
-            f"report different outcomes (stamps (seq, committed, error) in worker order: "
-            f"{stamps})"
-        )
-    log.warning(
-        "vmmkv: elastic idle release to %s blocks (seq %d) refused by the group; the workers "
-        "keep %s blocks, the scheduler hands out %d: %s", resize[1], resize[0], stamps[0][1],
-        el.committed, stamps[0][2],
-    )  # fmt: skip
-
-
-def idle_wait_due(engine: Any, el: ElasticPool) -> bool:
-    """Whether the engine's input loop may wait ``idle_seconds`` and then release: blocks above
-    the floor, and vLLM's loop would otherwise block idle with nothing to hand over. Not while
-    vLLM holds inputs deferred from the last step (``_deferred_inputs``: the hook handles them
-    first, as vLLM's loop does), has idle-state callbacks to run (a pause completing), is paused or asleep (sleep releases the KV
-    cache itself; a pause keeps the size it was given), has work, or shuts down."""
-    return (
-        el.limit > el.s.floor
-        and not engine._deferred_inputs
-        and not engine._idle_state_callbacks
-        and not engine.is_scheduler_paused()
-        and not engine.model_executor.is_sleeping
-        and not engine.has_work()
-        and engine.is_running()
-    )
-
-
-def _process_input_queue(orig: Callable[..., Any]) -> Callable[..., Any]:
-    def _process_input_queue(self):
-        el = pool_of(self.scheduler)
-        if el is not None:
-            while self._deferred_inputs:  # vLLM's order: inputs deferred by the last step first
-                self._handle_client_request(*self._deferred_inputs.popleft())
-        if el is not None and idle_wait_due(self, el):
-            from vllm.utils.watch_dog import get_watch_dog
-
-            try:
-                with get_watch_dog().disable():  # an idle wait, as vLLM's own
-                    req = self.input_queue.get(timeout=el.s.idle_seconds)
-            except queue.Empty:
-                idle_release(self, el)
-            else:
-                self._handle_client_request(*req)
-        return orig(self)
-
-    return _process_input_queue
-
-
-STATS_UTILITY = "vmmkv_elastic_stats"
-
-
-def _stats_utility(_absent: None) -> Callable[..., Any]:
-    def vmmkv_elastic_stats(self):
-        """The elastic pool's :meth:`~._elastic.ElasticPool.stats`, or None where elastic
-        mode has no pool (PCP 1): an engine-core utility, which vLLM's client calls by name
-        (``call_utility``) and answers between steps, in the engine core's one thread."""
-        el = pool_of(self.scheduler)
-        return None if el is None else el.stats()
-
-    return vmmkv_elastic_stats
-
-
 def worker_stats(worker: Any) -> dict[str, Any] | None:
     """This worker's KV cache as elastic mode left it, for ``collective_rpc(worker_stats)``
     (vLLM runs it on every worker, with the worker as its argument): the rank, the committed
@@ -515,40 +326,3 @@ def worker_stats(worker: Any) -> dict[str, Any] | None:
         "committed_bytes": cache.cache.committed_bytes, "seq": seq, "stamp": committed,
         "error": error,
     }  # fmt: skip
-
-
-ENGINE_SITES: tuple[tuple[str, str, Callable[..., Any], tuple[str, ...] | None], ...] = (
-    (
-        "vllm.v1.core.sched.scheduler", "Scheduler.__init__", _scheduler_init,
-        ("self", "vllm_config", "kv_cache_config", "structured_output_manager", "block_size",
-         "hash_block_size", "mm_registry", "include_finished_set", "log_stats"),
-    ),
-    (
-        "vllm.v1.core.sched.scheduler", "Scheduler.schedule", _schedule,
-        ("self", "throttle_prefills"),
-    ),
-    (
-        "vllm.v1.core.sched.scheduler", "Scheduler.update_from_output", _update_from_output,
-        ("self", "scheduler_output", "model_runner_output"),
-    ),
-    ("vllm.v1.engine.core", "EngineCoreProc._process_input_queue", _process_input_queue, ("self",)),
-    ("vllm.v1.engine.core", f"EngineCore.{STATS_UTILITY}", _stats_utility, None),
-)  # fmt: skip
-
-
-def elastic_stats(engine: Any) -> dict[str, Any] | None:
-    """The engine core's elastic pool stats (:meth:`~._elastic.ElasticPool.stats`; None where
-    elastic mode has no pool) from vLLM's ``LLM``, ``LLMEngine`` or their engine-core client,
-    through vLLM's utility call (in process or over its socket). An ``AsyncLLM`` asks with
-    ``await engine.engine_core.call_utility_async(STATS_UTILITY)``."""
-    obj = getattr(engine, "llm_engine", engine)
-    for _ in range(3):  # an LLMEngine, its client, (in process) the engine core
-        if hasattr(obj, "call_utility"):  # vLLM's multiprocess client: over its socket
-            return obj.call_utility(STATS_UTILITY)
-        if hasattr(obj, STATS_UTILITY):  # the engine core itself
-            return getattr(obj, STATS_UTILITY)()
-        obj = getattr(obj, "engine_core", None)
-    raise TypeError(
-        f"elastic_stats: expected vLLM's LLM, LLMEngine or engine-core client with the plugin's "
-        f"engine sites installed, got {type(engine).__name__}"
-    )
