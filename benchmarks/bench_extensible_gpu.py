@@ -2,7 +2,7 @@
 
 vLLM cannot be installed on the GPU machines, so this replays what vLLM 0.34's worker does to
 its ``ExtensibleKVCache`` buffer against the plugin's own buffer
-(``vmmkv.integrations.vllm._extensible.PeerKVBuffer``) on the CUDA backend, at DeepSeek-V3.2's
+(``vmmkv.integrations.vllm._buffer.PeerKVBuffer``) on the CUDA backend, at DeepSeek-V3.2's
 size: 61 layers, MLA 41,984 B + indexer 8,448 B per block and layer. Layouts: ``LB`` (LBNHC:
 122 segments, the indexer regions then the MLA regions, each padded onto the 2 MiB granule as
 vLLM's ``pad_kv_cache_segments`` does) and ``BL`` (BLNHC: one segment of packed blocks). The
@@ -57,7 +57,7 @@ from common import (
 
 MiB, GRANULE = 1 << 20, 2 << 20
 LAYOUTS = ("LB", "BL")
-# the plugin's chunk under vLLM's extensible cache (``_extensible._chunk_bytes`` on CUDA)
+# the plugin's chunk under vLLM's extensible cache (``_buffer._chunk_bytes`` on CUDA)
 PLUGIN_CHUNK = {"LB": GRANULE, "BL": 64 * MiB}
 STAMP = 64  # bytes written per stamped block
 
@@ -119,7 +119,7 @@ def run_config(dev: Any, cfg: dict[str, Any], layout: str) -> dict[str, Any]:
     from vmmkv import ReplicatedKVCache
     from vmmkv._util import round_up
     from vmmkv.alloc.region import make_backend
-    from vmmkv.integrations.vllm._extensible import PeerKVBuffer
+    from vmmkv.integrations.vllm._buffer import PeerKVBuffer
 
     segs, size = padded_geometry(layout, cfg["layers"], cfg["capacity"])
     cap = round_up(size, make_backend(dev, cfg["backend"]).granularity)

@@ -36,7 +36,7 @@ def _config(**kw):
 def _refusal(cfg) -> str:
     """'' when the plugin accepts ``cfg``, else its UnsupportedKVCache message."""
     from vmmkv.integrations.vllm import UnsupportedKVCache
-    from vmmkv.integrations.vllm._install import check_vllm_config
+    from vmmkv.integrations.vllm._support import check_vllm_config
 
     try:
         check_vllm_config(cfg)

@@ -240,9 +240,8 @@ def test_what_elastic_mode_has_not_been_tested_with_is_refused_by_name(engine):
 
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from vmmkv.integrations.vllm import _install
+    from vmmkv.integrations.vllm._allocation import _elastic_chunk, _elastic_kwargs
     from vmmkv.integrations.vllm._elastic_settings import check_elastic_config
-    from vmmkv.integrations.vllm._extensible import _elastic_chunk
     from vmmkv.integrations.vllm._layout import UnsupportedKVCache
     from vmmkv.testing.vllm.configs import build_kv_cache_config
 
@@ -264,14 +263,14 @@ def test_what_elastic_mode_has_not_been_tested_with_is_refused_by_name(engine):
         finally:
             object.__setattr__(owner, name, old)
     with pytest.raises(UnsupportedKVCache, match="needs a block-major KV cache layout, got LBNHC"):
-        _install._elastic_kwargs(cfg, kvc, KVCacheLayout.LBNHC)
+        _elastic_kwargs(cfg, kvc, KVCacheLayout.LBNHC)
     with pytest.raises(UnsupportedKVCache, match="needs a block-major KV cache layout, got LBNHC"):
         _elastic_chunk(cfg, KVCacheLayout.LBNHC)  # under vLLM's extensible KV cache
     assert _elastic_chunk(cfg, KVCacheLayout.BLNHC) == int(1.5 * (1 << 20))
-    got = _install._elastic_kwargs(cfg, kvc, KVCacheLayout.BLNHC)
+    got = _elastic_kwargs(cfg, kvc, KVCacheLayout.BLNHC)
     assert got == {"initial_blocks": 75, "chunk_bytes": int(1.5 * (1 << 20))}  # 64 -> 5 chunks
     engine.delenv("VLLM_VMMKV_ELASTIC")
-    assert _install._elastic_kwargs(cfg, kvc, KVCacheLayout.LBNHC) == {}
+    assert _elastic_kwargs(cfg, kvc, KVCacheLayout.LBNHC) == {}
     assert _elastic_chunk(cfg, KVCacheLayout.LBNHC) is None
 
 

@@ -423,7 +423,8 @@ def _sleep_ranks(rank, world):
     from vmmkv.integrations.vllm import _elastic_settings as settings
     from vmmkv.integrations.vllm import _elastic_worker as worker_side
     from vmmkv.integrations.vllm import _install
-    from vmmkv.integrations.vllm._cache import VllmKVCache, elastic_chunk_bytes
+    from vmmkv.integrations.vllm._buffer import elastic_chunk_bytes
+    from vmmkv.integrations.vllm._cache import VllmKVCache
     from vmmkv.integrations.vllm._sleep import VmmkvSleepModeBackend, register_backend
     from vmmkv.integrations.vllm._state import _STATE
     from vmmkv.testing.vllm import configs
@@ -583,11 +584,11 @@ def _forked_engine_core(q):
         from vllm.plugins import load_general_plugins
         from vllm.v1.core.sched.scheduler import Scheduler
 
-        from vmmkv.integrations.vllm import _install
+        from vmmkv.integrations.vllm import original
         from vmmkv.testing.vllm.trace import TraceRun, counting_worker, model_output, schedule
 
         load_general_plugins()  # EngineCore.__init__'s first call: a no-op after the fork
-        patched = Scheduler.schedule is not _install.original(Scheduler, "schedule")
+        patched = Scheduler.schedule is not original(Scheduler, "schedule")
         run = TraceRun(trace="ranks", num_blocks=N, max_num_batched_tokens=256, max_num_seqs=16)
         s = run.build()  # raises without the engine sites
         on_step = counting_worker(run)

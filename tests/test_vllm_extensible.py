@@ -161,7 +161,7 @@ def _scenario(rank, world, port, runs, dcps):
 
     from tests.test_vllm_pcp import _flat
     from vmmkv.integrations import vllm as integration
-    from vmmkv.integrations.vllm._extensible import PeerKVBuffer
+    from vmmkv.integrations.vllm._buffer import PeerKVBuffer
     from vmmkv.testing.vllm import configs
 
     cfg = configs.vllm_config("LBNHC", CAPACITY, pcp=world)

@@ -45,8 +45,8 @@ def _worker(rank, world):
 
     from vmmkv.alloc.region import covering_chunks
     from vmmkv.integrations.vllm import _elastic_worker as worker_side
+    from vmmkv.integrations.vllm._buffer import PeerKVBuffer
     from vmmkv.integrations.vllm._cache import VllmKVCache
-    from vmmkv.integrations.vllm._extensible import PeerKVBuffer
     from vmmkv.integrations.vllm._sleep import VmmkvSleepModeBackend
     from vmmkv.integrations.vllm._state import _STATE
     from vmmkv.testing.vllm import configs

@@ -53,7 +53,9 @@ def test_vllms_plugin_loader_finds_the_entry_point_and_it_patches_only_in_a_work
         "import vllm.v1.worker.gpu.attn_utils as a\n"
         "print(before, v.installed(), a.allocate_kv_cache.__module__)\n"
     )
-    assert _python(code, VLLM_USE_VMMKV="1") == "(False, []) True vmmkv.integrations.vllm._install"
+    assert (
+        _python(code, VLLM_USE_VMMKV="1") == "(False, []) True vmmkv.integrations.vllm._allocation"
+    )
     assert _python(code, VLLM_USE_VMMKV="0") == "(False, []) False vllm.v1.worker.utils"
 
 
@@ -176,7 +178,7 @@ def test_patched_replaces_every_call_site_and_unregister_restores_vllms_objects(
         with integration.patched():  # idempotent
             now = [getattr(owner, name) for owner, name in sites]
             assert all(a is not b for a, b in zip(before, now, strict=True))
-            assert all(f.__module__.endswith(("_install", "_extensible")) for f in now)
+            assert all(f.__module__.endswith(("_allocation", "_stores", "_lending")) for f in now)
             assert integration.original(ops, "concat_and_cache_mla") is before[4]
     assert [getattr(owner, name) for owner, name in sites] == before
     assert not integration.installed() and integration.active_cache() is None
@@ -261,7 +263,7 @@ def test_the_vllm_config_check_refuses_float16_models_and_micro_batching():
     import torch
 
     from vmmkv.integrations.vllm import UnsupportedKVCache
-    from vmmkv.integrations.vllm._install import check_vllm_config
+    from vmmkv.integrations.vllm._support import check_vllm_config
     from vmmkv.testing.vllm.configs import vllm_config
 
     cfg = vllm_config("LBNHC")

@@ -4,12 +4,12 @@ A ``vllm.general_plugins`` entry point (``vmmkv = vmmkv.integrations.vllm:regist
 calls :func:`register` in each of its processes. It does nothing unless ``VLLM_USE_VMMKV=1``.
 Enabled, it checks the installed vLLM's version (``SUPPORTED_VLLM``; :class:`UnsupportedVLLM`
 otherwise) and, once the process imports MRV2's model runner (a GPU worker; API server and
-engine core never do), patches the vLLM call sites listed in ``vmmkv.integrations.vllm._patches``
+engine core never do), patches the vLLM call sites listed in ``vmmkv.integrations.vllm._install``
 (where vLLM looks them up, all or nothing, each site's parameters checked first): in each worker
 whose PCP group has more than one rank,
 
 - with vLLM's extensible KV cache (0.34's default), its buffer is vmmkv's
-  (``_extensible.PeerKVBuffer``): one :class:`VllmKVCache` whose every commit and release is
+  (``_buffer.PeerKVBuffer``): one :class:`VllmKVCache` whose every commit and release is
   collective over the PCP group, vLLM keeping the sizing, views, sleep, discard and shutdown;
   the lending of KV memory for a weight update is agreed across the group;
 - with it off, ``allocate_kv_cache`` builds a :class:`VllmKVCache`: one
@@ -95,6 +95,16 @@ Contract: :func:`register`/:func:`unregister` are local and idempotent; :func:`p
 context manager for tests (install, then unregister on exit). ``unregister`` restores every
 site and closes the cache it allocated (vLLM's views of it become invalid). The stores and the
 zeroing and copy barriers are collective over the PCP group, as vLLM's own gathers are.
+
+The modules, in the order of vLLM's lifecycle: this one (the entry point) and ``_support`` (the
+version and config checks); ``_allocation`` (the allocation sites) over ``_cache``
+(:class:`VllmKVCache`), ``_layout`` (the plan and the views) and ``_buffer`` (vLLM's extensible
+buffer and the chunk it commits in); ``_stores`` (the gather + insert, zeroing and block-copy
+sites); ``_elastic_engine`` (elastic KV in the engine core) over the policy ``_elastic``
+(``_elastic_settings``, ``_elastic_queue``, ``_elastic_load``, ``_elastic_holes``);
+``_elastic_worker`` (elastic KV in each worker); ``_sleep`` and ``_lending`` (sleep mode, KV
+lending for weight updates). ``_install`` holds the site tables and installs them, ``_state`` the
+per-process state. The tests' and benchmarks' tooling is ``vmmkv.testing.vllm``.
 """
 
 from __future__ import annotations
@@ -106,18 +116,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from ._install import (
-    SUPPORTED_VLLM,
-    check_vllm_version,
     install,
     install_when_engine_core_loads,
     install_when_worker_starts,
     installed,
-    original,
     uninstall,
-    vllm_indexer_kind,
-    vllm_mla_kind,
 )
-from ._state import UnsupportedVLLM, active_cache
+from ._state import UnsupportedVLLM, active_cache, original
+from ._support import SUPPORTED_VLLM, check_vllm_version, vllm_indexer_kind, vllm_mla_kind
 
 __all__ = [
     "ENV",

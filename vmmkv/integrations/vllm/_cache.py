@@ -56,6 +56,7 @@ from ..._util import require_int, round_up
 from ...alloc.region import make_backend
 from ...cache import Binding, ReplicatedKVCache
 from ...ops.formats import get_format
+from ._buffer import _chunk_bytes_from_env
 from ._layout import KVCachePlan, create_views, plan_kv_cache
 
 __all__ = ["StorePlan", "VllmKVCache", "pcp_store_plan"]
@@ -130,35 +131,11 @@ def pcp_store_plan(
     return StorePlan("dcp-replicated-decodes", rows, nd, own, gathered)
 
 
-def _chunk_bytes_from_env(granularity: int, capacity: int) -> int | None:
-    """The KV region's chunk size from ``VMMKV_CHUNK_MIB`` (``vmmkv._env.chunk_bytes``: MiB, a
-    whole number of bytes), which must be a multiple of the allocation granularity and at most
-    the KV capacity; or None: the region's default."""
-    from ..._env import CHUNK_MIB, chunk_bytes
-
-    chunk = chunk_bytes()
-    if chunk is not None and (chunk % granularity or chunk > capacity):
-        raise ValueError(
-            f"{CHUNK_MIB}={chunk / (1 << 20):g}: expected a chunk size in MiB, a multiple of the "
-            f"allocation granularity ({granularity} bytes) and at most the KV capacity "
-            f"({capacity} bytes)"
-        )
-    return chunk
-
-
-def elastic_chunk_bytes() -> int:
-    """Elastic mode's chunk size: ``VMMKV_CHUNK_MIB`` (parsed as the plugin does), else
-    ``ELASTIC_CHUNK_MIB``; the cache clamps it to its capacity and checks the granularity."""
-    from ._elastic_settings import ELASTIC_CHUNK_MIB
-
-    return _chunk_bytes_from_env(1, 1 << 62) or ELASTIC_CHUNK_MIB << 20
-
-
 class VllmKVCache:
     """vLLM's KV cache of one worker on vmmkv memory (see the module docstring)."""
 
     # True when vLLM 0.34's ExtensibleKVCache drives the commits, releases and recommits
-    # (``_extensible.PeerKVBuffer``); False when the plugin's own allocation does
+    # (``_buffer.PeerKVBuffer``); False when the plugin's own allocation does
     extensible = False
 
     def __init__(

@@ -24,6 +24,7 @@ import queue
 from collections.abc import Callable
 from typing import Any
 
+from ._buffer import elastic_chunk_bytes
 from ._elastic import ElasticPool
 from ._elastic_settings import check_elastic_config, settings_for
 from ._elastic_worker import worker_resize
@@ -77,8 +78,6 @@ def install_pool(scheduler: Any, chunk_bytes: int) -> ElasticPool:
 
 def _scheduler_init(orig: Callable[..., Any]) -> Callable[..., Any]:
     def __init__(self, vllm_config, kv_cache_config, *args, **kwargs):
-        from ._cache import elastic_chunk_bytes
-
         orig(self, vllm_config, kv_cache_config, *args, **kwargs)
         if vllm_config.parallel_config.prefill_context_parallel_size > 1:
             install_pool(self, elastic_chunk_bytes())

@@ -48,11 +48,6 @@ KNOBS = {
     "order": "VMMKV_ELASTIC_ORDER",  # "lowest" (default) or "lifo" (vLLM's, for comparison)
 }
 ORDERS = ("lowest", "lifo")
-# Elastic mode's chunk: 64 MiB in a block-major layout (docs/design.md, "Elastic KV in
-# vLLM"): a grow costs one driver call per chunk and peer; on one H200, 2 processes, a
-# +256-block DeepSeek-V3.2 grow took 21.6-25.1 ms at 64 MiB, 28.3-32.6 ms at 32 MiB (two runs),
-# and committed bytes stay within 0.4 % of the blocks' own at 1000 blocks.
-ELASTIC_CHUNK_MIB = 64
 CACHED_TOKENS = 16384  # default cap on cached-free blocks, in tokens (kvcached keeps 16000)
 RELEASE_STEPS = 10  # a release also needs this many calm steps (and calm_seconds)
 CALM_SECONDS = 10.0  # a release comes this long after the last grow (twice after a release)

@@ -23,6 +23,12 @@ own recommit (wake, the end of a lending) commits the size elastic mode holds; a
 the budget vLLM committed at extend is refused on the stamp. Local
 state: one :class:`ElasticWorker` per worker process, reset with each cache.
 
+Under vLLM's extensible KV cache (docs/design.md, "Elastic KV in vLLM") the engine core's pool
+lives below the budget ``extend_kv_cache`` commits: :func:`settle_elastic` brings every rank down
+to the floor right after it (collective over the PCP group), and :func:`vllm_cache_of` finds
+vLLM's ``ExtensibleKVCache`` over the process's cache (``_allocation.capture_spec`` keeps a weak
+reference to it in ``_state``), whose count of committed blocks every resize sets.
+
 Also run on every worker through vLLM's ``collective_rpc``: :func:`worker_resize` (the engine
 core's idle release) and :func:`worker_stats` (each rank's committed blocks and bytes).
 """
@@ -34,12 +40,16 @@ from collections.abc import Callable
 from typing import Any
 
 from ... import _blockset as blockset
-from ._elastic_settings import RESIZE, STAMP
-from ._extensible import PeerKVBuffer, settle_elastic, vllm_cache_of
+from ._buffer import PeerKVBuffer, elastic_chunk_bytes
+from ._elastic_settings import RESIZE, STAMP, settings_for
+from ._state import _STATE
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WORKER", "ElasticWorker", "on_update_requests", "worker_resize", "worker_stats"]
+__all__ = [
+    "WORKER", "ElasticWorker", "on_update_requests", "settle_elastic", "vllm_cache_of",
+    "worker_resize", "worker_stats",
+]  # fmt: skip
 
 
 class ElasticWorker:
@@ -183,6 +193,52 @@ class ElasticWorker:
         return (self.seq, held, self.error)
 
 
+def vllm_cache_of(cache: Any) -> Any:
+    """vLLM's ``ExtensibleKVCache`` whose buffer holds ``cache``, or None (vmmkv's own
+    allocation, or that cache gone). Local."""
+    ext = _STATE.extensible() if _STATE.extensible is not None else None
+    buffer = getattr(ext, "buffer", None)
+    return ext if isinstance(buffer, PeerKVBuffer) and buffer.cache is cache else None
+
+
+def settle_elastic(ext: Any, vllm_config: Any, kv_cache_config: Any, budget: int) -> int:
+    """Elastic mode, right after vLLM's ``extend_kv_cache`` committed ``budget`` blocks on every
+    rank: every rank comes down to the floor the engine core's pool starts at (both computed
+    from ``budget``, the scheduler's block count, and the same config and environment), and
+    vLLM's count of committed blocks with it, so that a wake or a lending's recommit commits
+    what elastic mode holds. Collective over the PCP group (vLLM extends through a
+    ``collective_rpc``). ``kv_cache_config``: the worker's (reserved capacity). Returns the
+    committed blocks.
+
+    Why after the commit of ``budget``, not instead of it: ``extend_kv_cache`` re-binds views of
+    ``budget`` blocks and checks its count against them, and mapping ``budget`` once on every
+    rank proves at start that the pool's largest size can be mapped. CUDA graphs captured
+    before (over the reserved range, the minimum committed) stay valid: their kernels resolve
+    block addresses at replay, and the pool hands out no block at or above the floor until a
+    grow to it is confirmed."""
+    from ._layout import UnsupportedKVCache
+
+    buffer = ext.buffer
+    settings = settings_for(vllm_config, kv_cache_config, elastic_chunk_bytes(), budget)
+    if settings.floor < ext.min_committed_blocks:
+        raise UnsupportedKVCache(
+            f"elastic KV: a floor of {settings.floor} blocks is below the "
+            f"{ext.min_committed_blocks} blocks vLLM's extensible KV cache keeps committed under "
+            "a block-major layout; raise VMMKV_ELASTIC_FLOOR_BLOCKS"
+        )
+    buffer.budget = budget
+    cache = buffer.cache
+    if cache.committed_blocks > settings.floor:
+        cache.shrink(settings.floor)
+    ext.num_committed_blocks = cache.committed_blocks
+    log.info(
+        "vmmkv: elastic KV under vLLM's extensible KV cache: %d of %d committed blocks kept "
+        "(the floor) on PCP rank %d of %d", cache.committed_blocks, budget, cache.rank,
+        cache.world_size,
+    )  # fmt: skip
+    return cache.committed_blocks
+
+
 def _as_int_if_prefix(target: Any) -> Any:
     """A block set that is a prefix ``[0, n)`` as ``n``; anything else as it is."""
     if isinstance(target, int) or not isinstance(target, (tuple, list)):
@@ -196,8 +252,6 @@ def _as_int_if_prefix(target: Any) -> Any:
 
 def _released(cache: Any) -> Any:
     """The sleep-mode backend's record of ``cache`` while it holds it released, else None."""
-    from ._state import _STATE
-
     released = _STATE.released
     return released if released is not None and released.cache is cache else None
 

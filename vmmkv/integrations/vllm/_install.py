@@ -1,40 +1,33 @@
-"""The vLLM 0.34.0 call sites vmmkv replaces, each patched where vLLM looks it up and restored
-by :func:`uninstall`. PCP runs only on vLLM's v2 model runner (MRV2), so only MRV2's sites are
-patched; the sites of vLLM's extensible KV cache are ``_extensible``'s (listed there).
+"""The plugin's installer: the tables of every vLLM 0.34.0 call site the plugin replaces, each
+patched where vLLM looks it up, and their installation: all or nothing, each site's parameters
+checked first, deferred by an import hook until the process imports the module that needs them,
+restored by :func:`uninstall`. PCP runs only on vLLM's v2 model runner (MRV2), so only MRV2's
+sites are patched. What each site is replaced by, and why, is in the module that replaces it
+(its docstring's table):
 
-| site (module: name) | replaced by |
-|---|---|
-| ``vllm.v1.worker.gpu.attn_utils: allocate_kv_cache`` (MRV2's allocation) | with vLLM's extensible KV cache's ``allocate`` hook: ``_extensible.allocate_extensible`` (vLLM's allocation over vmmkv's buffer, every view checked to be bound); without it a :class:`VllmKVCache` over the PCP group, which *replaces* the process's previous one (closed first: vLLM allocates a small profiling cache, tears it down, then allocates the real one); vLLM's own allocation when PCP is 1 |
-| ``vllm.models.deepseek_v32.attention`` and ``vllm.model_executor.layers.attention.mla_attention``: ``maybe_gather_mla_latent_cache_inputs`` | no gather: this rank's rows and slots (replicated rows with the slots vLLM writes them at), the PCP case remembered for the insert |
-| ``vllm.model_executor.layers.sparse_attn_indexer: maybe_gather_indexer_k`` | the same for the indexer (its own metadata's ``num_decode_tokens``) |
-| ``vllm._custom_ops: concat_and_cache_mla``, ``indexer_k_quant_and_cache`` | into a vmmkv layer view after a replaced gather: the cache's store (direct publication + barrier, or vmmkv's gather fallback); any other call: vLLM's op unchanged |
-| ``vllm.v1.worker.utils: KVBlockZeroer.zero_block_ids`` | a check that the blocks are committed, vLLM's zeroing, then the cache barrier |
-| ``vllm.v1.worker.gpu.model_runner: copy_kv_cache_blocks_inplace`` | a check that the blocks are committed, vLLM's copy-on-write block copies (after the zeroing), then the cache barrier again: no peer publishes into this replica before its copies ran |
-| ``vllm.v1.worker.gpu.model_runner: GPUModelRunner.shutdown`` | vLLM's shutdown, then the cache is closed |
-| ``vllm.model_executor.layers.attention.mla_attention: MLAAttention._gather_pcp_cache_inputs`` | refused while a vmmkv cache is active (it copies the gathered rows into padded buffers, so the insert would write this rank's rows only); vLLM's otherwise |
+- ``_allocation``: ``allocate_kv_cache``, vLLM's extensible KV cache's ``ExtensibleTensor`` and
+  ``ExtensibleKVCache.__init__``, ``GPUModelRunner.shutdown``;
+- ``_stores``: the PCP gathers and inserts, ``KVBlockZeroer.zero_block_ids``,
+  ``copy_kv_cache_blocks_inplace``, ``MLAAttention._gather_pcp_cache_inputs``;
+- ``_lending``: ``_release_for_weight_update``;
+- ``_elastic_worker`` (``WORKER_SITES``, elastic mode): ``GPUModelRunner.update_requests``,
+  ``execute_model``, ``sample_tokens``, ``Worker.extend_kv_cache``;
+- ``_elastic_engine`` (``ENGINE_SITES``, elastic mode, in the engine core): the scheduler's
+  ``__init__``, ``schedule`` and ``update_from_output``, the engine core's input loop, its
+  stats utility.
 
-Not a patch: ``install`` registers the ``vmmkv`` sleep-mode backend with vLLM's
-``SleepModeBackendFactory`` (``_sleep``). The replaced ``allocate_kv_cache`` first runs
-``check_vllm_config`` (local, before any collective: every rank refuses alike), then builds the
-cache outside vLLM's CuMem pools (``_sleep.OutsideCuMemPools``: vmmkv's small device tensors
-must not be dropped by a sleep).
-
-A replaced gather and its insert pair up through a pending record per cache family (MLA,
-indexer): the gather stores the PCP case and the tensors it returned; the insert that receives
-exactly those tensors consumes it. An insert that does not (any call outside the PCP path) runs
-vLLM's op; a replaced gather whose insert targets memory vmmkv did not allocate raises, naming
-the tensor (the rows of the other ranks were never gathered, so vLLM's op would write too few).
+This module imports every site module; no site module imports it. Not a patch: :func:`install`
+registers the ``vmmkv`` sleep-mode backend with vLLM's ``SleepModeBackendFactory`` (``_sleep``).
 
 Installation (:func:`install`) is all or nothing: the installed vLLM's version must be in
-:data:`SUPPORTED_VLLM` (checked from the package metadata, :func:`check_vllm_version`, without
-importing vLLM) and every site must exist with the parameters recorded here from 0.34.0;
+``SUPPORTED_VLLM`` (checked from the package metadata, ``_support.check_vllm_version``,
+without importing vLLM) and every site must exist with the parameters recorded here from 0.34.0;
 otherwise :class:`UnsupportedVLLM` names vmmkv, the supported release and every site that moved,
 and nothing is patched. :func:`install_when_worker_starts` (what ``register()`` uses) defers the
 installation until the process imports MRV2's model runner module, so vLLM's API server and
 engine-core processes never import vLLM modules on vmmkv's behalf.
 
-The patches, the active cache and the pending records live in ``_state`` (the sleep-mode
-backend reads the active cache there); this module writes them.
+The patches and the import hooks live in ``_state``; this module writes them.
 
 Local, not thread-safe: install/uninstall from one thread, like vLLM's worker.
 """
@@ -43,7 +36,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
-import importlib.metadata
 import importlib.util
 import inspect
 import logging
@@ -51,9 +43,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from ...ops.formats import FORMATS, INDEXER_DIM
+from ._allocation import _allocate, _shutdown, capture_spec, make_buffer
 from ._elastic_engine import (
     STATS_UTILITY,
     _process_input_queue,
@@ -63,431 +53,39 @@ from ._elastic_engine import (
     _update_from_output,
 )
 from ._elastic_worker import _extend, _stamping, _update_requests
-from ._extensible import agreed_lending, capture_spec, make_buffer
-from ._state import _STATE, ABSENT, UnsupportedVLLM, _Patch, _Pending
+from ._lending import agreed_lending
+from ._state import _STATE, ABSENT, UnsupportedVLLM, _Patch, close_active
+from ._stores import (
+    _copy,
+    _gather_indexer,
+    _gather_into_buffers,
+    _gather_mla,
+    _insert_indexer,
+    _insert_mla,
+    _zero,
+)
+from ._support import SUPPORTED_VLLM, check_vllm_version
 
 __all__ = [
-    "SUPPORTED_VLLM",
-    "check_vllm_version",
+    "ENGINE_SITES",
+    "WORKER_SITES",
     "install",
     "install_engine",
     "install_when_engine_core_loads",
     "install_when_worker_starts",
     "installed",
-    "original",
     "uninstall",
-    "vllm_indexer_kind",
-    "vllm_mla_kind",
 ]
 
 log = logging.getLogger(__name__)
 
-MLA, INDEXER = "mla", "indexer"
-MX_INDEXER_KIND = "indexer_k_mxfp8"
-# The vLLM release whose internals the sites below are written against (PEP 440 specifier; a
-# local build such as 0.34.0+cu130 matches).
-SUPPORTED_VLLM = "==0.34.0"
-# The last vmmkv release whose plugin is written for vLLM 0.33.0 (README, "Running vLLM with vmmkv").
-LAST_033_TAG = "v0.1.0"
 # The module whose import marks a process that runs an MRV2 GPU worker.
 WORKER_MODULE = "vllm.v1.worker.gpu.model_runner"
 ENGINE_MODULE = "vllm.v1.engine.core"  # elastic mode's engine sites (EngineCoreProc) live here
 
 
-def check_vllm_version(version: str | None = None) -> str:
-    """The installed vLLM's version (from its package metadata: no vLLM import), or
-    :class:`UnsupportedVLLM` when it is not in :data:`SUPPORTED_VLLM`."""
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
-    from ... import __version__
-
-    if version is None:
-        try:
-            version = importlib.metadata.version("vllm")
-        except importlib.metadata.PackageNotFoundError:
-            raise UnsupportedVLLM(
-                f"VLLM_USE_VMMKV=1 but vLLM is not installed; vmmkv {__version__} supports "
-                f"vllm{SUPPORTED_VLLM} (pip install 'vmmkv[vllm]')"
-            ) from None
-    try:
-        ok = Version(version) in SpecifierSet(SUPPORTED_VLLM)
-    except InvalidVersion:
-        ok = False
-    if not ok:
-        raise UnsupportedVLLM(
-            f"vmmkv {__version__}'s vLLM plugin supports vllm{SUPPORTED_VLLM} only (it replaces "
-            f"internal call sites of that release); the installed vLLM is {version}. Install "
-            'vllm==0.34.0 (README, "Running vLLM with vmmkv"; for vllm 0.33.0, vmmkv\'s tag '
-            f"{LAST_033_TAG}) or unset VLLM_USE_VMMKV"
-        )
-    return version
-
-
 def installed() -> bool:
     return bool(_STATE.patches)
-
-
-def original(owner: Any, name: str) -> Any:
-    """vLLM's own object behind a patched ``owner.name`` (for tests and debugging)."""
-    for p in _STATE.patches + _STATE.engine_patches:
-        if p.owner is owner and p.name == name:
-            return p.original
-    return getattr(owner, name)
-
-
-def vllm_indexer_kind() -> str:
-    """The vmmkv kind of the indexer K cache on this machine, by vLLM's own decision
-    (``mqa_logits_use_mx_scales()``: SM100 stores each scale as four UE8M0 bytes)."""
-    from vllm.utils.deep_gemm import mqa_logits_use_mx_scales
-
-    if not mqa_logits_use_mx_scales():
-        return "indexer_k"
-    if MX_INDEXER_KIND not in FORMATS:
-        from ._layout import UnsupportedKVCache
-
-        raise UnsupportedKVCache(
-            "vLLM stores the indexer K scales as packed UE8M0 bytes on this GPU "
-            f"(mqa_logits_use_mx_scales()), and this vmmkv has no {MX_INDEXER_KIND!r} format"
-        )
-    return MX_INDEXER_KIND
-
-
-def vllm_mla_kind() -> str:
-    """The vmmkv kind whose bytes the installed vLLM writes into its ``fp8_ds_mla`` cache
-    (``vmmkv.ops.formats.mla_kind_for(vllm.__version__)``: power-of-two tile scales)."""
-    import vllm
-
-    from ...ops.formats import mla_kind_for
-
-    return mla_kind_for(vllm.__version__)
-
-
-def check_vllm_config(cfg: Any) -> None:
-    """Refuse (UnsupportedKVCache) what the vLLM config asks and vmmkv cannot do: activations
-    other than bfloat16 (the stores take bf16), HiSparse KV caches, micro-batching (DBO), a
-    KV-transfer connector (:func:`_check_kv_transfer`), and the sleep-mode settings
-    ``_sleep.check_config`` refuses. Local."""
-    from ._layout import UnsupportedKVCache
-
-    model = cfg.model_config
-    if model is not None and model.dtype != torch.bfloat16:
-        raise UnsupportedKVCache(
-            f"vmmkv stores bfloat16 activations only; the model {model.model!r} runs in "
-            f"{model.dtype}"
-        )
-    if getattr(cfg.attention_config, "hisparse_config", None) is not None:
-        raise UnsupportedKVCache("vmmkv does not support HiSparse KV caches (hisparse_config)")
-    if cfg.parallel_config.use_ubatching:
-        # microbatches interleave their layers: the pairing of a gather with its insert and the
-        # barrier lane per microbatch are not implemented
-        raise UnsupportedKVCache(
-            "vmmkv does not support micro-batching (enable_dbo / ubatch_size > 1) yet"
-        )
-    _check_kv_transfer(getattr(cfg, "kv_transfer_config", None))
-    from ._sleep import check_config  # sleep mode needs the vmmkv sleep-mode backend
-
-    check_config(cfg)
-
-
-def _check_kv_transfer(kvt: Any) -> None:
-    """Refuse a KV-transfer connector (vLLM creates one when ``is_kv_transfer_instance``): no
-    connector has run on vmmkv memory. RDMA connectors (NIXL, Mooncake) register the layer views
-    for the NIC, but vmmkv's chunks are not created RDMA-capable and each layer range spans many
-    physical allocations; connectors with a memory pool of their own expect the KV cache in it,
-    and the replaced allocation does not use it; a grow or shrink remaps pages under registered
-    addresses."""
-    if kvt is None or not kvt.is_kv_transfer_instance:
-        return
-    from ._layout import UnsupportedKVCache
-
-    name = kvt.kv_connector
-    if name == "MultiConnector":
-        children = kvt.kv_connector_extra_config.get("connectors", [])
-        name += " (" + ", ".join(str(c.get("kv_connector")) for c in children) + ")"
-    raise UnsupportedKVCache(
-        f"the KV-transfer connector {name} (kv_role {kvt.kv_role!r}): no connector has been "
-        "tested on vmmkv memory; vmmkv's chunks are not registered RDMA-capable (NIXL and "
-        "Mooncake register the KV cache for the NIC), a connector's own memory pool would be "
-        "bypassed (the KV cache lives in vmmkv's region), and a grow or shrink remaps pages "
-        "under registered addresses. Run without --kv-transfer-config, or without "
-        "VLLM_USE_VMMKV=1 (vLLM's own KV cache)"
-    )
-
-
-# -- the replacements ------------------------------------------------------------------------
-
-
-def _allocate(orig: Callable[..., Any]) -> Callable[..., Any]:
-    def allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes=None, allocate=None):
-        from vllm.config import get_current_vllm_config_or_none
-        from vllm.distributed.parallel_state import get_pcp_group
-
-        pcp = get_pcp_group()
-        if pcp.world_size == 1:
-            log.info("vmmkv: prefill context parallel size 1: vLLM allocates its KV cache")
-            return orig(kv_cache_config, device, layout, kernel_block_sizes, allocate)
-        cfg = get_current_vllm_config_or_none()
-        if allocate is not None:  # vLLM's extensible KV cache over vmmkv's buffer (_extensible)
-            from ._extensible import allocate_extensible
-
-            return allocate_extensible(
-                orig, kv_cache_config, device, layout, kernel_block_sizes, allocate
-            )
-        if cfg is not None:
-            check_vllm_config(cfg)
-        # vLLM allocates more than once per worker (MRV2 with CUDA graphs: a profiling cache,
-        # torn down by _teardown_profiling_state, then the real one; an engine re-created in
-        # the same process): every allocation replaces the previous cache. vLLM dropped the
-        # old views and graphs by then; a view it still held faults instead of reaching other
-        # memory (the reservation lives as long as a view). Every rank allocates in the same
-        # order, so every rank closes (local) and then builds the new cache (collective).
-        close_active("vLLM allocates a new KV cache")
-        cache = build_cache(
-            cfg, pcp, "allocate_kv_cache", kv_cache_config, layout, device=device,
-            kernel_block_sizes=kernel_block_sizes,
-            **_elastic_kwargs(cfg, kv_cache_config, layout),
-        )  # fmt: skip
-        _STATE.active = cache
-        return dict(cache.views)
-
-    return allocate_kv_cache
-
-
-def build_cache(cfg: Any, pcp: Any, call: str, kv_cache_config: Any, layout: Any,
-                **kwargs: Any) -> Any:  # fmt: skip
-    """A :class:`VllmKVCache` over vLLM's PCP group ``pcp`` (collective), built outside vLLM's
-    CuMem pools: vLLM allocates inside them ("runtime", "kv_cache") when its sleep allocator
-    is on, and a sleep discards what lives there. A refusal names the model (every rank refuses
-    alike); a table that still reached a pool closes the cache and raises, naming ``call``."""
-    from ._cache import VllmKVCache
-    from ._layout import UnsupportedKVCache
-    from ._sleep import OutsideCuMemPools
-
-    outside = OutsideCuMemPools()
-    try:
-        with outside:
-            cache = VllmKVCache(
-                kv_cache_config, layout, cpu_group=pcp.cpu_group,
-                device_group=pcp.device_group, mla_kind=vllm_mla_kind(),
-                indexer_kind=vllm_indexer_kind(), **kwargs,
-            )  # fmt: skip
-    except UnsupportedKVCache as exc:
-        model = cfg.model_config.model if cfg is not None and cfg.model_config else "?"
-        raise UnsupportedKVCache(f"vmmkv cannot hold the KV cache of {model!r}: {exc}") from exc
-    landed = "; ".join(outside.landed())
-    if landed:
-        cache.close()
-        raise RuntimeError(
-            f"rank {pcp.rank_in_group} ({kwargs.get('device')}): {call}: vmmkv's KV-cache "
-            f"tables reached vLLM's CuMem pool although the plugin builds them outside it "
-            f"({landed}); a sleep would discard them without a backup. Run without "
-            "--enable-cumem-allocator and --enable-sleep-mode"
-        )
-    return cache
-
-
-def _elastic_kwargs(cfg: Any, kv_cache_config: Any, layout: Any) -> dict[str, Any]:
-    """Elastic mode (``VLLM_VMMKV_ELASTIC=1``): the floor committed at start and the elastic
-    chunk, as the engine core computes them; a block-major layout is required (a layer-major
-    one spreads each block over every layer's segment: chunks of 64 MiB would commit up to 2 x
-    the blocks' bytes, small chunks cost a driver call each). Otherwise nothing."""
-    from ._elastic_settings import elastic_enabled
-
-    if not elastic_enabled():
-        return {}
-    from ._cache import elastic_chunk_bytes
-    from ._elastic_settings import check_elastic_config, settings_for
-    from ._elastic_worker import WORKER
-    from ._layout import UnsupportedKVCache
-
-    if cfg is None:
-        raise UnsupportedKVCache("elastic KV needs vLLM's config in the allocating worker")
-    check_elastic_config(cfg)
-    if layout.name not in ("BLNHC", "BLHNC"):
-        raise UnsupportedKVCache(
-            f"elastic KV (VLLM_VMMKV_ELASTIC=1) needs a block-major KV cache layout, got "
-            f"{layout.name}: set VLLM_KV_CACHE_LAYOUT=BLNHC"
-        )
-    chunk = elastic_chunk_bytes()
-    WORKER.reset()  # a new cache: no resize applied yet
-    return {
-        "initial_blocks": settings_for(cfg, kv_cache_config, chunk).floor,
-        "chunk_bytes": chunk,
-    }
-
-
-def close_active(why: str) -> None:
-    """Close the process's cache (local, idempotent): pending records dropped, views invalid."""
-    _STATE.pending.clear()
-    cache, _STATE.active = _STATE.active, None
-    if cache is not None:
-        log.info("vmmkv: rank %d closes its KV cache (%s)", cache.rank, why)
-        cache.close()
-
-
-def _gather_mla(orig: Callable[..., Any]) -> Callable[..., Any]:
-    def maybe_gather_mla_latent_cache_inputs(
-        kv_c_normed, k_pe, slot_mapping, num_decode_tokens, use_pcp,
-        pcp_shard_decode_requests=False,
-    ):  # fmt: skip
-        cache = _STATE.active
-        if cache is None or not use_pcp or num_decode_tokens is None:
-            return orig(
-                kv_c_normed, k_pe, slot_mapping, num_decode_tokens, use_pcp,
-                pcp_shard_decode_requests,
-            )  # fmt: skip
-        plan = _plan(cache, kv_c_normed.shape[0], slot_mapping, num_decode_tokens,
-                     pcp_shard_decode_requests)  # fmt: skip
-        kv_c, kpe = kv_c_normed[: plan.tokens], k_pe[: plan.tokens]
-        _STATE.pending[MLA] = _Pending(plan, kv_c)
-        return kv_c, kpe, plan.slots
-
-    return maybe_gather_mla_latent_cache_inputs
-
-
-def _gather_indexer(orig: Callable[..., Any]) -> Callable[..., Any]:
-    def maybe_gather_indexer_k(
-        k, slot_mapping, num_decode_tokens, use_pcp, pcp_shard_decode_requests=False
-    ):
-        cache = _STATE.active
-        if cache is None or not use_pcp:
-            return orig(k, slot_mapping, num_decode_tokens, use_pcp, pcp_shard_decode_requests)
-        plan = _plan(cache, k.shape[0], slot_mapping, num_decode_tokens,
-                     pcp_shard_decode_requests)  # fmt: skip
-        rows = k[: plan.tokens]
-        _STATE.pending[INDEXER] = _Pending(plan, rows)
-        return rows, plan.slots
-
-    return maybe_gather_indexer_k
-
-
-def _plan(cache, rows, slot_mapping, num_decode_tokens, shard):
-    from ._cache import pcp_store_plan
-
-    return pcp_store_plan(rows, slot_mapping, num_decode_tokens, shard, cache.rank,
-                          cache.world_size)  # fmt: skip
-
-
-def _take(family: str, rows: Any, slots: Any) -> _Pending | None:
-    """The pending record of ``family`` if this insert receives exactly the tensors the replaced
-    gather returned (then it is consumed), else None (and the record stays)."""
-    p = _STATE.pending.get(family)
-    if p is None or not isinstance(rows, torch.Tensor) or not isinstance(slots, torch.Tensor):
-        return None
-    own = p.plan.slots
-    same = (
-        rows.data_ptr() == p.rows.data_ptr()
-        and rows.shape[0] == p.rows.shape[0]
-        and slots.data_ptr() == own.data_ptr()
-        and slots.numel() == own.numel()
-    )
-    if not same:
-        return None
-    del _STATE.pending[family]
-    return p
-
-
-def _bound(family: str, kv_cache: Any, op: str) -> Any:
-    b = _STATE.active.binding(kv_cache, family) if isinstance(kv_cache, torch.Tensor) else None
-    if b is None:
-        got = (
-            f"shape {list(kv_cache.shape)} at {kv_cache.data_ptr():#x}"
-            if isinstance(kv_cache, torch.Tensor)
-            else type(kv_cache).__name__
-        )
-        raise RuntimeError(
-            f"rank {_STATE.active.rank}: {op} after vmmkv's PCP gather replacement targets a KV "
-            f"cache ({got}) that is not a {family} layer view vmmkv allocated; the other ranks' "
-            "rows were not gathered, so vLLM's op cannot write them"
-        )
-    return b
-
-
-def _insert_mla(orig: Callable[..., Any]) -> Callable[..., Any]:
-    def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale,
-                             skip_scale=False):  # fmt: skip
-        p = _take(MLA, kv_c, slot_mapping)
-        if p is None:
-            return orig(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale, skip_scale)
-        b = _bound(MLA, kv_cache, "concat_and_cache_mla")
-        if kv_cache_dtype != "fp8_ds_mla":
-            raise RuntimeError(
-                f"concat_and_cache_mla with kv_cache_dtype {kv_cache_dtype!r} into vmmkv layer "
-                f"{b.name!r}: vmmkv writes 'fp8_ds_mla' only"
-            )
-        _STATE.active.store(b, (kv_c, k_pe.reshape(k_pe.shape[0], -1)), p.plan)
-
-    return concat_and_cache_mla
-
-
-def _insert_indexer(orig: Callable[..., Any]) -> Callable[..., Any]:
-    def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, kv_cache_dtype):
-        p = _take(INDEXER, k, slot_mapping)
-        if p is None:
-            return orig(k, kv_cache, slot_mapping, quant_block_size, kv_cache_dtype)
-        b = _bound(INDEXER, kv_cache, "indexer_k_quant_and_cache")
-        want = "mxfp8" if b.kind == MX_INDEXER_KIND else "ue8m0"
-        if quant_block_size != INDEXER_DIM or kv_cache_dtype != want:
-            raise RuntimeError(
-                f"indexer_k_quant_and_cache(quant_block_size={quant_block_size}, "
-                f"scale format {kv_cache_dtype!r}) into vmmkv layer {b.name!r} of kind "
-                f"{b.kind!r}: vmmkv writes quant_block_size {INDEXER_DIM} with {want!r} only"
-            )
-        _STATE.active.store(b, (k,), p.plan)
-
-    return indexer_k_quant_and_cache
-
-
-def _zero(orig: Callable[..., Any]) -> Callable[..., Any]:
-    def zero_block_ids(self, block_ids):
-        cache = _STATE.active
-        if cache is not None and block_ids:
-            cache.check_blocks(block_ids)
-        orig(self, block_ids)
-        if cache is not None and block_ids and getattr(self, "_meta", None) is not None:
-            cache.after_zeroing()
-
-    return zero_block_ids
-
-
-def _copy(orig: Callable[..., Any]) -> Callable[..., Any]:
-    def copy_kv_cache_blocks_inplace(kv_caches, num_blocks, kv_cache_block_copies):
-        cache = _STATE.active
-        if cache is not None and kv_cache_block_copies:
-            cache.check_blocks([b for pair in kv_cache_block_copies for b in pair])
-        orig(kv_caches, num_blocks, kv_cache_block_copies)
-        if cache is not None and kv_cache_block_copies:
-            cache.after_zeroing()  # the copies wrote the own replica, as zeroing does
-
-    return copy_kv_cache_blocks_inplace
-
-
-def _gather_into_buffers(orig: Callable[..., Any]) -> Callable[..., Any]:
-    def _gather_pcp_cache_inputs(self, kv_c_normed, k_pe, slot_mapping):
-        if _STATE.active is not None:
-            # it copies the gathered rows into padded buffers: the insert would not receive
-            # the tensors the replaced gather returned, and vLLM's op would write this rank's
-            # rows only. DeepSeek-V3.2 reaches it only with HiSparse, which is refused.
-            raise RuntimeError(
-                f"rank {_STATE.active.rank}: layer {getattr(self, 'layer_name', '?')!r}: "
-                "vLLM's PIECEWISE-graph PCP gather of the generic MLA layer "
-                "(MLAAttention._gather_pcp_cache_inputs) is not supported with "
-                "VLLM_USE_VMMKV=1"
-            )
-        return orig(self, kv_c_normed, k_pe, slot_mapping)
-
-    return _gather_pcp_cache_inputs
-
-
-def _shutdown(orig: Callable[..., Any]) -> Callable[..., Any]:
-    def shutdown(self):
-        try:
-            orig(self)
-        finally:
-            close_active("the worker's model runner shuts down")
-
-    return shutdown
 
 
 # (module, attribute path, replacement factory, the parameters vLLM 0.34.0 gives it): every use
@@ -532,7 +130,7 @@ _SITES: tuple[tuple[str, str, Callable[..., Any], tuple[str, ...]], ...] = (
         "MLAAttention._gather_pcp_cache_inputs", _gather_into_buffers,
         ("self", "kv_c_normed", "k_pe", "slot_mapping"),
     ),
-    # vLLM's extensible KV cache over vmmkv's buffer (_extensible)
+    # vLLM's extensible KV cache over vmmkv's buffer (_allocation) and the lending (_lending)
     (
         "vllm.v1.worker.extensible_kv_cache", "ExtensibleTensor", lambda _orig: make_buffer,
         ("max_num_bytes", "device", "num_segments", "segment_capacities",

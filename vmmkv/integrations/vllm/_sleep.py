@@ -1,7 +1,7 @@
 """vLLM 0.34.0 sleep mode with the KV cache on vmmkv memory: the ``vmmkv`` sleep-mode backend,
 the plugin's sleep-mode configuration check, and the CuMem pool escape of vmmkv's bookkeeping.
 
-With vLLM's extensible KV cache (0.34's default, ``_extensible``) none of this module's
+With vLLM's extensible KV cache (0.34's default, ``_buffer``) none of this module's
 release runs: vLLM's worker releases the cache (``release_physical``, vmmkv's collective shrink
 to 0) before the backend's ``suspend`` and recommits it after ``resume``, whatever the backend,
 and :func:`check_config` refuses nothing of it. The rest of this docstring is about vmmkv's own
@@ -158,7 +158,7 @@ def check_config(cfg: Any) -> None:
     sleep_mode = bool(getattr(model, "enable_sleep_mode", False))
     cumem = bool(getattr(model, "enable_cumem_allocator", False))
     # vLLM 0.34's extensible KV cache is released and recommitted by vLLM's worker itself
-    # around any backend (_extensible): the refusal is for vmmkv's own allocation only
+    # around any backend (_buffer): the refusal is for vmmkv's own allocation only
     extensible = bool(getattr(getattr(cfg, "cache_config", None), "enable_extensible_kv_cache",
                               False))  # fmt: skip
     if backend != NAME and (sleep_mode or cumem) and not extensible:

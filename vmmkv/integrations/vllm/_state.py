@@ -1,15 +1,20 @@
-"""The vLLM plugin's per-process state and its version error, shared by the patched call sites
-(``_patches``, which writes the state), the sleep-mode backend (``_sleep``, which writes the
-released record) and elastic mode's worker sites (``_elastic_sites``), which read the active
-cache and retarget a released one. Both import this module; neither imports the other's names back.
+"""The vLLM plugin's per-process state and its version error, shared by the plugin's modules: the
+installer (``_install``: the patches and import hooks), the allocation sites (``_allocation``:
+the active cache), the store sites (``_stores``: the pending records), the sleep-mode backend
+(``_sleep``: the released record) and elastic mode's worker sites (``_elastic_worker``: they read
+the active cache and retarget a released one). They import this module; it imports none of them.
+
+:func:`close_active` closes the active cache (a new allocation, the runner's shutdown, vLLM's
+``free`` of the extensible buffer, ``uninstall``); :func:`original` finds vLLM's own object
+behind a patched site. Nothing else here closes anything.
 
 Imports no vLLM module. Local, not thread-safe: vLLM's worker installs, allocates and sleeps
-from one thread. ``_patches.close_active`` closes the active cache; nothing here closes
-anything.
+from one thread.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +22,9 @@ import torch
 
 from ... import _blockset as blockset
 
-__all__ = ["UnsupportedVLLM", "active_cache"]
+__all__ = ["UnsupportedVLLM", "active_cache", "close_active", "original"]
+
+log = logging.getLogger(__name__)
 
 
 class UnsupportedVLLM(RuntimeError):
@@ -70,12 +77,12 @@ class _State:
         self.engine_patches: list[_Patch] = []  # elastic mode's, in the engine core
         self.active: Any = None  # the process's VllmKVCache, once allocated
         self.pending: dict[str, _Pending] = {}
-        self.released: _Released | None = None  # written by _sleep, read by _elastic_sites
+        self.released: _Released | None = None  # written by _sleep, read by _elastic_worker
         self.hook: Any = None  # the import hook of install_when_worker_starts, until it fires
         self.engine_hook: Any = None  # install_when_engine_core_loads', until it fires
         # (kv_cache_config, layout) while vLLM builds an ExtensibleKVCache
         self.extensible_spec: Any = None
-        # a weak reference to the ExtensibleKVCache over the active cache (_extensible):
+        # a weak reference to the ExtensibleKVCache over the active cache (_allocation):
         # elastic mode keeps vLLM's count of committed blocks equal to vmmkv's
         self.extensible: Any = None
 
@@ -86,3 +93,20 @@ _STATE = _State()
 def active_cache() -> Any:
     """The :class:`VllmKVCache` the plugin allocated in this process, or None."""
     return _STATE.active
+
+
+def close_active(why: str) -> None:
+    """Close the process's cache (local, idempotent): pending records dropped, views invalid."""
+    _STATE.pending.clear()
+    cache, _STATE.active = _STATE.active, None
+    if cache is not None:
+        log.info("vmmkv: rank %d closes its KV cache (%s)", cache.rank, why)
+        cache.close()
+
+
+def original(owner: Any, name: str) -> Any:
+    """vLLM's own object behind a patched ``owner.name`` (for tests and debugging)."""
+    for p in _STATE.patches + _STATE.engine_patches:
+        if p.owner is owner and p.name == name:
+            return p.original
+    return getattr(owner, name)
