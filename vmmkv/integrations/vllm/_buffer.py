@@ -15,7 +15,7 @@ release its collective shrink to 0 (peers unmapped first). With PCP = 1 it retur
 
 The chunk (the unit a commit maps, :attr:`PeerKVBuffer.granularity`, which vLLM's sizing after
 capture rounds every segment up to) is chosen here: :func:`_chunk_bytes` under vLLM's extensible
-cache, :func:`elastic_chunk_bytes` in elastic mode, both after ``VMMKV_CHUNK_MIB``
+cache, :func:`elastic_chunk_bytes` in elastic mode; ``VMMKV_CHUNK_MIB`` comes first in both
 (:func:`_chunk_bytes_from_env`, also ``VllmKVCache``'s default).
 
 Why every collective lines up: vLLM calls the buffer on every rank in the same order: the

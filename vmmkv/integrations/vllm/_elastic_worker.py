@@ -42,7 +42,7 @@ from typing import Any
 from ... import _blockset as blockset
 from ._buffer import PeerKVBuffer, elastic_chunk_bytes
 from ._elastic_settings import RESIZE, STAMP, settings_for
-from ._state import _STATE
+from ._state import _STATE, active_cache
 
 log = logging.getLogger(__name__)
 
@@ -322,8 +322,6 @@ def _stamped(out: Any, stamp: tuple) -> Any:
 def worker_resize(worker: Any, seq: int, target: int) -> tuple[int, int, str | None] | None:
     """The idle release's ``collective_rpc`` body on every worker (``worker`` is vLLM's worker,
     unused): apply ``(seq, target)``; returns this worker's stamp (None without a cache)."""
-    from ._state import active_cache
-
     cache = active_cache()
     if cache is None:
         return None
@@ -333,8 +331,6 @@ def worker_resize(worker: Any, seq: int, target: int) -> tuple[int, int, str | N
 
 def _update_requests(orig: Callable[..., Any]) -> Callable[..., Any]:
     def update_requests(self, scheduler_output):
-        from ._state import active_cache
-
         cache = active_cache()
         if cache is not None:
             on_update_requests(cache, scheduler_output)
@@ -355,8 +351,6 @@ def _extend(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 def _stamping(orig: Callable[..., Any]) -> Callable[..., Any]:
     def stamped(self, *args, **kwargs):
-        from ._state import active_cache
-
         return stamp_output(orig(self, *args, **kwargs), active_cache())
 
     return stamped
@@ -368,8 +362,6 @@ def worker_stats(worker: Any) -> dict[str, Any] | None:
     blocks (a count and the block set), the bytes mapped for them on this rank (whole chunks
     of every segment), the last resize's sequence number and error. None before the cache is
     allocated. Local, read-only."""
-    from ._state import active_cache
-
     cache = active_cache()
     if cache is None:
         return None
