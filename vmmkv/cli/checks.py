@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["at_least", "group", "refuse", "writable"]
+__all__ = ["at_least", "environment", "group", "refuse", "writable"]
 
 
 def refuse(tool: str, errors: list[str]) -> int:
@@ -77,3 +77,31 @@ def group(errors: list[str], backend: str, world: int | None) -> tuple[str, int,
             f"backend needs a multiple of {granularity} bytes"
         )
     return backend, world, chunk
+
+
+def environment() -> list[str]:
+    """One line per variable of vmmkv whose value its reader refuses: the library's
+    (``vmmkv._env``) and the vLLM plugin's switches and elastic KV's knobs, through the plugin's
+    own readers (they import torch, no vLLM module)."""
+    import os
+
+    from .. import _env
+    from ..integrations import vllm
+    from ..integrations.vllm import _elastic
+
+    found = _env.problems()
+    for read in (vllm.enabled, _elastic.elastic_enabled):
+        try:
+            read()
+        except ValueError as exc:
+            found.append(str(exc))
+    for var in _elastic.KNOBS.values():  # one knob at a time: one line per bad knob
+        if var in os.environ:
+            try:  # a nominal pool: the knobs are parsed whatever the geometry
+                _elastic.elastic_settings(
+                    4096, 1 << 20, 64 << 20, block_size=64, max_num_batched_tokens=8192,
+                    max_num_seqs=256, concurrent_batches=1, env={var: os.environ[var]},
+                )  # fmt: skip
+            except ValueError as exc:
+                found.append(str(exc))
+    return found
