@@ -301,6 +301,14 @@ def test_version_prints_the_installed_distributions_version():
     assert p.returncode == 0 and p.stdout == f"vmmkv {version('vmmkv')}\n", p.stdout + p.stderr
 
 
+def test_the_distribution_names_its_authors_and_classifiers():
+    from importlib.metadata import metadata
+
+    meta = metadata("vmmkv")
+    assert meta["Author"], dict(meta)
+    assert "Operating System :: POSIX :: Linux" in meta.get_all("Classifier"), dict(meta)
+
+
 def test_version_takes_no_arguments():
     p = _run("-m", "vmmkv", "--version", "extra", timeout=60)
     assert (p.returncode, p.stdout) == (2, ""), p.stdout + p.stderr
