@@ -162,11 +162,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parser().parse_args(argv)
-    errors: list[str] = []
-    checks.at_least(errors, "--warmup", a.warmup, 0)
-    checks.at_least(errors, "--iters", a.iters, 1)
-    backend, world, chunk = checks.group(errors, a.backend, a.world)
+    a, errors, backend, world, chunk = checks.parse_group_args(
+        parser(), argv, {"--warmup": 0, "--iters": 1}
+    )
     errors += checks.writable("--out", a.out, directory=True)
     if errors:
         return checks.refuse("bench", errors)

@@ -1,13 +1,16 @@
-"""The checks of the spawning tools (demo, bench), run before they import torch or start a
-rank: each appends one line per problem to the caller's ``errors`` list; :func:`refuse` prints
-them and gives the exit status 2. Local; imports neither torch nor CUDA (``vmmkv.alloc.driver``
-loads cuda.bindings only)."""
+"""The checks the tools run before they do anything: the spawning tools' (demo, bench:
+:func:`parse_group_args`, :func:`group`, :func:`writable`, before they import torch or start a
+rank) and doctor's (:func:`environment`). Each gives one line per problem; :func:`refuse`
+prints them and gives the exit status 2. Local; only :func:`environment` imports torch (through
+the vLLM plugin's readers), the rest neither torch nor CUDA (``vmmkv.alloc.driver`` loads
+cuda.bindings only)."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-__all__ = ["at_least", "environment", "group", "refuse", "writable"]
+__all__ = ["at_least", "environment", "group", "parse_group_args", "refuse", "writable"]
 
 
 def refuse(tool: str, errors: list[str]) -> int:
@@ -44,6 +47,20 @@ def writable(option: str, path: str, *, directory: bool) -> list[str]:
     except OSError as exc:
         return [f"{option} {path}: cannot write there ({exc.strerror or exc})"]
     return []
+
+
+def parse_group_args(
+    ap: argparse.ArgumentParser, argv: list[str] | None, lowest: dict[str, int]
+) -> tuple[argparse.Namespace, list[str], str, int, int]:
+    """A spawning tool's arguments (``ap`` holds ``--world`` and ``--backend``) and the checks
+    every such tool runs: each option of ``lowest`` at least its value, then :func:`group`.
+    Returns ``(args, errors, backend, world, chunk_bytes)``; the caller adds its own checks to
+    ``errors`` and refuses when there are any."""
+    args = ap.parse_args(argv)
+    errors: list[str] = []
+    for option, lo in lowest.items():
+        at_least(errors, option, getattr(args, option.removeprefix("--")), lo)
+    return (args, errors, *group(errors, args.backend, args.world))
 
 
 def group(errors: list[str], backend: str, world: int | None) -> tuple[str, int, int]:

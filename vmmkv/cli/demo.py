@@ -328,11 +328,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parser().parse_args(argv)
-    errors: list[str] = []
-    checks.at_least(errors, "--layers", a.layers, 1)
-    checks.at_least(errors, "--blocks", a.blocks, 2)
-    backend, world, chunk = checks.group(errors, a.backend, a.world)
+    a, errors, backend, world, chunk = checks.parse_group_args(
+        parser(), argv, {"--layers": 1, "--blocks": 2}
+    )
     need = _step_tokens(world)
     if a.blocks >= 2 and world >= 1 and (a.blocks // 2) * BLOCK_TOKENS < need:
         least = 2 * -(-need // BLOCK_TOKENS)
