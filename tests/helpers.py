@@ -455,6 +455,24 @@ class KVStep:
             )
 
 
+def run_tool_main(main, argv: list[str], out) -> tuple[dict, str]:
+    """A benchmark tool's ``main()`` run in this process as ``argv`` would run it (its ranks
+    are spawned): the JSON it wrote to ``out`` (a path, named in ``argv``) and what it printed."""
+    import contextlib
+    import io
+    import json
+    import sys
+
+    stdout, old = io.StringIO(), sys.argv
+    sys.argv = argv
+    try:
+        with contextlib.redirect_stdout(stdout):
+            main()
+    finally:
+        sys.argv = old
+    return json.loads(out.read_text()), stdout.getvalue()
+
+
 # --------------------------------------------------------------------------------------------
 # ranks as plain interpreters, for tests of how a process exits (tests/test_exit*.py)
 # --------------------------------------------------------------------------------------------
