@@ -455,6 +455,24 @@ class KVStep:
             )
 
 
+def run_tool_main(main, argv: list[str], out) -> tuple[dict, str]:
+    """A benchmark tool's ``main()`` run in this process as ``argv`` would run it (its ranks
+    are spawned): the JSON it wrote to ``out`` (a path, named in ``argv``) and what it printed."""
+    import contextlib
+    import io
+    import json
+    import sys
+
+    stdout, old = io.StringIO(), sys.argv
+    sys.argv = argv
+    try:
+        with contextlib.redirect_stdout(stdout):
+            main()
+    finally:
+        sys.argv = old
+    return json.loads(out.read_text()), stdout.getvalue()
+
+
 # --------------------------------------------------------------------------------------------
 # ranks as plain interpreters, for tests of how a process exits (tests/test_exit*.py)
 # --------------------------------------------------------------------------------------------
@@ -763,9 +781,17 @@ def vllm_world_fixture(rank_fn, world: int, timeout: float):
     return ranks
 
 
+# how to install what the vLLM tests need: README.md's vLLM test line without its pytest part
+# (tests/test_readme.py checks that the two agree)
+VLLM_INSTALL = (
+    "pip install -r requirements/vllm-0.34.0.txt && pip install --no-deps vllm==0.34.0 && "
+    "pip install -e '.[test]'"
+)
+
+
 def vllm_marks() -> list:
     """A vLLM test file's ``pytestmark``: the ``vllm`` marker, and a clean skip where vllm is
-    not installed."""
+    not installed, naming the README's install route."""
     import importlib.util
 
     import pytest
@@ -774,6 +800,7 @@ def vllm_marks() -> list:
         pytest.mark.vllm,
         pytest.mark.skipif(
             importlib.util.find_spec("vllm") is None,
-            reason="vllm is not installed (pip install -e '.[vllm,test]'; CI: the .venv-vllm job)",
+            reason="vllm is not installed: in a virtual environment of its own, "
+            f'{VLLM_INSTALL} (README.md, "Running vLLM with vmmkv")',
         ),
     ]

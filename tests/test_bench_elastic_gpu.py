@@ -145,21 +145,13 @@ def _covering(layout: str, base: int, blocks, chunk: int, cap: int) -> tuple[int
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """The tool's ``main`` in this process (its ranks are spawned): the JSON and stdout."""
-    import contextlib
-    import io
+    from tests.helpers import run_tool_main
 
     out = tmp_path_factory.mktemp("elastic") / "elastic.json"
     argv = [SCRIPT, "--backend", "host", "--ranks", "2", "--configs", "BL:64K,LB:64K",
             "--layers", str(LAYERS), "--max-blocks", str(MAX), "--floor", str(FLOOR), "--step",
             str(STEP), "--reps", str(REPS), "--timeout", "60", "--out", str(out)]  # fmt: skip
-    stdout, old = io.StringIO(), sys.argv
-    sys.argv = argv
-    try:
-        with contextlib.redirect_stdout(stdout):
-            be.main()
-    finally:
-        sys.argv = old
-    return json.loads(out.read_text()), stdout.getvalue()
+    return run_tool_main(be.main, argv, out)
 
 
 def test_the_json_names_the_machine_date_commit_and_command(run):

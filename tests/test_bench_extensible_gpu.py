@@ -6,7 +6,6 @@ wake, and the machine, date, commit and command recorded."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -43,21 +42,13 @@ def test_lb_regions_start_on_the_granule_and_bl_is_one_packed_segment():
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    import contextlib
-    import io
+    from tests.helpers import run_tool_main
 
     out = tmp_path_factory.mktemp("extensible") / "extensible.json"
     argv = [SCRIPT, "--backend", "host", "--ranks", "2", "--layers", str(LAYERS), "--capacity",
             str(CAPACITY), "--budget", str(BUDGET), "--warmup", str(WARMUP), "--chunk-mib",
             str(CHUNK / MiB), "--timeout", "60", "--out", str(out)]  # fmt: skip
-    stdout, old = io.StringIO(), sys.argv
-    sys.argv = argv
-    try:
-        with contextlib.redirect_stdout(stdout):
-            bx.main()
-    finally:
-        sys.argv = old
-    return json.loads(out.read_text()), stdout.getvalue()
+    return run_tool_main(bx.main, argv, out)
 
 
 @pytest.mark.timeout(300)

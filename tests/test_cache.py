@@ -372,7 +372,7 @@ def test_a_direct_mode_that_differs_between_ranks_raises_on_every_rank_naming_it
 def _setup_fails_on_rank_1(rank, world):
     import torch.distributed as dist
 
-    import vmmkv.cache as cache_mod
+    import vmmkv._assembly as cache_mod
     from vmmkv import ReplicatedKVCache
 
     def broken(*args, **kwargs):

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from vmmkv.alloc import driver
+from vmmkv.cli import HOST_TIMINGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,6 +33,12 @@ def test_demo_runs_to_success_on_the_host_backend_with_two_processes():
     assert "PASS: every replica byte-identical to the oracle" in p.stdout
     assert "backend            host" in p.stdout and "direct publication" in p.stdout
     assert "host backend: timings are functional checks, not performance" in p.stdout
+    # no graph on the host backend: the demo says what it did instead of a replay
+    assert (
+        "eager stores into the new blocks verified on every replica (no graph: host backend)"
+        in p.stdout
+    )
+    assert "replay" not in p.stdout and "graph capture" not in p.stdout, p.stdout
     # the step-time line quotes the slowest rank of the table below it, in the table's digits
     line = re.search(r"step time +direct ([0-9.]+) us, gather fallback ([0-9.]+) us", p.stdout)
     rows = re.findall(r"^ +(\d+|max) +([0-9.]+) +([0-9.]+)$", p.stdout, re.M)
@@ -51,6 +58,52 @@ def test_doctor_on_a_cpu_only_machine_reports_host_backend_only_and_succeeds():
     assert "host backend only" in p.stdout and "so_peercred" in p.stdout
     # no GPU sections, so no per-GPU fabric lines
     assert "gpu 0:" not in p.stdout and "fabric_state" not in p.stdout, p.stdout
+
+
+# (environment, the one line each refused variable gives): the library's and the plugin's
+DOCTOR_REFUSALS = {
+    "direct": ({"VMMKV_DIRECT": "maybe"}, ["VMMKV_DIRECT must be 'auto', '0' or '1', got 'maybe'"]),
+    "issue-49": (
+        {"VMMKV_DIRECT": "maybe", "VMMKV_CHUNK_MIB": "abc"},
+        ["VMMKV_DIRECT must be", "VMMKV_CHUNK_MIB must be a number of MiB > 0, got 'abc'"],
+    ),
+    "plugin": (
+        {"VLLM_USE_VMMKV": "yes", "VLLM_VMMKV_ELASTIC": "2", "VMMKV_ELASTIC_CALM_S": "-1",
+         "VMMKV_ELASTIC_ORDER": "fifo"},
+        ["VLLM_USE_VMMKV must be '0' or '1', got 'yes'",
+         "VLLM_VMMKV_ELASTIC must be '0' or '1', got '2'",
+         "VMMKV_ELASTIC_CALM_S must be a number >= 0, got '-1'",
+         "VMMKV_ELASTIC_ORDER must be 'lowest' or 'lifo', got 'fifo'"],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", sorted(DOCTOR_REFUSALS))
+def test_doctor_refuses_an_invalid_variable_as_demo_does(case):
+    env, lines = DOCTOR_REFUSALS[case]
+    p = _run("-m", "vmmkv", "doctor", env=env, timeout=100)
+    assert (p.returncode, p.stdout) == (2, ""), p.stdout + p.stderr
+    got = p.stderr.splitlines()
+    assert len(got) == len(lines), p.stderr
+    for line, want in zip(got, lines, strict=True):
+        assert line.startswith(f"python -m vmmkv doctor: error: {want}"), p.stderr
+
+
+@pytest.mark.timeout(120)
+def test_doctor_reports_the_variables_of_vmmkv_that_are_set():
+    env = {"VMMKV_DIRECT": "true", "VLLM_USE_VMMKV": "1", "VMMKV_ELASTIC_CALM_S": "3",
+           "VLLM_KV_CACHE_LAYOUT": "BLNHC"}  # fmt: skip
+    p = _run("-m", "vmmkv", "doctor", env=env, timeout=100)
+    assert p.returncode in (0, 1), p.stdout + p.stderr
+    section = p.stdout.split("environment (vmmkv's variables that are set):\n", 1)[1]
+    lines = [line.split() for line in section.splitlines()[:3]]
+    assert lines == [
+        ["VLLM_USE_VMMKV", "1"],
+        ["VMMKV_DIRECT", "true"],
+        ["VMMKV_ELASTIC_CALM_S", "3"],
+    ]
+    assert "VLLM_KV_CACHE_LAYOUT" not in p.stdout  # vLLM's own variable, not vmmkv's
 
 
 def test_doctor_fabric_lines_show_the_cluster_and_clique_or_the_reason():
@@ -87,7 +140,10 @@ def test_bench_quick_on_the_host_backend_writes_json_and_a_png_with_matplotlib(t
         assert r["publish_GBps"] > 0
     assert data["peer_copy_GBps"] > 0 and data["publish/peer_copy at the largest T"] > 0
     if importlib.util.find_spec("matplotlib") is not None:
-        assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        png = (tmp_path / "bench.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"
+        # the plot says what its timings are (its title, and the PNG's Description text)
+        assert b"Description\0" + HOST_TIMINGS.encode() in png
     else:  # no plot, and one log line that says so
         assert not (tmp_path / "bench.png").exists()
         assert p.stderr.count("matplotlib is not installed") == 1, p.stderr
@@ -144,22 +200,22 @@ BAD_INVOCATIONS = {
     "direct": (
         ["demo"],
         {"VMMKV_DIRECT": "abc"},
-        "VMMKV_DIRECT must be 'auto', '0' or '1', got 'abc'",
+        "VMMKV_DIRECT must be 'auto', '0' or '1', got 'abc' ('false' and 'true' also work)",
     ),
     "barrier-timeout": (
         ["bench", "--quick"],
         {"VMMKV_BARRIER_TIMEOUT": "abc"},
-        "VMMKV_BARRIER_TIMEOUT must be a number of seconds, got 'abc'",
+        "VMMKV_BARRIER_TIMEOUT must be a number of seconds > 0, got 'abc'",
     ),
     "barrier-timeout-negative": (
         ["demo"],
         {"VMMKV_BARRIER_TIMEOUT": "-5"},
-        "VMMKV_BARRIER_TIMEOUT must be a finite number of seconds > 0, got -5.0",
+        "VMMKV_BARRIER_TIMEOUT must be a number of seconds > 0, got '-5'",
     ),
     "chunk-mib": (
         ["demo"],
         {"VMMKV_CHUNK_MIB": "abc"},
-        "VMMKV_CHUNK_MIB must be a positive number of MiB (a whole number of bytes), got 'abc'",
+        "VMMKV_CHUNK_MIB must be a number of MiB > 0, got 'abc'",
     ),
     "chunk-mib-granularity": (
         ["demo", "--backend", "host"],
@@ -170,13 +226,17 @@ BAD_INVOCATIONS = {
     "check-padding": (
         ["demo"],
         {"VMMKV_CHECK_PADDING": "yes"},
-        "VMMKV_CHECK_PADDING must be '0' or '1', got 'yes'",
+        "VMMKV_CHECK_PADDING must be '0' or '1', got 'yes' ('false' and 'true' also work)",
     ),
-    "fabric": (["bench"], {"VMMKV_FABRIC": "2"}, "VMMKV_FABRIC must be '0' or '1', got '2'"),
+    "fabric": (
+        ["bench"],
+        {"VMMKV_FABRIC": "2"},
+        "VMMKV_FABRIC must be '0' or '1', got '2' ('false' and 'true' also work)",
+    ),
     "barrier-trap": (
         ["demo"],
         {"VMMKV_BARRIER_TRAP": "on"},
-        "VMMKV_BARRIER_TRAP must be '0', '1', 'false' or 'true', got 'on'",
+        "VMMKV_BARRIER_TRAP must be '0' or '1', got 'on' ('false' and 'true' also work)",
     ),
     "launch-api": (
         ["demo"],
@@ -239,6 +299,20 @@ def test_version_prints_the_installed_distributions_version():
 
     p = _run("-m", "vmmkv", "--version", timeout=60)
     assert p.returncode == 0 and p.stdout == f"vmmkv {version('vmmkv')}\n", p.stdout + p.stderr
+
+
+def test_the_distribution_names_its_authors_and_classifiers():
+    from importlib.metadata import metadata
+
+    meta = metadata("vmmkv")
+    assert meta["Author"], dict(meta)
+    assert "Operating System :: POSIX :: Linux" in meta.get_all("Classifier"), dict(meta)
+
+
+def test_version_takes_no_arguments():
+    p = _run("-m", "vmmkv", "--version", "extra", timeout=60)
+    assert (p.returncode, p.stdout) == (2, ""), p.stdout + p.stderr
+    assert p.stderr == "python -m vmmkv: error: --version takes no arguments, got 'extra'\n"
 
 
 def test_the_demos_block_size_is_the_test_layouts():

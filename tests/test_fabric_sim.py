@@ -76,6 +76,17 @@ def _leaks(fds_before: int) -> tuple[int, int, int]:
     return fds_not_sockets() - fds_before, _shm_maps(), len(reservations())
 
 
+def _closed(out: dict, sr, fds0: int) -> dict:
+    """Close ``sr`` once every rank is done with the replicas; ``out["leaks"]``: what this
+    process still holds afterwards (``_leaks``)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    sr.close()
+    out["leaks"] = _leaks(fds0)
+    return out
+
+
 def _pattern(rank: int, n: int, salt: int):
     import torch
 
@@ -139,11 +150,7 @@ def _prefix_cycle(rank, world, hosts, domains):
     sr.resize(3 * g)
     out["mapped_after_shrink"] = [sr.peers.mapped_bytes(r) for r in range(world)]
     out["after_shrink"] = _check_replicas(sr, world, [(0, 2 * g)], 1)
-    dist.barrier()
-    sr.close()
-    del sr
-    out["leaks"] = _leaks(fds0)
-    return out
+    return _closed(out, sr, fds0)
 
 
 @pytest.mark.timeout(120)
@@ -199,11 +206,7 @@ def _segments_cycle(rank, world):
         for r in range(world)
         for lo, hi in ranges(2)
     ]
-    dist.barrier()
-    sr.close()
-    del sr
-    out["leaks"] = _leaks(fds0)
-    return out
+    return _closed(out, sr, fds0)
 
 
 @pytest.mark.timeout(120)
@@ -431,11 +434,7 @@ def _injected(rank, world, point):
     out["replicas"] = _check_replicas(sr, world, [(0, 2 * g)], 3) + _check_replicas(
         sr, world, [(2 * g, 5 * g)], 4
     )
-    dist.barrier()
-    sr.close()
-    del sr
-    out["leaks"] = _leaks(fds0)
-    return out
+    return _closed(out, sr, fds0)
 
 
 def _inject_rdzv_agreement():

@@ -71,6 +71,16 @@ def _regrow_and_close(sr, world):
     return second, intact
 
 
+def _assert_failed_on_the_last_rank_then_usable(first, second, intact, world, cause):
+    """One rank's outcomes of a grow that failed on the last rank (``cause``) and of the regrow
+    after it (``_regrow_and_close``): the failure named that rank and its cause on this rank
+    too; the regrow to 8 granules succeeded, every rank's rows intact in every replica."""
+    assert first[0] == "raised", first
+    assert f"ranks [{world - 1}]" in first[1] and cause in first[1], first
+    assert second == ("ok", 8 * _gran()), second
+    assert intact
+
+
 def _stall_once(cls, name, rank_to_stall, rank, seconds):
     """Make ``cls.name`` sleep ``seconds`` once on ``rank_to_stall`` (a preempted rank)."""
     real = getattr(cls, name)
@@ -115,12 +125,9 @@ def test_a_rank_late_at_the_last_grow_agreement_rolls_back_like_its_peers(world)
     g = _gran()
     out = run_world(_late_at_grow_agreement, world, timeout=60)
     for rank, (first, state, mapped, second, intact) in enumerate(out):
-        assert first[0] == "raised", (rank, first)
-        assert f"ranks [{world - 1}]" in first[1] and "did not arrive" in first[1], first
+        _assert_failed_on_the_last_rank_then_usable(first, second, intact, world, "did not arrive")
         assert state == (2 * g, 2 * g), (rank, state)  # the late rank kept nothing either
         assert mapped == [2 * g] * world, (rank, mapped)
-        assert second == ("ok", 8 * g), (rank, second)
-        assert intact
 
 
 def _late_at_rendezvous(rank, world):
@@ -250,12 +257,10 @@ def test_an_export_failure_on_one_rank_fails_every_rank_fast_naming_it(world):
     g = _gran()
     out = run_world(_export_fails, world, timeout=60)
     for first, elapsed, state, second, intact in out:
-        assert first[0] == "raised" and "Too many open files (injected)" in first[1], first
-        assert f"ranks [{world - 1}]" in first[1], first
+        cause = "Too many open files (injected)"
+        _assert_failed_on_the_last_rank_then_usable(first, second, intact, world, cause)
         assert elapsed < 5, elapsed  # the timeout is 10 s: nobody waited for it
         assert state == (2 * g, [2 * g] * world)
-        assert second == ("ok", 8 * g)
-        assert intact
 
 
 def _socket_fails(rank, world):

@@ -70,7 +70,7 @@ def test_a_vllm_release_other_than_the_supported_one_is_refused_naming_vmmkv_and
         with pytest.raises(
             UnsupportedVLLM,
             match=rf"vmmkv {re.escape(__version__)}'s vLLM plugin supports "
-            rf"vllm==0\.34\.0 only .* the installed vLLM is {other}.*vmmkv's tag v0\.1\.0",
+            rf"vllm==0\.34\.0 only .* the installed vLLM is {other}.*vmmkv 0\.1\.0 at commit 77d5183",
         ):
             check_vllm_version(other)
     # through register(), as vLLM's loader calls it in every process (metadata of another vLLM)

@@ -1,15 +1,26 @@
-"""Small internal helpers shared by every layer (no torch, no CUDA): argument checks and
-teardown. Internal: not part of the public API.
+"""Small internal helpers shared by every layer (no torch, no CUDA): argument checks,
+teardown, and the read-only property that passes an owned object's attribute through.
+Internal: not part of the public API.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import operator
 import os
 from collections.abc import Callable, Iterable, Sequence
 
-__all__ = ["ceil_div", "pid_liveness", "require_int", "require_timeout", "round_up", "run_all"]
+__all__ = [
+    "ceil_div",
+    "delegate",
+    "delegates",
+    "pid_liveness",
+    "require_int",
+    "require_timeout",
+    "round_up",
+    "run_all",
+]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +58,19 @@ def ceil_div(a: int, b: int) -> int:
 def round_up(a: int, multiple: int) -> int:
     """The smallest multiple of ``multiple`` that is >= ``a``."""
     return ceil_div(a, multiple) * multiple
+
+
+def delegate(path: str, doc: str | None = None) -> property:
+    """A read-only property returning ``self.<path>``, a dotted attribute path such as
+    ``"_comm.world_size"``: what an owner passes through of the objects it holds (or of its
+    own private state)."""
+    return property(operator.attrgetter(path), doc=doc)
+
+
+def delegates(owner: str, *names: str) -> tuple[property, ...]:
+    """``delegate(f"{owner}.{name}")`` for each of ``names``, in order: the attributes an owner
+    passes through of one object it holds, unpacked at class level."""
+    return tuple(delegate(f"{owner}.{name}") for name in names)
 
 
 def run_all(steps: Iterable[Callable[[], None]]) -> None:

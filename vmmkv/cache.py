@@ -99,17 +99,11 @@ from typing import Any
 
 import torch
 
-from . import ops
-from ._dispatch import StoreDispatch
-from ._out_of_range import OutOfRange
-from ._selection import barrier_trap, log_selection, resolve_direct, shared_settings, why_not_direct
-from ._util import require_timeout, run_all
-from ._views import Binding, RegionViews
+from ._assembly import assemble
+from ._selection import resolve_direct
+from ._util import delegate, delegates, run_all
+from ._views import Binding
 from .alloc.driver import finalizing
-from .direct import DirectPath
-from .gather import GatherPath
-from .ipc import ConfigMismatch, SymmetricRegion
-from .ipc.comm import check_cpu_group
 
 __all__ = ["Binding", "ReplicatedKVCache", "resolve_direct"]
 
@@ -119,9 +113,10 @@ log = logging.getLogger(__name__)
 class ReplicatedKVCache:
     """Replicated KV cache over a PCP group (see the module docstring for the contracts).
 
-    The cache builds the region and its paths (one agreement: every rank keeps a cache, or
-    none), checks every call against its closed and broken state, and delegates the rest:
+    The cache checks every call against its closed and broken state, and delegates the rest:
 
+    - its construction (the region, the paths, one agreement: every rank keeps a cache, or
+      none): :func:`vmmkv._assembly.assemble`;
     - the shared settings and the selection line: ``vmmkv._selection``;
     - ``allocate``, ``bind``, the refusal of a late ``set_block_layout``:
       :class:`vmmkv._views.RegionViews` (it holds the whole-region view);
@@ -147,90 +142,39 @@ class ReplicatedKVCache:
         barrier_timeout: float | None = None,
         backend: str = "auto",
     ) -> None:
-        check_cpu_group(cpu_group)
-        timeout = require_timeout("timeout", timeout)
-        match, error = shared_settings(direct, lanes, barrier_timeout)
-        self.mode_requested = match["direct"]
         self._lock = threading.Lock()
         self._closed = False
-        try:
-            sr = SymmetricRegion(
-                capacity_bytes, device, cpu_group, initial_bytes=initial_bytes or 0,
-                chunk_bytes=chunk_bytes, backend=backend, timeout=timeout, must_match=match,
-                peers="auto" if self.mode_requested in ("auto", "1") else "off",
-            )  # fmt: skip
-        except ConfigMismatch as exc:
-            if error is not None:
-                raise error from exc  # this rank's own setting is the cause
-            raise
-        if error is not None:  # every rank has the same bad setting
-            sr.close()
-            raise error
-        self._sr = sr
-        self.direct = sr.mapped
-        self.why_not_direct = why_not_direct(sr, self.mode_requested)
-        error, direct_path = None, None
-        try:  # local setup, then one agreement: every rank keeps a cache, or none does
-            out_of_range = OutOfRange(sr.rank, sr.device, log)
-            # the whole own region, committed or not: KVTarget.cache, the barrier's fence
-            fence = sr.view(sr.rank, reserve=True)
-            if sr.device.type == "cuda":
-                # Load every kernel now: a module loaded lazily while a barrier spins would wait
-                # for that barrier, and loading is not capture-safe.
-                ops.warm_up(sr.device)
-            gather = GatherPath(
-                sr.rank, sr.world_size, sr.device, sr.local_table, cpu_group, device_group,
-                timeout, match["check_padding"],
-            )  # fmt: skip
-            if self.direct:
-                direct_path = DirectPath(
-                    sr, fence, lanes, match["barrier_timeout"], barrier_trap=barrier_trap()
-                )
-        except Exception as exc:
-            error = exc
-        try:
-            sr.agree(error, "cache setup")
-        except BaseException:
-            run_all(([direct_path.close] if direct_path else []) + [sr.close])
-            raise
-        self._out_of_range = out_of_range
-        self.error_counter = out_of_range.counter
-        self._stores = StoreDispatch(
-            gather, direct_path, lanes=lanes, rank=sr.rank, device=sr.device,
-            why_not_direct=self.why_not_direct,
+        parts = assemble(
+            cpu_group, capacity_bytes, device, device_group=device_group,
+            initial_bytes=initial_bytes, chunk_bytes=chunk_bytes, lanes=lanes, direct=direct,
+            timeout=timeout, barrier_timeout=barrier_timeout, backend=backend, log=log,
         )  # fmt: skip
-        self._views = RegionViews(sr, fence, self.error_counter, self._stores.paths)
-        log_selection(log, self.direct, sr.world_size, self.why_not_direct, self.mode_requested)
+        self._sr, self._stores, self._views = parts.region, parts.stores, parts.views
+        self._out_of_range = parts.out_of_range
+        self.error_counter = parts.out_of_range.counter
+        self.mode_requested, self.why_not_direct = parts.mode_requested, parts.why_not_direct
+        self.direct = parts.region.mapped
 
-    # -- properties ------------------------------------------------------------------------
-    rank = property(lambda self: self._sr.rank)
-    world_size = property(lambda self: self._sr.world_size)
-    device = property(lambda self: self._sr.device)
-    capacity_bytes = property(lambda self: self._sr.capacity_bytes)
-    committed_bytes = property(lambda self: self._sr.committed_bytes)
-    committed_blocks = property(
-        lambda self: self._sr.committed_blocks,
-        doc="The top of the committed block set: the block count when it is a prefix, the "
+    # -- properties: the region's and the dispatch's, passed through ------------------------
+    rank, world_size, device, backend, chunk_bytes, capacity_bytes, committed_bytes = delegates(
+        "_sr", "rank", "world_size", "device", "backend", "chunk_bytes", "capacity_bytes",
+        "committed_bytes",
+    )  # fmt: skip
+    committed_blocks = delegate(
+        "_sr.committed_blocks",
+        "The top of the committed block set: the block count when it is a prefix, the "
         "kernels' bound (None without a block layout: a prefix cache).",
     )
-    committed_block_set = property(
-        lambda self: self._sr.committed_block_set,
-        doc="The committed block set, ``((start, end), ...)`` (None without a block layout).",
+    committed_block_set = delegate(
+        "_sr.committed_block_set",
+        "The committed block set, ``((start, end), ...)`` (None without a block layout).",
     )
-    lanes = property(lambda self: self._stores.lanes)
-    region = property(lambda self: self._sr, doc="The SymmetricRegion under the cache.")
-    closed = property(lambda self: self._closed, doc="True once close() ran.")
-    path = property(lambda self: self._stores.default.name, doc="'direct' or 'gather'.")
-    _path = property(lambda self: self._stores.default)  # the path object (tests, diagnostics)
-    _gather = property(lambda self: self._stores.gather)
-
-    @property
-    def backend(self) -> str:
-        return "cuda" if self.device.type == "cuda" else "host"
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self._sr.chunk_bytes
+    lanes = delegate("_stores.lanes")
+    region = delegate("_sr", "The SymmetricRegion under the cache.")
+    closed = delegate("_closed", "True once close() ran.")
+    path = delegate("_stores.default.name", "'direct' or 'gather'.")
+    _path = delegate("_stores.default")  # the path object (tests, diagnostics)
+    _gather = delegate("_stores.gather")
 
     def _check_open(self) -> None:
         if self._closed:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from .._util import delegate
 from . import driver
 from .backend import Backend
 
@@ -61,14 +62,8 @@ class Reservation:
         self._freed = False
         self.base = backend.reserve(size)
 
-    @property
-    def freed(self) -> bool:
-        return self._freed
-
-    @property
-    def views(self) -> int:
-        """Views alive now (each holds the range)."""
-        return self._views
+    freed = delegate("_freed")
+    views = delegate("_views", "Views alive now (each holds the range).")
 
     def hold(self) -> None:
         """A new view over the range (before it exists, so the range cannot go in between)."""

@@ -130,6 +130,13 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     if argv[0] == "--version":
+        if argv[1:]:
+            extra = " ".join(argv[1:])
+            print(
+                f"python -m vmmkv: error: --version takes no arguments, got {extra!r}",
+                file=sys.stderr,
+            )
+            return 2
         from .. import __version__
 
         print(f"vmmkv {__version__}")

@@ -9,7 +9,8 @@ mode and several ranks it also measures a peer copy (each rank copies into the n
 region through the mapping) and reports publish bandwidth at the largest T against it. Prints a
 table, writes ``<--out>/bench.json`` always (default ``./vmmkv-bench/bench.json``) and
 ``<--out>/bench.png`` (latency against tokens, one line per path) where matplotlib is
-installed; without it one log line says the plot was skipped; the last line names the files
+installed (on the host backend its title says the timings are functional checks only); without
+it one log line says the plot was skipped; the last line names the files
 written (the directory is checked before the sweep, with every argument and environment variable:
 a wrong one exits 2). ``--quick`` finishes within a minute. On the host backend the timings are functional
 checks, not performance: the output says so and ``bench.json`` has ``"timings": "functional"``
@@ -118,9 +119,10 @@ def _peer_copy_GBps(cache, rank: int, world: int, device) -> float:
     return n / percentile(times, 50) / 1e3
 
 
-def _plot(path: str, series: dict[str, list[tuple[float, float]]]) -> bool:
-    """Latency against tokens, one line per path, through matplotlib; False (one log line, no
-    file) where matplotlib is not installed."""
+def _plot(path: str, series: dict[str, list[tuple[float, float]]], title: str) -> bool:
+    """Latency against tokens, one line per path, through matplotlib, ``title`` above the plot
+    and in the PNG's Description; False (one log line, no file) where matplotlib is not
+    installed."""
     try:
         import matplotlib
     except ImportError:
@@ -137,8 +139,9 @@ def _plot(path: str, series: dict[str, list[tuple[float, float]]]) -> bool:
     ax.set_xlabel("tokens per rank")
     ax.set_ylabel("step latency (us, median, slowest rank)")
     ax.legend()
+    ax.set_title(title, fontsize=8, wrap=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata={"Title": "vmmkv bench", "Description": title})
     plt.close(fig)
     return True
 
@@ -159,11 +162,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parser().parse_args(argv)
-    errors: list[str] = []
-    checks.at_least(errors, "--warmup", a.warmup, 0)
-    checks.at_least(errors, "--iters", a.iters, 1)
-    backend, world, chunk = checks.group(errors, a.backend, a.world)
+    a, errors, backend, world, chunk = checks.parse_group_args(
+        parser(), argv, {"--warmup": 0, "--iters": 1}
+    )
     errors += checks.writable("--out", a.out, directory=True)
     if errors:
         return checks.refuse("bench", errors)
@@ -225,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         if k.endswith("_p50_us")
     }
     png = os.path.join(out_dir, "bench.png")
-    wrote = [os.path.join(out_dir, "bench.json")] + ([png] if _plot(png, series) else [])
+    title = HOST_TIMINGS if backend == "host" else f"{world} ranks, {backend} backend"
+    wrote = [os.path.join(out_dir, "bench.json")] + ([png] if _plot(png, series, title) else [])
     print(f"wrote {' and '.join(wrote)}")
     return 0

@@ -1,13 +1,16 @@
-"""The checks of the spawning tools (demo, bench), run before they import torch or start a
-rank: each appends one line per problem to the caller's ``errors`` list; :func:`refuse` prints
-them and gives the exit status 2. Local; imports neither torch nor CUDA (``vmmkv.alloc.driver``
-loads cuda.bindings only)."""
+"""The checks the tools run before they do anything: the spawning tools' (demo, bench:
+:func:`parse_group_args`, :func:`group`, :func:`writable`, before they import torch or start a
+rank) and doctor's (:func:`environment`). Each gives one line per problem; :func:`refuse`
+prints them and gives the exit status 2. Local; only :func:`environment` imports torch (through
+the vLLM plugin's readers), the rest neither torch nor CUDA (``vmmkv.alloc.driver`` loads
+cuda.bindings only)."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-__all__ = ["at_least", "group", "refuse", "writable"]
+__all__ = ["at_least", "environment", "group", "parse_group_args", "refuse", "writable"]
 
 
 def refuse(tool: str, errors: list[str]) -> int:
@@ -46,6 +49,20 @@ def writable(option: str, path: str, *, directory: bool) -> list[str]:
     return []
 
 
+def parse_group_args(
+    ap: argparse.ArgumentParser, argv: list[str] | None, lowest: dict[str, int]
+) -> tuple[argparse.Namespace, list[str], str, int, int]:
+    """A spawning tool's arguments (``ap`` holds ``--world`` and ``--backend``) and the checks
+    every such tool runs: each option of ``lowest`` at least its value, then :func:`group`.
+    Returns ``(args, errors, backend, world, chunk_bytes)``; the caller adds its own checks to
+    ``errors`` and refuses when there are any."""
+    args = ap.parse_args(argv)
+    errors: list[str] = []
+    for option, lo in lowest.items():
+        at_least(errors, option, getattr(args, option.removeprefix("--")), lo)
+    return (args, errors, *group(errors, args.backend, args.world))
+
+
 def group(errors: list[str], backend: str, world: int | None) -> tuple[str, int, int]:
     """The spawning tools' ``(backend, world, chunk_bytes)``: ``auto`` resolved (cuda where a GPU
     is usable), ``world`` defaulted (the GPUs, at least 2), the chunk size from
@@ -77,3 +94,31 @@ def group(errors: list[str], backend: str, world: int | None) -> tuple[str, int,
             f"backend needs a multiple of {granularity} bytes"
         )
     return backend, world, chunk
+
+
+def environment() -> list[str]:
+    """One line per variable of vmmkv whose value its reader refuses: the library's
+    (``vmmkv._env``) and the vLLM plugin's switches and elastic KV's knobs, through the plugin's
+    own readers (they import torch, no vLLM module)."""
+    import os
+
+    from .. import _env
+    from ..integrations import vllm
+    from ..integrations.vllm import _elastic_settings as _elastic
+
+    found = _env.problems()
+    for read in (vllm.enabled, _elastic.elastic_enabled):
+        try:
+            read()
+        except ValueError as exc:
+            found.append(str(exc))
+    for var in _elastic.KNOBS.values():  # one knob at a time: one line per bad knob
+        if var in os.environ:
+            try:  # a nominal pool: the knobs are parsed whatever the geometry
+                _elastic.elastic_settings(
+                    4096, 1 << 20, 64 << 20, block_size=64, max_num_batched_tokens=8192,
+                    max_num_seqs=256, concurrent_batches=1, env={var: os.environ[var]},
+                )  # fmt: skip
+            except ValueError as exc:
+                found.append(str(exc))
+    return found

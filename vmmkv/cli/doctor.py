@@ -1,6 +1,8 @@
 """``python -m vmmkv doctor``: what this machine offers vmmkv, and whether direct mode can work.
 
-Local, read-only: queries versions, device attributes, P2P (driver and NVML), a trial fabric
+Local, read-only: checks vmmkv's environment variables first (the library's and the vLLM
+plugin's: a wrong value exits 2, one line per error, as ``demo`` does) and reports those that
+are set; then queries versions, device attributes, P2P (driver and NVML), a trial fabric
 allocation (released at once), NVML's fabric registration of each GPU (state, cluster UUID,
 clique id: ``alloc.fabric.fabric_info``), and the socket features the rendezvous needs. Returns
 a report dict; ``main`` prints it and exits non-zero with the reasons when direct mode cannot
@@ -17,9 +19,10 @@ import struct
 import sys
 from typing import Any
 
+from .. import _env
 from ..alloc import driver as drv
 from ..alloc.fabric import FabricInfo, fabric_info
-from . import banner, tool_parser
+from . import banner, checks, tool_parser
 
 
 def _versions() -> dict[str, str]:
@@ -183,6 +186,7 @@ def _gpus() -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
 
 def report() -> dict[str, Any]:
     rep: dict[str, Any] = {"versions": _versions(), "sockets": _sockets()}
+    rep["environment"] = _env.set_variables()
     problems: list[str] = []
     for k, v in rep["sockets"].items():
         if v is not True:
@@ -212,6 +216,10 @@ def _print(rep: dict[str, Any]) -> None:
 
     section("versions", rep["versions"])
     section("sockets", rep["sockets"])
+    if rep["environment"]:
+        section("environment (vmmkv's variables that are set)", rep["environment"])
+    else:
+        print("environment: none of vmmkv's variables is set")
     for g in rep.get("gpus", []):
         section(f"gpu {g['index']}", {k: v for k, v in g.items() if k != "index"})
     if rep.get("p2p"):
@@ -233,6 +241,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser().parse_args(argv)  # no options; --help prints the description and exits 0
+    errors = checks.environment()
+    if errors:
+        return checks.refuse("doctor", errors)
     rep = report()
     _print(rep)
     sys.stdout.flush()

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._util import require_timeout
+from .._util import delegate, require_timeout
 
 __all__ = ["GroupError", "PeerTimeoutError", "StepAborted", "StoreComm", "check_cpu_group"]
 
@@ -111,14 +111,11 @@ class StoreComm:
         self.group = None
 
     # -- properties ------------------------------------------------------------------------
-    @property
-    def step(self) -> int:
-        return self._step
-
-    @property
-    def broken(self) -> str:
-        """'' while usable; otherwise why the ranks can no longer be trusted to be in step."""
-        return self._broken
+    step = delegate("_step")
+    broken = delegate(
+        "_broken",
+        "'' while usable; otherwise why the ranks can no longer be trusted to be in step.",
+    )
 
     # -- join: an agreed namespace ---------------------------------------------------------
     def _join(self, base: str) -> str:

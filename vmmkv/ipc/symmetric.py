@@ -72,7 +72,7 @@ from typing import Any
 
 import torch
 
-from .._util import require_int, run_all
+from .._util import delegate, delegates, require_int, run_all
 from ..alloc import VirtualRegion
 from ..alloc.region import _resolve_device, check_device
 from .comm import PeerTimeoutError, StoreComm
@@ -218,56 +218,18 @@ class SymmetricRegion:
             self.why_not_mapped = str(exc)
             return None
 
-    # -- properties ------------------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        return self._comm.rank
-
-    @property
-    def world_size(self) -> int:
-        return self._comm.world_size
-
-    @property
-    def group(self) -> Any:
-        return self._comm.group
-
-    @property
-    def timeout(self) -> float:
-        return self._comm.timeout
-
-    @property
-    def device(self) -> torch.device:
-        return self.region.device
-
-    @property
-    def backend(self) -> str:
-        return self.region.backend
-
-    @property
-    def base_ptr(self) -> int:
-        return self.region.base_ptr
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self.region.chunk_bytes
-
-    @property
-    def committed_bytes(self) -> int:
-        return self.region.committed_bytes
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.region.capacity_bytes
-
-    @property
-    def committed_table(self) -> torch.Tensor:
-        """Device int64: the kernels' bound, ``[1]`` (the committed size) or, with a block
-        layout, ``[len(segments)]`` (see the module docstring); a block layout replaces it."""
-        return self._resizer.table
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
+    # -- properties: the communicator's and the own region's, passed through ----------------
+    rank, world_size, group, timeout = delegates("_comm", "rank", "world_size", "group", "timeout")
+    device, backend, base_ptr, chunk_bytes, committed_bytes, capacity_bytes = delegates(
+        "region", "device", "backend", "base_ptr", "chunk_bytes", "committed_bytes",
+        "capacity_bytes",
+    )  # fmt: skip
+    committed_table = delegate(
+        "_resizer.table",
+        "Device int64: the kernels' bound, ``[1]`` (the committed size) or, with a block layout, "
+        "``[len(segments)]`` (see the module docstring); a block layout replaces it.",
+    )
+    closed = delegate("_closed")
 
     @property
     def mapped(self) -> bool:

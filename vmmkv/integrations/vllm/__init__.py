@@ -111,10 +111,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator
 from typing import Any
 
+from ..._env import boolean
 from ._install import (
     install,
     install_when_engine_core_loads,
@@ -181,11 +181,8 @@ def __getattr__(name: str) -> Any:  # the vLLM-importing modules load on first u
 
 
 def enabled() -> bool:
-    """``VLLM_USE_VMMKV``: '1' enables the plugin, '0' or unset leaves vLLM untouched."""
-    value = os.environ.get(ENV, "0").strip()
-    if value not in ("0", "1", ""):
-        raise ValueError(f"{ENV} must be '0' or '1', got {value!r}")
-    return value == "1"
+    """``VLLM_USE_VMMKV``: true enables the plugin; false or unset leaves vLLM untouched."""
+    return boolean(ENV)
 
 
 def register() -> None:

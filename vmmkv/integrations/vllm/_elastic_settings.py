@@ -16,11 +16,12 @@ its error).
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from ..._env import boolean, choice, number
 
 __all__ = [
     "ELASTIC_ENV",
@@ -62,11 +63,8 @@ RESIZE = "vmmkv_resize"  # (seq, target blocks) on every SchedulerOutput
 
 
 def elastic_enabled(env: Mapping[str, str] | None = None) -> bool:
-    """``VLLM_VMMKV_ELASTIC``: '1' turns elastic mode on (with ``VLLM_USE_VMMKV=1``)."""
-    value = (os.environ if env is None else env).get(ELASTIC_ENV, "0").strip()
-    if value not in ("0", "1", ""):
-        raise ValueError(f"{ELASTIC_ENV} must be '0' or '1', got {value!r}")
-    return value == "1"
+    """``VLLM_VMMKV_ELASTIC``: true turns elastic mode on (with ``VLLM_USE_VMMKV=1``)."""
+    return boolean(ELASTIC_ENV, env=env)
 
 
 @dataclass(frozen=True)
@@ -105,17 +103,7 @@ class ElasticSettings:
 
 
 def _knob(env: Mapping[str, str], name: str, default: float, *, lo: float, kind=int) -> Any:
-    var = KNOBS[name]
-    raw = env.get(var, "").strip()
-    if not raw:
-        return default
-    try:
-        value = kind(raw)
-    except ValueError:
-        value = None
-    if value is None or value < lo or (kind is float and not math.isfinite(value)):
-        raise ValueError(f"{var}={raw!r}: expected {kind.__name__} >= {lo}")
-    return value
+    return number(KNOBS[name], default, minimum=lo, integer=kind is int, env=env)
 
 
 def elastic_settings(
@@ -187,10 +175,7 @@ def elastic_settings(
 
 
 def _order(env: Mapping[str, str]) -> str:
-    raw = env.get(KNOBS["order"], "").strip() or ORDERS[0]
-    if raw not in ORDERS:
-        raise ValueError(f"{KNOBS['order']}={raw!r}: expected one of {ORDERS}")
-    return raw
+    return choice(KNOBS["order"], ORDERS, ORDERS[0], env=env)
 
 
 def block_bytes(kv_cache_config: Any) -> int:

@@ -40,8 +40,9 @@ MX_INDEXER_KIND = "indexer_k_mxfp8"
 SUPPORTED_VLLM = "==0.34.0"
 
 
-# The last vmmkv release whose plugin is written for vLLM 0.33.0 (README, "Running vLLM with vmmkv").
-LAST_033_TAG = "v0.1.0"
+# The commit of vmmkv 0.1.0, the last release whose plugin is written for vLLM 0.33.0 (README,
+# "Running vLLM with vmmkv"): a clone of the published repository has no tags, only commits.
+LAST_033_COMMIT = "77d5183"
 
 
 def check_vllm_version(version: str | None = None) -> str:
@@ -68,8 +69,8 @@ def check_vllm_version(version: str | None = None) -> str:
         raise UnsupportedVLLM(
             f"vmmkv {__version__}'s vLLM plugin supports vllm{SUPPORTED_VLLM} only (it replaces "
             f"internal call sites of that release); the installed vLLM is {version}. Install "
-            'vllm==0.34.0 (README, "Running vLLM with vmmkv"; for vllm 0.33.0, vmmkv\'s tag '
-            f"{LAST_033_TAG}) or unset VLLM_USE_VMMKV"
+            'vllm==0.34.0 (README, "Running vLLM with vmmkv"; for vllm 0.33.0, vmmkv 0.1.0 at '
+            f"commit {LAST_033_COMMIT}) or unset VLLM_USE_VMMKV"
         )
     return version
 
