@@ -59,7 +59,9 @@ Growth: by a byte prefix (default) or by blocks (a block layout, for layer-major
   (exact), read on every launch: growth after graph capture needs no recapture.
 - ``grow``/``shrink`` raise on a cache with a block layout, ``grow_blocks``/``shrink_blocks`` on
   one without (on every rank). ``committed_blocks`` is None without a block layout.
-  ``committed_bytes`` is always the committed memory (the sum of committed chunks).
+  ``committed_bytes`` is always the committed memory (the sum of the runs).
+- ``run_bytes``: the run grid (``vmmkv.alloc.region``): a grow maps one physical allocation per
+  stretch of new chunks of each segment, cut at its multiples (default ``chunk_bytes``).
 
 Store API (one for both paths)::
 
@@ -141,6 +143,7 @@ class ReplicatedKVCache:
         device_group: Any = None,
         initial_bytes: int | None = None,
         chunk_bytes: int | None = None,
+        run_bytes: int | None = None,
         lanes: int = 1,
         direct: bool | None = None,
         timeout: float = 60.0,
@@ -156,7 +159,8 @@ class ReplicatedKVCache:
         try:
             sr = SymmetricRegion(
                 capacity_bytes, device, cpu_group, initial_bytes=initial_bytes or 0,
-                chunk_bytes=chunk_bytes, backend=backend, timeout=timeout, must_match=match,
+                chunk_bytes=chunk_bytes, run_bytes=run_bytes, backend=backend, timeout=timeout,
+                must_match=match,
                 peers="auto" if self.mode_requested in ("auto", "1") else "off",
             )  # fmt: skip
         except ConfigMismatch as exc:
