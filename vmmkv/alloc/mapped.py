@@ -274,7 +274,8 @@ class PeerRegion(_MappedRange):
 
     def unmap_from(self, offset: int) -> list[Chunk]:
         """Unmap every run that starts at or beyond ``offset`` (whole runs only, as the owner's
-        ``decommit``); returns them in address order. Raises :class:`UnmapError` when an unmap fails (see the module doc)."""
+        ``decommit``); returns them in address order. Raises :class:`UnmapError` when an unmap
+        fails (see the module doc)."""
         require_int("unmap_from: offset", offset, lo=0)
         with self._lock:
             self._check_open()
@@ -282,7 +283,8 @@ class PeerRegion(_MappedRange):
 
     def unmap_outside(self, ranges: Any) -> list[Chunk]:
         """Unmap every run that overlaps none of ``ranges`` (whole runs only, as the owner's
-        ``decommit_outside``); returns them in address order. :class:`UnmapError` as ``unmap_from``."""
+        ``decommit_outside``); returns them in address order. :class:`UnmapError` as
+        ``unmap_from``."""
         with self._lock:
             self._check_open()
             keep = merged(check_ranges("unmap_outside", ranges, self._capacity))

@@ -373,7 +373,8 @@ class VirtualRegion(_MappedRange):
             self._check_open()
             if not isinstance(chunk, Chunk) or self._index(self._chunks, chunk) < 0:
                 raise ValueError(
-                    f"export_chunk_value: {chunk} is not committed in {self!r} (not one of its runs)"
+                    f"export_chunk_value: {chunk} is not committed in {self!r} (not one of "
+                    "its runs)"
                 )
             return self._backend.export_value(self._base + chunk.offset, chunk.size, tag=tag)
 
