@@ -31,6 +31,9 @@ Contract:
   committed or with a block layout); ``view(rank, reserve=True)`` the whole capacity, of which
   only committed chunks may be touched. ``region.tensor()`` (the ``VirtualRegion``) is always
   the whole capacity (address space, see ``vmmkv.alloc.region``).
+- Memory comes in runs (``run_bytes``, ``vmmkv.alloc.region``): a grow creates, exchanges
+  (one handle each) and maps one allocation per stretch of new chunks of each range; a run
+  stays whole while the size needs a byte of it, on every rank and in every peer mapping.
 - Two ways to size the region, one protocol (docs/design.md, "Resize protocol"):
   - prefix (the default): ``resize(committed_bytes)`` grows or shrinks every rank's committed
     prefix; ``committed_table`` (device int64 ``[1]``) holds the committed size (chunk-rounded).
