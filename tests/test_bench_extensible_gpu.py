@@ -60,18 +60,25 @@ def run(tmp_path_factory):
     return json.loads(out.read_text()), stdout.getvalue()
 
 
+def _steps(data, layout):
+    """(the layout's segments, its rows, [(row, step, blocks committed after it)])."""
+    rows = [r for r in data["rows"] if r["layout"] == layout]
+    assert [r["step"] for r in rows] == [name for name, _ in STEPS], rows
+    segs, _ = bx.padded_geometry(layout, LAYERS, CAPACITY)
+    minimum = 2 if layout == "BL" else 1
+    steps = [(row, name, minimum if blocks is None else blocks)
+             for row, (name, blocks) in zip(rows, STEPS, strict=True)]  # fmt: skip
+    return segs, rows, steps
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", ["LB", "BL"])
 def test_every_step_commits_the_blocks_vllm_asks_in_the_chunks_covering_them(run, layout):
     data, printed = run
     assert data["benchmark"] == "bench_extensible_gpu" and data["device"] == "host"
     assert data["command"][1] == SCRIPT and "machine" in data and "commit" in data
-    rows = [r for r in data["rows"] if r["layout"] == layout]
-    assert [r["step"] for r in rows] == [name for name, _ in STEPS], rows
-    segs, _ = bx.padded_geometry(layout, LAYERS, CAPACITY)
-    minimum = 2 if layout == "BL" else 1
-    for row, (name, blocks) in zip(rows, STEPS, strict=True):
-        blocks = minimum if blocks is None else blocks
+    segs, rows, steps = _steps(data, layout)
+    for row, name, blocks in steps:
         chunks = sum(-(-blocks * stride // CHUNK) for _, stride in segs)  # segments chunk-aligned
         assert (row["blocks"], row["chunks"]) == (blocks, chunks), (name, row)
         assert row["same_blocks"] and row["peers_mapped"] and "error" not in row, row
@@ -115,12 +122,8 @@ def test_in_runs_every_commit_exports_one_handle_per_segment_and_vllms_estimate_
     run_in_runs, layout
 ):
     page = os.sysconf("SC_PAGE_SIZE")
-    rows = [r for r in run_in_runs["rows"] if r["layout"] == layout]
-    assert [r["step"] for r in rows] == [name for name, _ in STEPS], rows
-    segs, _ = bx.padded_geometry(layout, LAYERS, CAPACITY)
-    minimum = 2 if layout == "BL" else 1
-    for row, (name, blocks) in zip(rows, STEPS, strict=True):
-        blocks = minimum if blocks is None else blocks
+    segs, rows, steps = _steps(run_in_runs, layout)
+    for row, name, blocks in steps:
         held, created = RUNS[name]
         assert (row["blocks"], row["chunks"], row["handles"]) == (
             blocks, held * len(segs), created * len(segs)), (name, row)  # fmt: skip

@@ -29,8 +29,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import fd_count, random_bytes
+from tests.helpers import fd_count, map_all_chunks, random_bytes
 from tests.test_alloc_unmap import _mapped_offsets
+from tests.test_segments import _RANGE_OPS
 from vmmkv import _blockset as blockset
 from vmmkv.alloc import Chunk, VirtualRegion
 from vmmkv.alloc.geometry import covering_chunks, plan_runs
@@ -112,16 +113,10 @@ def test_a_first_commit_of_deepseek_v32s_layer_major_cache_is_122_runs_of_vllms_
 # elastic releases: runs cut at a grid keep no more than that grid of chunks
 # --------------------------------------------------------------------------------------------
 
-_SETS = st.lists(
-    st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=0, max_size=3),
-    min_size=1,
-    max_size=10,
-)
-
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(sets=_SETS)
-def test_runs_cut_at_the_elastic_grid_never_keep_more_than_that_grid_of_chunks(sets):
+@given(ops=_RANGE_OPS)
+def test_runs_cut_at_the_elastic_grid_never_keep_more_than_that_grid_of_chunks(ops):
     """One block-major segment (blocks of 3 pages and a bit, 17 bytes in), moved through block
     sets as the resize protocol moves it (a grow to the union, then the release): a region of
     page chunks in runs cut at 8 pages (elastic mode's 64 MiB over 2 MiB granules, scaled) and a
@@ -135,8 +130,8 @@ def test_runs_cut_at_the_elastic_grid_never_keep_more_than_that_grid_of_chunks(s
         VirtualRegion(cap, backend="host", chunk_bytes=grid) as cells,
     ):
         held: blockset.BlockSet = ()
-        for intervals in sets:
-            target = blockset.block_set([tuple(sorted(iv)) for iv in intervals], 40)
+        for _, spec in ops:  # each step's block set: (start, count) intervals within 40 blocks
+            target = blockset.block_set([(a, min(a + n, 40)) for a, n in spec], 40)
             for r in (runs, cells):
                 r.commit_ranges([(seg + a * block, seg + b * block) for a, b in
                                  blockset.union(held, target)])  # fmt: skip
@@ -178,12 +173,7 @@ def test_a_commit_creates_one_allocation_per_run_and_a_shrink_inside_a_run_keeps
         assert r.mapped_parts([(3 * g, 5 * g), (7 * g, 9 * g)]) == [(3 * g, 5 * g)]
         assert r.covers(0, 6 * g) and not r.covers(5 * g, 7 * g) and r.covers(9, 9)
         with r.open_peer() as peer:
-            for c in r.chunks():
-                fd = r.export_chunk(c)
-                try:
-                    peer.map_fd(fd, c)
-                finally:
-                    os.close(fd)
+            map_all_chunks(r, peer)
             assert torch.equal(peer.tensor()[: 4 * g], data)
             # the owner's rule on both sides: a run stays while a range needs a byte of it
             assert peer.unmap_outside([(g, g + 1)]) == [Chunk(4 * g, 2 * g)]
@@ -223,50 +213,35 @@ def _model_keep(runs, ranges):
     ]
 
 
-_RANGE = st.tuples(st.integers(0, 40), st.integers(0, 40)).map(sorted)
-_OPS = st.lists(
-    st.one_of(
-        st.tuples(st.just("commit"), st.lists(_RANGE, max_size=3)),
-        st.tuples(st.just("keep"), st.lists(_RANGE, max_size=3)),
-        st.tuples(st.just("write"), st.integers(0, 39), st.integers(1, 3)),
-    ),
-    min_size=1,
-    max_size=20,
-)
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=_OPS, run=st.sampled_from([1, 3, 16]))
+@given(ops=_RANGE_OPS, run=st.sampled_from([1, 3, 16]))
 def test_runs_and_bytes_follow_a_per_chunk_model_through_commits_releases_and_writes(ops, run):
-    """Units of half a page, chunks of a page, runs cut at ``run`` chunks (1: today's grid).
-    New runs read zero, kept runs keep their bytes, released bytes are gone."""
+    """``test_segments``' operations (ranges in quarter pages) on page chunks in runs cut at
+    ``run`` pages (1: a run per chunk): the runs a per-chunk model predicts, new runs reading
+    zero, kept runs keeping their bytes, released runs gone."""
     g = _g()
-    unit, cap = g // 2, 20 * g
+    quarter, cap = g // 4, 11 * g
     model = torch.zeros(cap, dtype=torch.uint8)
     runs: list[Chunk] = []
     with VirtualRegion(cap, backend="host", chunk_bytes=g, run_bytes=run * g) as r:
         t = r.tensor()
-        for step, op in enumerate(ops):
-            if op[0] == "write":
-                at = op[1] * unit
-                n = min(op[2] * unit, cap - at)
-                if not r.covers(at, at + n):
-                    continue
-                data = random_bytes(n, step)
-                t[at : at + n].copy_(data)
-                model[at : at + n] = data
-                continue
-            ranges = [(a * unit, b * unit) for a, b in op[1]]
-            if op[0] == "commit":
+        for step, (op, spec) in enumerate(ops):
+            ranges = [(min(a * quarter, cap), min((a + n) * quarter, cap)) for a, n in spec]
+            if op == "write":
+                for lo, hi in r.mapped_parts(ranges):
+                    data = random_bytes(hi - lo, step)
+                    t[lo:hi].copy_(data)
+                    model[lo:hi] = data
+            elif op == "commit":
                 new = _model_commit(runs, ranges, g, run * g, cap)
                 assert r.commit_ranges(ranges) == sorted(new, key=lambda c: c.offset)
                 runs = sorted(runs + new, key=lambda c: c.offset)
                 for c in new:
                     model[c.offset : c.offset + c.size] = 0
             else:
-                gone = [c for c in runs if c not in _model_keep(runs, ranges)]
-                assert r.decommit_outside(ranges) == gone
-                runs = _model_keep(runs, ranges)
+                kept = _model_keep(runs, ranges)
+                assert r.decommit_outside(ranges) == [c for c in runs if c not in kept]
+                runs = kept
             assert r.chunks() == runs
             for c in runs:
                 assert torch.equal(
@@ -439,64 +414,23 @@ def test_block_growth_in_runs_stores_byte_exact_and_a_grow_failing_at_a_run_roll
 # --------------------------------------------------------------------------------------------
 
 
-def _by_value_runs(rank, world):
-    import torch.distributed as dist
-
-    from tests.helpers import fds_not_sockets
-    from tests.test_fabric_sim import _check_replicas, _leaks, _place, _region, _write_own
-
-    _place(rank, [f"h{r}" for r in range(world)], ["d0"] * world)
-    fds0 = fds_not_sockets()
-    g = _g()
-    out = {}
-    sr = _region(initial_bytes=0, run_bytes=16 * g)
-    segs = [(0, g + g // 2), (8 * g, g + g // 2)]  # a chunk straddles two blocks
-    sr.set_block_layout(segs, 4)
-
-    def ranges(n):
-        return [(off, off + n * blk) for off, blk in segs]
-
-    def runs(s):
-        return [[(c.offset, c.size) for c in s.peers.mapped_chunks(r)] for r in range(world)]
-
-    out["by_value"] = sr.peers.by_value
-    sr.resize_blocks(3)
-    _write_own(sr, rank, ranges(3), 5)
-    dist.barrier()
-    out["grow"] = _check_replicas(sr, world, ranges(3), 5)
-    out["runs"] = runs(sr)
-    sr.resize_blocks(1)  # inside the runs: they stay whole
-    out["shrunk_runs"] = runs(sr)
-    out["after_shrink"] = _check_replicas(sr, world, ranges(1), 5)
-    sr.resize_blocks(2)  # blocks past 1 read zero although their runs stayed
-    out["regrown_zero"] = [
-        bool((sr.view(r, reserve=True)[lo + (hi - lo) // 2 : hi] == 0).all())
-        for r in range(world)
-        for lo, hi in ranges(2)
-    ]
-    sr.resize_blocks(0)
-    sr.resize_blocks(4)
-    out["wake_runs"] = runs(sr)
-    dist.barrier()
-    sr.close()
-    del sr
-    out["leaks"] = _leaks(fds0)
-    return out
-
-
 @pytest.mark.timeout(120)
 def test_runs_travel_by_value_across_three_simulated_hosts(tmp_path, monkeypatch):
+    """``test_fabric_sim``'s segmented cycle (two segments of 1.5-page blocks, by-value handles
+    across three simulated hosts) in runs as long as the region: one run per segment, a shrink
+    inside them keeps them, the blocks that join read zero, a wake maps each segment whole."""
     from tests.helpers import ShmLedger
+    from tests.test_fabric_sim import _segments_cycle
 
     ledger = ShmLedger(tmp_path / "shm-names").enable(monkeypatch)
     g = _g()
-    out = run_world(_by_value_runs, 3, timeout=100)
+    out = run_world(_segments_cycle, 3, args=(16 * g,), timeout=100)
     for o in out:
-        assert o["by_value"] and o["grow"] == [] and o["after_shrink"] == [], o
-        assert o["runs"] == [[(0, 5 * g), (8 * g, 5 * g)]] * 3, o  # 3 blocks: 4.5 pages each
-        assert o["shrunk_runs"] == o["runs"], o
+        assert o["grow"] == [] and o["after_shrink"] == [], o
+        assert o["chunks"] == [[(0, 5 * g), (8 * g, 5 * g)]] * 3, o  # 3 blocks: 4.5 pages each
+        assert o["shrunk_chunks"] == o["chunks"], o
         assert all(o["regrown_zero"]), o
-        assert o["wake_runs"] == [[(0, 6 * g), (8 * g, 6 * g)]] * 3, o
+        assert o["woken_chunks"] == [[(0, 6 * g), (8 * g, 6 * g)]] * 3, o
         assert o["leaks"] == (0, 0, 0), o
     assert ledger.names() and ledger.left() == [], ledger.left()
 
