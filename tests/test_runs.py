@@ -36,6 +36,7 @@ from vmmkv import _blockset as blockset
 from vmmkv.alloc import Chunk, VirtualRegion
 from vmmkv.alloc.geometry import covering_chunks, plan_runs
 from vmmkv.ops.formats import INDEXER_ENTRY_BYTES, MLA_ENTRY_BYTES
+from vmmkv.testing.markers import requires_gpu
 from vmmkv.testing.spawn import run_world, run_world_raw
 
 BS = 64
@@ -343,9 +344,9 @@ def test_deepseek_v32s_122_layer_segments_exchange_one_handle_per_run(world):
 # --------------------------------------------------------------------------------------------
 
 
-def _runs_scenario(rank, world, fail_at, run_chunks):
-    """``test_segments._scenario`` with the cache's runs cut at ``run_chunks`` chunks (None:
-    uncut) and its oracle keeping runs (``_RunReplica``). Returns the scenario's result and
+def _runs_scenario(rank, world, fail_at, run_chunks, backend="host"):
+    """``test_segments._scenario`` on ``backend`` with the cache's runs cut at ``run_chunks``
+    chunks (None: uncut) and its oracle keeping runs (``_RunReplica``). Returns the scenario's result and
     the bytes the own memory held beyond the chunks covering the blocks, after each shrink."""
     import vmmkv
     from tests import test_segments as ts
@@ -389,7 +390,7 @@ def _runs_scenario(rank, world, fail_at, run_chunks):
 
     vmmkv.ReplicatedKVCache = cache
     ts._Replica = _RunReplica
-    return ts._scenario(rank, world, "host", fail_at), _RunReplica.beyond
+    return ts._scenario(rank, world, backend, fail_at), _RunReplica.beyond
 
 
 @pytest.mark.timeout(300)
@@ -407,6 +408,19 @@ def test_block_growth_in_runs_stores_byte_exact_and_a_grow_failing_at_a_run_roll
         assert cause in failure[1] and f"ranks [{world - 1}]" in failure[1], (rank, failure)
         assert after == baseline, (rank, baseline, after)  # fds, memfds, mappings, reservations
         assert max(beyond) > 0, beyond  # a shrink ended inside a run: it stayed whole
+
+
+@requires_gpu
+@pytest.mark.timeout(300)
+def test_a_graph_captured_before_growth_in_runs_replays_into_every_replica_on_cuda():
+    """``test_segments``' CUDA case in uncut runs: the layer publications are captured once,
+    before growing by blocks; every replay after each grow and shrink writes the reference
+    bytes into every replica's committed blocks (the oracle of each own run's bytes)."""
+    out = run_world(_runs_scenario, 2, args=(None, None, "cuda"), timeout=270)
+    for (failure, baseline, after), _ in out:
+        assert failure is None
+        for key in ("memfds", "memfd_maps", "reservations"):  # none on CUDA, before or after
+            assert after[key] == baseline[key], (key, baseline, after)
 
 
 # --------------------------------------------------------------------------------------------
