@@ -18,13 +18,17 @@ Contract:
   synchronizes; ``resize`` refuses on every rank while the calling thread captures a CUDA
   stream. Kernels read ``table`` on every launch, so what was captured before a resize is
   bounded by the new size without new arguments.
-- A failed grow rolls every rank back to the old size (peers' new chunks unmapped first, then
-  the own ones decommitted) and leaves the group usable. A failed shrink leaves the bound
+- A failed grow (an out-of-memory at any run, a failed mapping of any peer's run) rolls every
+  rank back to the old size (peers' new runs unmapped first, then the own ones decommitted),
+  every rank raising the same error, and leaves the group usable. A failed shrink leaves the bound
   lowered and ``broken`` set (as does a rollback that itself failed): every later resize is
   refused on every rank.
-- fd budget (``vmmkv.ipc.fdbudget``): a step that commits or exchanges chunks first checks that
-  its exchange rounds and the fds its chunks keep (host backend: one memfd each) fit under the
-  hard open-file limit (``check_fds``), raising ``FdBudgetError`` before any driver call.
+- fd budget (``vmmkv.ipc.fdbudget``): a step that commits or exchanges runs (one handle each,
+  whatever its size) first checks that its exchange rounds and the fds its runs keep (host
+  backend: one memfd each) fit under the hard open-file limit (``check_fds``), raising
+  ``FdBudgetError`` before any driver call; ``set_block_layout`` checks a full grow of every
+  block so.
+- The layouts (``vmmkv.ipc.layouts``) say which chunks and runs a size needs.
 """
 
 from __future__ import annotations
