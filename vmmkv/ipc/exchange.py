@@ -44,13 +44,14 @@ def exchange_and_map(
     signal_peers: dict[int, PeerRegion] | None,
     local_error: Exception | None = None,
 ) -> None:
-    """Send our ``chunks`` (and the signal chunk) to every peer and map theirs, over
+    """Send our runs ``chunks`` (one handle each, whatever its size; and the signal chunk) to
+    every peer and map theirs at the same offsets, over
     ``transport`` (fds over sockets or values over the store: the same protocol).
 
-    Rounds, so that the fds held at once stay bounded whatever the chunk count
-    (``vmmkv.ipc.fdbudget``): round 0 carries each rank's description (its chunks, signal chunk
+    Rounds, so that the fds held at once stay bounded whatever the run count
+    (``vmmkv.ipc.fdbudget``): round 0 carries each rank's description (its runs, signal chunk
     and largest round it can afford, or an abort notice) and no handles; every rank then knows
-    the same round size (the smallest offered) and round count (enough for the largest chunk
+    the same round size (the smallest offered) and round count (enough for the largest run
     list). Each later round exports the next slice of the own handles, sends it to every peer,
     closes the own exports, maps the slice each peer sent and closes those fds before the next
     round. Every rank runs every round: a rank that fails on the way (an export or a mapping)
@@ -156,7 +157,7 @@ def _map_round(
     start: int,
     size: int,
 ) -> None:
-    """Map the handles each peer sent in one round: its chunks ``[start, start + size)``."""
+    """Map the handles each peer sent in one round: its runs ``[start, start + size)``."""
     region = transport.region
     for peer, (_, handles) in sorted(got.items()):
         want = todo[peer][start : start + size]
@@ -170,7 +171,7 @@ def _map_round(
                 transport.map(target, handle, chunk)
             except (drv.CudaError, OSError, ValueError) as exc:
                 raise RendezvousError(
-                    f"rank {comm.rank} ({region.device}): mapping a chunk of rank {peer} "
+                    f"rank {comm.rank} ({region.device}): mapping a run of rank {peer} "
                     f"({chunk}, {region.handle_type}) failed: {exc}"
                 ) from exc
 

@@ -1,4 +1,4 @@
-"""How one exchange of the rendezvous or a resize (``vmmkv.ipc.peers``) moves chunks between
+"""How one exchange of the rendezvous or a resize (``vmmkv.ipc.exchange``) moves runs between
 ranks: POSIX fds over abstract Unix sockets (``_FdTransport``, ``vmmkv.ipc.fdpass``: one host),
 or values through the group's store (``_ValueTransport``, ``BY_VALUE_HANDLES``: CUDA fabric
 handles, the host simulation's shm names). The protocol around both (descriptions, abort
@@ -35,16 +35,16 @@ __all__ = ["BY_VALUE_HANDLES"]
 # the rendezvous and its parts log under one name, the module they were split from
 log = logging.getLogger("vmmkv.ipc.peers")
 
-# Handle types whose chunks travel as values through the group's store (no socket, no fd).
+# Handle types whose runs travel as values through the group's store (no socket, no fd).
 BY_VALUE_HANDLES = ("fabric", "shm_name")
 _ONE_ROUND = 1 << 30
 _MIN_EXCHANGE_S = 0.05  # a rank that reaches its exchange at the deadline still tries once
 
 
 class _Transport:
-    """How one exchange moves chunks between ranks; the protocol around it
+    """How one exchange moves runs (one handle each) between ranks; the protocol around it
     (``exchange.exchange_and_map``: descriptions, abort notices, validation, mapping, agreement and
-    rollback) is the same for both. ``export``: a committed chunk's handle to send (the
+    rollback) is the same for both. ``export``: a committed run's handle to send (the
     caller ``discard``-s those it does not send); ``exchange``: send ``body`` and the handles
     to every peer, get theirs (``{peer: (body, handles)}``), raising ``FdExchangeError`` or
     :class:`ExchangeLost` (with ``peers_lost``) when peers vanished; ``map`` a received handle;
