@@ -48,11 +48,20 @@ SMALL = ["--layers", "2", "--capacity", "64", "--budget", "40", "--warmup", "8"]
 
 
 def gpu_memory_gib() -> float:
-    import torch
+    """GPU 0's memory through NVML (no CUDA context in this process, which outlives the
+    benchmarks), 0 without a GPU."""
+    try:
+        import pynvml
 
-    if not torch.cuda.is_available():
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total / (
+                1 << 30
+            )
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
         return 0.0
-    return torch.cuda.get_device_properties(0).total_memory / (1 << 30)
 
 
 def gib_for(world: int, memory_gib: float) -> int:
