@@ -250,9 +250,12 @@ def make_buffer(
     cfg = get_current_vllm_config_or_none()
     if cfg is not None:
         check_vllm_config(cfg)
+    elastic = _elastic_chunk(cfg, layout)
     gran = make_backend(device, "auto").granularity
-    env = _chunk_bytes_from_env(gran, round_up(max_num_bytes, gran))
-    chunk, runs = _chunk_and_runs(gran, max_num_bytes, _elastic_chunk(cfg, layout), env)
+    cap = round_up(max_num_bytes, gran)
+    # elastic mode reads VMMKV_CHUNK_MIB as its own chunk, a small cache being one chunk
+    env = _chunk_bytes_from_env(1, 1 << 62) if elastic else _chunk_bytes_from_env(gran, cap)
+    chunk, runs = _chunk_and_runs(gran, max_num_bytes, elastic, env and min(env, cap))
     if export_handle_types:
         raise UnsupportedKVCache(
             f"vLLM asks the KV cache to be exportable to other processes (handle types "
