@@ -148,7 +148,10 @@ class PeerKVBuffer:
         connector, which the plugin refuses today."""
         self._check_open("segments_backed_by_one_chunk")
         if len(sizes) != len(self._offsets):
-            raise ValueError(f"expected {len(self._offsets)} segment sizes, got {len(sizes)}")
+            raise ValueError(
+                f"rank {self.cache.rank}: segments_backed_by_one_chunk: expected "
+                f"{len(self._offsets)} segment sizes, got {len(sizes)}"
+            )
         region = self.cache.cache.region.region
         base = self.cache.buffer.data_ptr() - region.base_ptr
         runs = region.chunks()
