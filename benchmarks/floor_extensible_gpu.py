@@ -94,7 +94,10 @@ def _receive_all(listener: socket.socket, count: int, got: dict[int, list[int]])
         try:
             head = b""
             while len(head) < 8:
-                head += conn.recv(8 - len(head))
+                more = conn.recv(8 - len(head))
+                if not more:
+                    raise RuntimeError("a peer closed before its header")
+                head += more
             peer, n = int.from_bytes(head[:4], "little"), int.from_bytes(head[4:], "little")
             fds: list[int] = []
             while len(fds) < n:
