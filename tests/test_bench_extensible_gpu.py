@@ -162,3 +162,47 @@ def test_the_comparison_runs_this_tree_and_a_baseline_tree_each_on_its_own_code(
         assert row["read_ok"] and row["extend_ms"] > 0 and row["main_extend_ms"] > 0, row
         assert row["allocs"] >= 1 and row["floor_wake_ms"] is None, row  # no floor on the host
     assert "extend/main_BL" in printed and "runs-pcp2: rc=0" in printed.splitlines()[-1], printed
+
+
+def _floor_pass(rank, world, count):
+    """The floor's fd passing alone (no CUDA): ``count`` memfds of ``rank + 1`` pages each to
+    every peer, in messages of 250; what each peer's fds hold, and the fds left open after."""
+    import socket
+    import threading
+
+    import floor_extensible_gpu as fl
+    import torch.distributed as dist
+
+    nonce = "t" + str(os.getppid())
+    before = len(os.listdir("/proc/self/fd"))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(fl._socket_name(nonce, rank))
+    listener.listen(world)
+    fds = []
+    for _ in range(count):
+        fd = os.memfd_create("floor-test")
+        os.ftruncate(fd, (rank + 1) * 4096)
+        fds.append(fd)
+    dist.barrier()
+    got = {}
+    receiver = threading.Thread(target=fl._receive_all, args=(listener, world - 1, got))
+    receiver.start()
+    for p in range(world):
+        if p != rank:
+            fl._send_all(fl._socket_name(nonce, p), rank, fds)
+    receiver.join()
+    sizes = {p: (len(v), sorted({os.fstat(fd).st_size for fd in v})) for p, v in got.items()}
+    for fd in fds + [fd for v in got.values() for fd in v]:
+        os.close(fd)
+    listener.close()
+    return sizes, len(os.listdir("/proc/self/fd")) - before
+
+
+@pytest.mark.timeout(120)
+def test_the_floor_passes_every_fd_to_every_peer_in_messages_of_250():
+    from vmmkv.testing.spawn import run_world
+
+    out = run_world(_floor_pass, 3, args=(300,), timeout=100)
+    for rank, (sizes, leaked) in enumerate(out):
+        want = {p: (300, [(p + 1) * 4096]) for p in range(3) if p != rank}
+        assert sizes == want and leaked == 0, (rank, sizes, leaked)
