@@ -26,7 +26,10 @@ a +256 grow <= 30 ms.
 
 Ranks share the GPU(s) (rank r on GPU r % count) or run on the host backend (``--backend
 host``); each group size is one spawn running every configuration in turn. ``--configs``:
-``LAYOUT:SIZE`` pairs, SIZE in MiB or with a ``K`` suffix in KiB (``BL:64K``). Prints a table and
+``LAYOUT:SIZE`` pairs, SIZE in MiB or with a ``K`` suffix in KiB (``BL:64K``): the region's
+chunk, each chunk an allocation of its own; with ``--runs``, SIZE is the run grid instead
+(elastic mode's geometry in the plugin: chunks of the allocation granularity, runs cut at
+SIZE), and ``*_chunks`` count the allocations a step created or released either way. Prints a table and
 writes JSON (``--out``) with the machine, date, commit and command line.
 """
 
@@ -213,23 +216,28 @@ def plan(floor: int, step: int, max_blocks: int, reps: int) -> list[tuple[str, A
 
 def run_config(dev: Any, cfg: dict[str, Any], layout: str, chunk: int) -> dict[str, Any]:
     """One configuration on this rank (collective): every step's ms, committed blocks and bytes,
-    and chunks committed or released on this rank."""
+    and allocations (chunks, or runs with ``cfg["runs"]``) created or released on this rank."""
     import torch
     import torch.distributed as dist
 
     from vmmkv import ReplicatedKVCache
-    from vmmkv._util import ceil_div, round_up
+    from vmmkv._util import round_up
     from vmmkv.alloc.region import make_backend
     from vmmkv.integrations.vllm._elastic_worker import ElasticWorker
 
     segs, size = geometry(layout, cfg["layers"], cfg["max_blocks"])
-    cap = round_up(size, make_backend(dev, cfg["backend"]).granularity)
+    gran = make_backend(dev, cfg["backend"]).granularity
+    cap = round_up(size, gran)
+    pieces = dict(chunk_bytes=min(chunk, cap))
+    if cfg.get("runs"):  # granule chunks in runs cut at `chunk` (the plugin's elastic mode)
+        pieces = dict(chunk_bytes=gran, run_bytes=round_up(chunk, gran))
     cache = ReplicatedKVCache(
         dist.group.WORLD, cap, dev, initial_bytes=0, lanes=1, timeout=cfg["timeout"],
-        chunk_bytes=min(chunk, cap), backend=cfg["backend"],
+        backend=cfg["backend"], **pieces,
     )  # fmt: skip
     out: dict[str, Any] = {"rank": cache.rank, "capacity": cap, "chunk_bytes": cache.chunk_bytes,
-                           "path": cache.path, "steps": []}  # fmt: skip
+                           "run_bytes": cache.region.run_bytes, "path": cache.path,
+                           "steps": []}  # fmt: skip
     try:
         buffer = cache.allocate(size, reserve=True).view(torch.uint8)
         base = buffer.data_ptr() - cache.region.base_ptr
@@ -241,7 +249,7 @@ def run_config(dev: Any, cfg: dict[str, Any], layout: str, chunk: int) -> dict[s
         for seq, (name, target) in enumerate(
             plan(cfg["floor"], cfg["step"], cfg["max_blocks"], cfg["reps"]), start=1
         ):
-            before, old = cache.committed_bytes, adapter.committed_block_set
+            before, old = set(cache.region.region.chunks()), adapter.committed_block_set
             dirty(adapter)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
@@ -263,7 +271,7 @@ def run_config(dev: Any, cfg: dict[str, Any], layout: str, chunk: int) -> dict[s
             out["steps"].append({
                 "step": name, "target": target, "ms": ms, "blocks": blocks, "held": held,
                 "committed_bytes": committed,
-                "chunks": ceil_div(abs(committed - before), cache.chunk_bytes),
+                "chunks": len(before ^ set(cache.region.region.chunks())),
                 "ratio": committed / (count * block_bytes) if count else None, "error": error,
                 "zero": zero,
             })  # fmt: skip
@@ -312,6 +320,8 @@ def summarize(world: int, layout: str, chunk: int, ranks: list[dict[str, Any]],
     if len(done) < len(ranks) or not done:
         return row
     row["chunk_MiB"] = ranks[0]["chunk_bytes"] / MiB
+    if cfg.get("runs"):
+        row["run_MiB"] = ranks[0]["run_bytes"] / MiB
     row["path"] = ranks[0]["path"]
     n = min(len(s) for s in done)
     want = plan(cfg["floor"], cfg["step"], cfg["max_blocks"], cfg["reps"])
@@ -349,6 +359,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10, help="watermark grow + release pairs")
     ap.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"))
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per collective")
+    ap.add_argument("--runs", action="store_true",
+                    help="SIZE is the run grid over granule chunks (elastic mode in the plugin)")  # fmt: skip
     a = ap.parse_args()
     if not (0 < a.floor and 0 < a.step and a.floor + a.step <= a.max_blocks and a.reps > 0):
         ap.error("want 0 < --floor, 0 < --step, --floor + --step <= --max-blocks, --reps > 0")
@@ -359,6 +371,8 @@ def main() -> None:
     backend = resolve_backend(a.backend)
     cfg = dict(configs=configs, layers=a.layers, max_blocks=a.max_blocks, floor=a.floor,
                step=a.step, reps=a.reps, backend=backend, timeout=a.timeout)  # fmt: skip
+    if a.runs:
+        cfg["runs"] = True
     rows = []
     for world in (int(w) for w in a.ranks.split(",")):
         t0 = time.perf_counter()
@@ -369,7 +383,7 @@ def main() -> None:
             print({k: v for k, v in row.items() if k != "ranks"}, file=sys.stderr, flush=True)
             rows.append(row)
         print(f"pcp {world}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    cols = ["pcp", "layout", "chunk_MiB", "segments", "path", "floor_ms", "floor_chunks",
+    cols = ["pcp", "layout", "chunk_MiB", "run_MiB", "segments", "path", "floor_ms", "floor_chunks",
             "floor_ratio", "grow_ms", "grow_max_ms", "grow_chunks", "grow_ratio", "release_ms",
             "release_chunks", "hole_ms", "hole_chunks", "recommit_ms", "recommit_chunks", "full_ms", "full_chunks", "zero_ms", "zero_chunks", "blocks_ok", "zero_ok",
             "criterion", "error"]  # fmt: skip

@@ -7,8 +7,10 @@ size: 61 layers, MLA 41,984 B + indexer 8,448 B per block and layer. Layouts: ``
 122 segments, the indexer regions then the MLA regions, each padded onto the 2 MiB granule as
 vLLM's ``pad_kv_cache_segments`` does) and ``BL`` (BLNHC: one segment of packed blocks). The
 buffer sits on a ``ReplicatedKVCache`` with that block layout, grown as ``VllmKVCache.grow``
-does (``bench_elastic_gpu.ElasticCache``), in chunks of ``--chunk-mib`` (default: the plugin's
-under the extensible cache, 2 MiB for LB and 64 MiB for BL).
+does (``bench_elastic_gpu.ElasticCache``), in the plugin's own geometry under the extensible
+cache (``_buffer._chunk_and_runs``: chunks of the allocation granularity, one run per
+stretch of each segment a commit adds), or with ``--chunk-mib`` in chunks of that size, each an
+allocation of its own (``VMMKV_CHUNK_MIB``'s geometry).
 
 Steps, each after a ``dist.barrier()`` and ending with the device synchronized (vLLM's commit
 rule replayed by :func:`commit`: a shrink releases everything and recommits the prefix):
@@ -26,10 +28,12 @@ rule replayed by :func:`commit`: a shrink releases everything and recommits the 
 7. ``discard`` and ``rewake``: the same as sleep and wake (``release_kv_cache_memory``, lending);
 8. ``free``.
 
-Per step and rank: ms, committed blocks, own chunks, each peer's mapped chunks equal to that
-peer's own (checked on rank 0 from every rank's report), the peak of open fds, and
-``physical_bytes`` against vLLM's estimate (``physical_bytes_for``: each segment's committed
-bytes rounded up to the granule). Ranks share the GPU(s) (rank r on GPU r % count) or run on
+Per step and rank: ms, committed blocks, own allocations (``chunks``: runs, or chunks with
+``--chunk-mib``), the handles this rank exported (``handles``: one per new allocation), each
+peer's mapped allocations equal to that peer's own (checked on rank 0 from every rank's
+report), the peak of open fds, and ``physical_bytes`` against vLLM's estimate
+(``physical_bytes_for``: each segment's committed bytes rounded up to the buffer's
+``granularity``). Ranks share the GPU(s) (rank r on GPU r % count) or run on
 the host backend. Prints a table and writes JSON (``--out``) with machine, date and commit.
 """
 
@@ -57,8 +61,6 @@ from common import (
 
 MiB, GRANULE = 1 << 20, 2 << 20
 LAYOUTS = ("LB", "BL")
-# the plugin's chunk under vLLM's extensible cache (``_buffer._chunk_bytes`` on CUDA)
-PLUGIN_CHUNK = {"LB": GRANULE, "BL": 64 * MiB}
 STAMP = 64  # bytes written per stamped block
 
 
@@ -119,17 +121,26 @@ def run_config(dev: Any, cfg: dict[str, Any], layout: str) -> dict[str, Any]:
     from vmmkv import ReplicatedKVCache
     from vmmkv._util import round_up
     from vmmkv.alloc.region import make_backend
-    from vmmkv.integrations.vllm._buffer import PeerKVBuffer
+    from vmmkv.integrations.vllm._buffer import PeerKVBuffer, _chunk_and_runs
+    from vmmkv.ipc import transports
 
     segs, size = padded_geometry(layout, cfg["layers"], cfg["capacity"])
-    cap = round_up(size, make_backend(dev, cfg["backend"]).granularity)
+    gran = make_backend(dev, cfg["backend"]).granularity
+    cap = round_up(size, gran)
+    chunk, runs = _chunk_and_runs(gran, size, None, min(cfg["chunk"], cap) or None)
     cache = ReplicatedKVCache(
         dist.group.WORLD, cap, dev, initial_bytes=0, lanes=1, timeout=cfg["timeout"],
-        chunk_bytes=min(cfg["chunk"] or PLUGIN_CHUNK[layout], cap), backend=cfg["backend"],
+        chunk_bytes=chunk, run_bytes=runs, backend=cfg["backend"],
     )  # fmt: skip
+    exported: list[Any] = []  # the handles this rank exports (one per new allocation)
+    real_export = transports._FdTransport.export
+    transports._FdTransport.export = lambda t, owner, c: (
+        exported.append(c) or real_export(t, owner, c)
+    )
     rank = cache.rank
     out: dict[str, Any] = {"rank": rank, "capacity": cap, "chunk_bytes": cache.chunk_bytes,
-                           "path": cache.path, "steps": []}  # fmt: skip
+                           "run_bytes": cache.region.run_bytes, "path": cache.path,
+                           "steps": []}  # fmt: skip
     peak, stop = [0], threading.Event()
 
     def sample() -> None:
@@ -200,6 +211,7 @@ def run_config(dev: Any, cfg: dict[str, Any], layout: str) -> dict[str, Any]:
         for name, call, check in steps:
             dist.barrier()
             peak[0] = len(os.listdir("/proc/self/fd"))
+            exported.clear()
             t0 = time.perf_counter()
             try:
                 call()
@@ -211,6 +223,7 @@ def run_config(dev: Any, cfg: dict[str, Any], layout: str) -> dict[str, Any]:
             sr = cache.region
             blocks = adapter.committed_blocks
             rec = {"step": name, "ms": ms, "blocks": blocks, "peak_fds": peak[0],
+                   "handles": len(exported),
                    "physical": buf.physical_bytes, "estimate": estimate(segs, blocks, buf.granularity),
                    "own": [c.offset for c in sr.region.chunks()],
                    "peers": {str(r): [c.offset for c in sr.peers.mapped_chunks(r)]
@@ -224,6 +237,7 @@ def run_config(dev: Any, cfg: dict[str, Any], layout: str) -> dict[str, Any]:
         buf.free()
     finally:
         stop.set()
+        transports._FdTransport.export = real_export
         cache.close()
         dist.barrier()  # rank 0 holds the group's store: it leaves after every rank closed
     return out
@@ -259,7 +273,7 @@ def summarize(world: int, layout: str, ranks: list[dict[str, Any]]) -> list[dict
         row = {"pcp": world, "layout": layout, "step": first["step"],
                "ms": round(max(rec["ms"] for rec in recs), 2), "blocks": first["blocks"],
                "same_blocks": len({rec["blocks"] for rec in recs}) == 1,
-               "chunks": len(first["own"]), "peers_mapped": mapped,
+               "chunks": len(first["own"]), "handles": first["handles"], "peers_mapped": mapped,
                "peak_fds": max(rec["peak_fds"] for rec in recs),
                "physical_MiB": round(first["physical"] / MiB, 1),
                "estimate_MiB": round(first["estimate"] / MiB, 1)}  # fmt: skip
@@ -267,6 +281,7 @@ def summarize(world: int, layout: str, ranks: list[dict[str, Any]]) -> list[dict
             row["read_ok"] = all(rec["stamps_ok"] and rec["rest_zero"] for rec in recs)
         rows.append(row)
     rows[0]["chunk_MiB"] = ranks[0]["chunk_bytes"] / MiB
+    rows[0]["run_MiB"] = ranks[0]["run_bytes"] / MiB
     rows[0]["path"] = ranks[0]["path"]
     return rows
 
@@ -283,7 +298,7 @@ def main() -> None:
         "--chunk-mib",
         type=float,
         default=0.0,
-        help="the region's chunk in MiB (0: the plugin's, 2 for LB, 64 for BL)",
+        help="chunks of this many MiB, one allocation each (0: the plugin's runs)",
     )
     ap.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"))
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per collective")
@@ -303,8 +318,8 @@ def main() -> None:
                                     a.timeout * 4 * len(layouts))  # fmt: skip
         for i, layout in enumerate(layouts):
             rows += summarize(world, layout, [ranks[i] for ranks in per_rank])
-    cols = ["pcp", "layout", "chunk_MiB", "path", "step", "ms", "blocks", "same_blocks",
-            "chunks", "peers_mapped", "peak_fds", "physical_MiB", "estimate_MiB", "read_ok",
+    cols = ["pcp", "layout", "chunk_MiB", "run_MiB", "path", "step", "ms", "blocks", "same_blocks",
+            "chunks", "handles", "peers_mapped", "peak_fds", "physical_MiB", "estimate_MiB", "read_ok",
             "error"]  # fmt: skip
     print(f"{backend}: {a.layers} layers, capacity {a.capacity}, warmup {a.warmup}, budget "
           f"{a.budget} blocks; ms: slowest rank; chunks, physical: rank 0's replica")  # fmt: skip

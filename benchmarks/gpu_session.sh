@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine call. Logs and JSON go to $OUT (the folder whose files come back). Usage:
-#   bash benchmarks/gpu_session.sh tests|tests-a|tests-b|bench|all|ops-tests|ops-bench|ops|bw|scale|elastic|extensible|sparse
+#   bash benchmarks/gpu_session.sh tests|tests-a|tests-b|bench|all|ops-tests|ops-bench|ops|bw|scale|elastic|extensible|extensible-compare|sparse
 # - scale: DeepSeek-V3.2 caches at full size (`bench_scale.py`): 2 x 50, 4 x 25 and 8 x 12 GiB
 #   per rank (ranks share the GPUs), LBNHC and BLNHC, at the machine's open-file limit and at
 #   4096: start, sleep, wake, byte-exact stores; the chunk-budget rule and 12,800 chunks of
@@ -11,6 +11,13 @@
 #   size (`bench_extensible_gpu.py`: 9000 blocks reserved, ~27 GiB per rank, extend to 8500, a
 #   CUDA graph captured before the extend and replayed after it and every wake), LB and BL, 2
 #   and 4 ranks sharing the GPUs; logged to $OUT/extensible.log, JSON beside it.
+# - extensible-compare: start, sleep and wake side by side (`extensible_compare.py`): this tree
+#   (runs), a baseline tree unpacked as baseline-main/ (`git archive d517260
+#   --prefix=baseline-main/ vmmkv csrc 'benchmarks/*.py' pyproject.toml | tar -x` before the call; it
+#   travels as an untracked folder) and the floor (`floor_extensible_gpu.py`, plain cuda-python),
+#   LBNHC and BLNHC, 2 ranks at ~25 GiB each and 4 at ~25 GiB (a GPU of over 100 GiB) or ~17 GiB,
+#   then elastic mode's +256 grow and release at both trees; JSON and logs in $OUT, the summary
+#   table last (about 5 minutes on an H100).
 # - sparse: what the block layout costs a DSA sparse read (`bench_sparse_read.py`): a 40 GiB
 #   DeepSeek-V3.2 cache, 128 queries x 61 layers x 2048 top-k rows (656 + 132 B), LBNHC and
 #   BLNHC over torch.empty and a VirtualRegion in 2 and 64 MiB chunks, each checked against a
@@ -40,7 +47,7 @@ OUT=${OUT:-$PWD/bench-out}
 mkdir -p "$OUT"
 what=${1:-all}
 LOG=/dev/null
-case "$what" in ops*) LOG="$OUT/ops.log" ;; bw) LOG="$OUT/bw.log" ;; scale) LOG="$OUT/scale.log" ;; elastic) LOG="$OUT/elastic.log" ;; extensible) LOG="$OUT/extensible.log" ;; sparse) LOG="$OUT/sparse.log" ;; esac
+case "$what" in ops*) LOG="$OUT/ops.log" ;; bw) LOG="$OUT/bw.log" ;; scale) LOG="$OUT/scale.log" ;; elastic) LOG="$OUT/elastic.log" ;; extensible) LOG="$OUT/extensible.log" ;; extensible-compare) LOG="$OUT/extensible-compare.log" ;; sparse) LOG="$OUT/sparse.log" ;; esac
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
 SPLIT="tests/test_kernels_gpu.py tests/test_quant_exact_gpu.py tests/test_soak.py"
 if [ "$what" = tests-b ]; then
@@ -104,6 +111,9 @@ if [ "$what" = elastic ]; then
 fi
 if [ "$what" = extensible ]; then
     python3 benchmarks/bench_extensible_gpu.py --out "$OUT/extensible-gpu.json" 2>&1 | tee -a "$LOG"
+fi
+if [ "$what" = extensible-compare ]; then
+    timeout 570 python3 benchmarks/extensible_compare.py --out "$OUT" 2>&1 | tee -a "$LOG"
 fi
 if [ "$what" = sparse ]; then
     python3 benchmarks/bench_sparse_read.py --out "$OUT/sparse-read.json" 2>&1 | tee -a "$LOG"

@@ -175,14 +175,14 @@ def test_a_single_host_group_keeps_posix_fds_even_with_the_overrides():
         assert o["rendezvous"] == [] and o["grow"] == [] and o["leaks"] == (0, 0, 0), o
 
 
-def _segments_cycle(rank, world):
+def _segments_cycle(rank, world, run_bytes=None):
     import torch.distributed as dist
 
     _place(rank, [f"h{r}" for r in range(world)], ["d0"] * world)
     fds0 = fds_not_sockets()
     g = _gran()
     out = {}
-    sr = _region(initial_bytes=0)
+    sr = _region(initial_bytes=0, run_bytes=run_bytes)
     # two segments, 1.5 pages per block, so that a chunk straddles two blocks
     segs = [(0, g + g // 2), (8 * g, g + g // 2)]
     sr.set_block_layout(segs, 4)
@@ -205,6 +205,11 @@ def _segments_cycle(rank, world):
         bool((sr.view(r, reserve=True)[lo + (hi - lo) // 2 : hi] == 0).all())
         for r in range(world)
         for lo, hi in ranges(2)
+    ]
+    sr.resize_blocks(0)  # a sleep, then a wake of every block
+    sr.resize_blocks(4)
+    out["woken_chunks"] = [
+        [(c.offset, c.size) for c in sr.peers.mapped_chunks(r)] for r in range(world)
     ]
     return _closed(out, sr, fds0)
 

@@ -1,5 +1,5 @@
 """The open-file budget of an fd exchange (``vmmkv.ipc.fdbudget``) and the exchange in rounds
-(``vmmkv.ipc.peers._exchange_and_map``), on the host backend: a DeepSeek-V3.2 cache of thousands
+(``vmmkv.ipc.exchange.exchange_and_map``), on the host backend: a DeepSeek-V3.2 cache of thousands
 of chunks starts, sleeps and wakes under a low hard limit; each round carries at most the agreed
 number of fds; a limit that cannot hold a step is refused before anything is committed, the same
 on every rank; a failure in a late round fails every rank and leaves the group usable."""
@@ -37,16 +37,16 @@ def limits(monkeypatch):
 def test_a_round_is_the_full_256_fds_when_the_hard_limit_has_room(limits):
     from vmmkv.ipc import fdbudget
 
-    assert fdbudget.exchange_round(rank=0, world=8, device="cpu", what="grow", chunks=12800) == 256
+    assert fdbudget.exchange_round(rank=0, world=8, device="cpu", what="grow", runs=12800) == 256
     limits["hard"] = resource.RLIM_INFINITY
-    assert fdbudget.exchange_round(rank=0, world=8, device="cpu", what="grow", chunks=1) == 256
+    assert fdbudget.exchange_round(rank=0, world=8, device="cpu", what="grow", runs=1) == 256
 
 
 def test_a_round_shrinks_to_what_the_hard_limit_leaves_and_kept_fds_count(limits):
     from vmmkv.ipc import fdbudget
 
     # 4096 - 100 open - 2000 kept - 16 sockets - 64 spare = 1916 free over 8 ranks: 239 each
-    got = fdbudget.exchange_round(rank=0, world=8, device="cpu", what="grow", chunks=2000,
+    got = fdbudget.exchange_round(rank=0, world=8, device="cpu", what="grow", runs=2000,
                                   kept=2000)  # fmt: skip
     assert got == (4096 - 100 - 2000 - 16 - 64) // 8 == 239
 
@@ -56,10 +56,10 @@ def test_a_limit_that_cannot_hold_the_smallest_round_is_refused_naming_everythin
 
     with pytest.raises(fdbudget.FdBudgetError) as err:
         fdbudget.exchange_round(rank=3, world=4, device="cuda:1", what="grow to 9 blocks",
-                                chunks=9013, kept=3900)  # fmt: skip
+                                runs=9013, kept=3900)  # fmt: skip
     msg = str(err.value)
     need = 100 + 3900 + 8 + 64 + 4 * fdbudget.MIN_ROUND
-    for part in ("rank 3", "cuda:1", "grow to 9 blocks", "9013 chunks", "4 ranks",
+    for part in ("rank 3", "cuda:1", "grow to 9 blocks", "9013 runs", "4 ranks",
                  f"need {need}", "hard RLIMIT_NOFILE of 4096", "ulimit -Hn", "chunk_bytes"):  # fmt: skip
         assert part in msg, (part, msg)
 
@@ -173,7 +173,7 @@ def test_a_hard_limit_that_cannot_hold_a_full_grow_is_refused_at_setup_on_every_
     for kind, msg in out:
         assert kind in ("RendezvousError", "RendezvousValueError"), (kind, msg)
         assert "FdBudgetError" in msg or "hard RLIMIT_NOFILE of 2048" in msg, msg
-        assert "3000 chunks" in msg and "ulimit -Hn" in msg, msg
+        assert "3000 runs" in msg and "ulimit -Hn" in msg, msg
 
 
 def _refused_at_grow(rank, world):
@@ -199,7 +199,7 @@ def _refused_at_grow(rank, world):
 def test_a_grow_past_the_hard_limit_is_refused_before_committing_and_the_next_one_works():
     out = run_world(_refused_at_grow, 2, timeout=60)
     for err, (committed, mapped), grown, _ in out:
-        assert "keeping 300 more open files" in err or "300 chunks" in err, err
+        assert "keeping 300 more open files" in err or "300 runs" in err, err
         assert "rank 0" in err or "rank 1" in err
         assert committed == 8 * 4 * KiB and mapped == [8 * 4 * KiB] * 2
         assert grown == 100 * 4 * KiB

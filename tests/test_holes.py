@@ -363,7 +363,7 @@ def _refused_recommit(rank, world):
 def test_a_recommit_past_the_hard_limit_is_refused_before_any_chunk_is_created():
     out = run_world(_refused_recommit, 2, timeout=60)
     for err, (held, created, committed, mapped), grown in out:
-        assert "992 chunks" in err or "keeping 992 more open files" in err, err
+        assert "992 runs" in err or "keeping 992 more open files" in err, err
         assert "rank 0" in err or "rank 1" in err
         assert held == ((0, 8), (1000, 1008)) and created == 0
         assert committed == 16 * 4096 and mapped == [16 * 4096] * 2

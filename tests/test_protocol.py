@@ -595,7 +595,7 @@ def test_a_request_naming_the_same_process_twice_is_rejected():
     from vmmkv.ipc.peers import _validate_requests
 
     base = {
-        "protocol": 2, "backend": "host", "capacity_bytes": 1, "chunk_bytes": 1,
+        "protocol": 2, "backend": "host", "capacity_bytes": 1, "chunk_bytes": 1, "run_bytes": 1,
         "granularity": 1, "handle_type": "posix_fd", "chunks": [], "signal_bytes": 1,
         "must_match": {}, "pid": 42, "boot_id": "b", "pidns": "1",
     }  # fmt: skip

@@ -52,6 +52,7 @@ def assemble(
     device_group: Any,
     initial_bytes: int | None,
     chunk_bytes: int | None,
+    run_bytes: int | None,
     lanes: int,
     direct: bool | None,
     timeout: float,
@@ -68,8 +69,8 @@ def assemble(
     try:
         sr = SymmetricRegion(
             capacity_bytes, device, cpu_group, initial_bytes=initial_bytes or 0,
-            chunk_bytes=chunk_bytes, backend=backend, timeout=timeout, must_match=match,
-            peers="auto" if mode in ("auto", "1") else "off",
+            chunk_bytes=chunk_bytes, run_bytes=run_bytes, backend=backend, timeout=timeout,
+            must_match=match, peers="auto" if mode in ("auto", "1") else "off",
         )  # fmt: skip
     except ConfigMismatch as exc:
         if error is not None:

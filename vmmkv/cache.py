@@ -59,7 +59,9 @@ Growth: by a byte prefix (default) or by blocks (a block layout, for layer-major
   (exact), read on every launch: growth after graph capture needs no recapture.
 - ``grow``/``shrink`` raise on a cache with a block layout, ``grow_blocks``/``shrink_blocks`` on
   one without (on every rank). ``committed_blocks`` is None without a block layout.
-  ``committed_bytes`` is always the committed memory (the sum of committed chunks).
+  ``committed_bytes`` is always the committed memory (the sum of the runs).
+- ``run_bytes``: the run grid (``vmmkv.alloc.region``): a grow maps one physical allocation per
+  stretch of new chunks of each segment, cut at its multiples (default ``chunk_bytes``).
 
 Store API (one for both paths)::
 
@@ -136,6 +138,7 @@ class ReplicatedKVCache:
         device_group: Any = None,
         initial_bytes: int | None = None,
         chunk_bytes: int | None = None,
+        run_bytes: int | None = None,
         lanes: int = 1,
         direct: bool | None = None,
         timeout: float = 60.0,
@@ -146,8 +149,9 @@ class ReplicatedKVCache:
         self._closed = False
         parts = assemble(
             cpu_group, capacity_bytes, device, device_group=device_group,
-            initial_bytes=initial_bytes, chunk_bytes=chunk_bytes, lanes=lanes, direct=direct,
-            timeout=timeout, barrier_timeout=barrier_timeout, backend=backend, log=log,
+            initial_bytes=initial_bytes, chunk_bytes=chunk_bytes, run_bytes=run_bytes, lanes=lanes,
+            direct=direct, timeout=timeout, barrier_timeout=barrier_timeout, backend=backend,
+            log=log,
         )  # fmt: skip
         self._sr, self._stores, self._views = parts.region, parts.stores, parts.views
         self._out_of_range = parts.out_of_range

@@ -1,13 +1,15 @@
 """vmmkv.alloc: the driver layer and the region (knows nothing of process groups or kernels).
 
 - ``VirtualRegion``: stable VA reservation of full capacity, committed chunks that grow and
-  shrink (a prefix, or ranges), exportable chunks, DLPack views. CUDA backend (VMM) or host
+  shrink (a prefix, or ranges), backed by runs (one exportable physical allocation per stretch
+  of chunks a commit adds), DLPack views. CUDA backend (VMM) or host
   backend (memfd + mmap), chosen by ``backend="auto"``; nothing above this package branches on
   the backend.
-- ``PeerRegion``: a reservation into which a peer's exported chunks are mapped.
+- ``PeerRegion``: a reservation into which a peer's exported runs are mapped.
+- ``geometry``: the chunk grid and the runs a commit creates, as pure functions.
 - ``Backend``: the interface both backends implement (``backend.py``).
 - ``CudaError``: every failed driver call, naming the call, the CUresult and the context.
-- ``UnmapError``: an unmap that failed part-way, naming the chunks still mapped.
+- ``UnmapError``: an unmap that failed part-way, naming the runs still mapped.
 
 Views keep the address range reserved: touching them after ``close()`` faults; CUDA graphs that
 captured the addresses must not be replayed after ``close()``.
@@ -25,10 +27,10 @@ _LAZY = {
     "CudaError": "driver",
     "cuda_usable": "driver",
     "primary_context": "driver",
-    "Chunk": "region",
-    "PeerRegion": "region",
-    "RegionClosedError": "region",
-    "UnmapError": "region",
+    "Chunk": "geometry",
+    "PeerRegion": "mapped",
+    "RegionClosedError": "mapped",
+    "UnmapError": "mapped",
     "VirtualRegion": "region",
     "make_backend": "region",
 }

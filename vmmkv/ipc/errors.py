@@ -3,7 +3,7 @@
 
 Each is the agreed outcome of a collective step, raised on every rank of the group, except
 :class:`ExchangeLost` and :class:`PeerAborted`: a transport raises those on one rank during an
-exchange, and ``peers.exchange_then_agree`` turns them into the agreed outcome.
+exchange, and ``exchange.exchange_then_agree`` turns them into the agreed outcome.
 ``as_rendezvous_error`` gives a ``GroupError`` of ``vmmkv.ipc.comm`` its rendezvous flavour.
 No state, nothing to close.
 """

@@ -4,8 +4,8 @@ Protocol (collective over a CPU-capable group; every step bounded by ``timeout``
 one outcome on every rank, see ``vmmkv.ipc.comm``):
 
 1. gather a request (host, boot id, NVLink domain, PID/network namespaces, uid, pid, device
-   index + UUID, capacity, chunk size, granularity, backend, handle type, committed chunks,
-   protocol version, the caller's ``must_match`` settings, a random nonce) and validate it
+   index + UUID, capacity, chunk size, run grid, granularity, backend, handle type, committed
+   runs, protocol version, the caller's ``must_match`` settings, a random nonce) and validate it
    identically on every rank: a mismatch raises the same :class:`ConfigMismatch` everywhere,
    naming field and ranks;
 2. decide whether peer mapping is possible at all (``vmmkv.ipc.placement``): one NVLink
@@ -14,25 +14,27 @@ one outcome on every rank, see ``vmmkv.ipc.comm``):
    one network namespace, one uid (the fd transport checks credentials); P2P access and native
    atomics for every pair of distinct devices (ranks that share a device need neither); if
    not, :class:`DirectUnsupported` on every rank, listing every reason;
-3. export every committed chunk plus the barrier's signal chunk and send them over the
-   exchange's transport (``vmmkv.ipc.transports``): fds (``posix_fd``) with SCM_RIGHTS
+3. export every committed run (one handle per run, with its offset and size, whatever its
+   size) plus the barrier's signal chunk and send them over the exchange's transport
+   (``vmmkv.ipc.transports``): fds (``posix_fd``) with SCM_RIGHTS
    (``vmmkv.ipc.fdpass``) over abstract sockets named with rank 0's nonce, or values
    (``BY_VALUE_HANDLES``: ``fabric``, ``shm_name``) in one step of the group's store; a rank
    whose local preparation failed still takes part and sends an abort notice instead of
    handles, so its peers learn the cause at once;
-4. import and map each peer chunk at its offset inside a ``PeerRegion`` (a reservation of the
+4. import and map each peer run at its offset inside a ``PeerRegion`` (a reservation of the
    peer's full capacity, so growth never moves anything), then close the fd; the committed
-   chunks are any chunk set (a prefix, or the chunks of a block layout's segments), and a peer
-   maps exactly the chunks its owner committed;
+   runs cover any chunk set (a prefix, or the chunks of a block layout's segments), and a peer
+   maps exactly the runs its owner committed;
 5. build ``ptr_table`` (device int64 ``[world]``, own base in own slot), which never changes;
 6. agree on success (the last step): any failure anywhere, or a peer that vanished during the
    exchange, makes every rank roll back what this call created and raise; then every rank
    removes what the exchange's by-value exports left (``release_values``), whatever happened.
 
 Resize helpers (ipc-internal, used by ``vmmkv.ipc.resize`` between its collective points):
-``PeerMap.exchange_new(chunks, ...)`` passes and maps a grow's new chunks (any chunk set);
-``unmap_peers_from(offset)`` (prefix) and ``unmap_peers_outside(ranges)`` (chunk set: keep the
-chunks overlapping ``ranges``) drop peers' chunks, trying every peer and raising the first error.
+``PeerMap.exchange_new(runs, ...)`` passes and maps a grow's new runs (any set of runs);
+``unmap_peers_from(offset)`` (prefix) and ``unmap_peers_outside(ranges)`` (a set: keep the runs
+overlapping ``ranges``) drop peers' runs whole, by the rule the owner decommits with, trying
+every peer and raising the first error. The exchange itself is ``vmmkv.ipc.exchange``.
 
 Ownership: ``PeerMap`` owns the peer mappings and the signal region, never the caller's region.
 ``PeerMap.close()`` is local and idempotent and unmaps peers' memory before releasing anything
@@ -44,7 +46,6 @@ The errors (``vmmkv.ipc.errors``), the placement and handle-type names and
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -58,17 +59,15 @@ import torch
 from .._util import pid_liveness, run_all
 from ..alloc import Chunk, PeerRegion, VirtualRegion
 from ..alloc import driver as drv
-from . import fdpass
 from .comm import GroupError, StoreComm
 from .errors import (
     ConfigMismatch,
     DirectUnsupported,
-    ExchangeLost,
-    PeerAborted,
     RendezvousError,
     RendezvousTimeout,
     as_rendezvous_error,
 )
+from .exchange import exchange_and_map, exchange_then_agree
 from .placement import (
     TEST_DOMAIN_ENV,
     TEST_HOST_ENV,
@@ -100,7 +99,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: runs of any size, one handle each; run_bytes in the request
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,6 +111,7 @@ _MUST_MATCH = (
     "backend",
     "capacity_bytes",
     "chunk_bytes",
+    "run_bytes",
     "granularity",
     "handle_type",
     "chunks",
@@ -224,14 +224,14 @@ class PeerMap:
         return self._signal_peers[rank].tensor(dtype)
 
     def mapped_bytes(self, rank: int) -> int:
-        """Bytes of rank ``rank``'s region mapped here (own: committed), as a sum of chunks."""
+        """Bytes of rank ``rank``'s region mapped here (own: committed), as a sum of runs."""
         self._check_rank("mapped_bytes", rank)
         if rank == self.rank:
             return self._region.committed_bytes
         return self._peers[rank].mapped_bytes
 
     def mapped_chunks(self, rank: int) -> list[Chunk]:
-        """The chunks of rank ``rank``'s region mapped here (own: committed), address order."""
+        """The runs of rank ``rank``'s region mapped here (own: committed), address order."""
         self._check_rank("mapped_chunks", rank)
         if rank == self.rank:
             return self._region.chunks()
@@ -241,17 +241,17 @@ class PeerMap:
     def exchange_new(
         self, chunks: list[Chunk], nonce: str, local_error: Exception | None, deadline: float
     ) -> None:
-        """Between two collective points: pass the own new ``chunks`` (any chunk set, e.g. the
-        chunks a block grow added to every segment) to every peer and map theirs, or, with
+        """Between two collective points: pass the own new runs ``chunks`` (e.g. the runs a
+        block grow added to every segment) to every peer and map theirs, or, with
         ``local_error``, tell every peer this rank cannot take part (see
-        ``_exchange_and_map``). ``nonce``: fresh per exchange, the same on every rank;
+        ``exchange.exchange_and_map``). ``nonce``: fresh per exchange, the same on every rank;
         ``deadline``: the step's (``exchange_then_agree``), which the exchange ends before. The
         caller runs ``finish_exchange(nonce)`` after the agreement that follows, whatever
         happened. A closed PeerMap still takes part, as a rank that cannot (its error goes in
         ``local_error``), so the peers' steps stay in order."""
         if self._closed and local_error is None:
             local_error = RuntimeError(f"rank {self.rank}: PeerMap is closed")
-        _exchange_and_map(
+        exchange_and_map(
             self._comm, chunks, self._peers, self._transport(nonce, deadline),
             signal=None, signal_peers=None, local_error=local_error,
         )  # fmt: skip
@@ -263,7 +263,7 @@ class PeerMap:
 
     @property
     def by_value(self) -> bool:
-        """True when chunks travel as values through the store (``BY_VALUE_HANDLES``)."""
+        """True when runs travel as values through the store (``BY_VALUE_HANDLES``)."""
         return self._by_value
 
     def _transport(self, nonce: str, deadline: float | None) -> _Transport:
@@ -274,12 +274,12 @@ class PeerMap:
         )  # fmt: skip
 
     def unmap_peers_from(self, offset: int) -> None:
-        """Unmap every peer's chunks at or above ``offset`` (prefix: rollback of a grow,
+        """Unmap every peer's runs that start at or above ``offset`` (prefix: rollback of a grow,
         shrink). Every peer is tried; the first error is raised (``UnmapError``)."""
         run_all([(lambda p=p: p.unmap_from(offset)) for p in self._peers.values()])
 
     def unmap_peers_outside(self, ranges: list[tuple[int, int]]) -> None:
-        """Unmap every peer's chunks that overlap none of ``ranges`` (chunk set: rollback of a
+        """Unmap every peer's runs that overlap none of ``ranges`` (a set: rollback of a
         block grow, block shrink). Every peer is tried; the first error is raised."""
         run_all([(lambda p=p: p.unmap_outside(ranges)) for p in self._peers.values()])
 
@@ -303,191 +303,6 @@ class PeerMap:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _exchange_and_map(
-    comm: StoreComm,
-    chunks: list[Chunk],
-    peers: dict[int, PeerRegion],
-    transport: _Transport,
-    *,
-    signal: VirtualRegion | None,
-    signal_peers: dict[int, PeerRegion] | None,
-    local_error: Exception | None = None,
-) -> None:
-    """Send our ``chunks`` (and the signal chunk) to every peer and map theirs, over
-    ``transport`` (fds over sockets or values over the store: the same protocol).
-
-    Rounds, so that the fds held at once stay bounded whatever the chunk count
-    (``vmmkv.ipc.fdbudget``): round 0 carries each rank's description (its chunks, signal chunk
-    and largest round it can afford, or an abort notice) and no handles; every rank then knows
-    the same round size (the smallest offered) and round count (enough for the largest chunk
-    list). Each later round exports the next slice of the own handles, sends it to every peer,
-    closes the own exports, maps the slice each peer sent and closes those fds before the next
-    round. Every rank runs every round: a rank that fails on the way (an export or a mapping)
-    sends abort notices and no handles in the rounds left, and so does a rank that received
-    one, so the ranks stay in step and all of them raise (the failing one its cause, the others
-    :class:`PeerAborted`, which the agreement resolves into that cause).
-
-    Local work only, between two collective points of the caller; the caller always goes on to
-    the agreement that follows (and then ``transport.finish()``). A rank that cannot take part
-    (``local_error``) sends its abort notice in round 0, so its peers stop at once. Transport
-    failures (a peer vanished) raise ``FdExchangeError`` / :class:`ExchangeLost`. On error,
-    whatever this call mapped stays recorded in the PeerRegions (the caller rolls back with
-    ``unmap_from`` or ``unmap_outside``)."""
-    others = [r for r in range(comm.world_size) if r != comm.rank]
-    if not others:
-        if local_error is not None:
-            raise RendezvousError(f"rank {comm.rank}: {local_error}") from local_error
-        return
-    region = transport.region
-    items: list[tuple[VirtualRegion, Chunk]] = [(region, c) for c in chunks]
-    desc: dict[str, Any] = {"chunks": [[c.offset, c.size] for c in chunks]}
-    if signal is not None and local_error is None:
-        sig = signal.chunks()[0]
-        items.append((signal, sig))
-        desc["signal"] = [sig.offset, sig.size]
-    if local_error is None:
-        try:
-            desc["round"] = transport.round_size(len(items))
-        except Exception as exc:
-            local_error = exc
-    failure: Exception | None = local_error  # this rank's own cause, if any
-    if failure is not None:
-        desc = {"abort": repr(failure)}
-    received = transport.exchange(json.dumps(desc).encode(), [], others, 0, round_no=0)
-    transport.release(received)
-    descs = {peer: json.loads(body.decode()) for peer, (body, _) in received.items()}
-    aborted = {peer: d["abort"] for peer, d in descs.items() if "abort" in d}
-    todo: dict[int, list[tuple[PeerRegion, Chunk]]] = {}
-    rounds, size = 0, 0
-    if failure is None and not aborted:
-        size = min([desc["round"]] + [d["round"] for d in descs.values()])
-        longest = max([len(items)] + [_handle_count(d) for d in descs.values()])
-        rounds = -(-longest // size)
-        for peer in others:
-            d = descs[peer]
-            todo[peer] = [(peers[peer], Chunk(off, sz)) for off, sz in d["chunks"]]
-            if signal_peers is not None and "signal" in d:
-                todo[peer].append((signal_peers[peer], Chunk(*d["signal"])))
-    for k in range(rounds):
-        mine = items[k * size : (k + 1) * size] if failure is None and not aborted else []
-        handles: list[Any] = []
-        try:
-            try:
-                for owner, chunk in mine:
-                    handles.append(transport.export(owner, chunk))
-            except Exception as exc:
-                failure = exc
-                transport.discard(handles)
-                handles = []
-            body = {"abort": repr(failure)} if failure is not None else {}
-            got = transport.exchange(
-                json.dumps(body).encode(), handles, others, size, round_no=k + 1
-            )
-        finally:
-            transport.discard(handles)
-        try:
-            for peer, (pbody, _) in got.items():
-                why = json.loads(pbody.decode()).get("abort")
-                if why is not None:
-                    aborted.setdefault(peer, why)
-            if failure is None and not aborted:
-                _map_round(comm, transport, todo, got, k * size, size)
-        except Exception as exc:
-            failure = failure or exc
-        finally:
-            transport.release(got)
-    if failure is not None:
-        if failure is local_error:  # the caller's own step failed: it names it
-            raise RendezvousError(
-                f"rank {comm.rank}: did not take part in the {transport.what}: {failure!r}"
-            ) from failure
-        if isinstance(failure, RendezvousError):
-            raise failure
-        raise RendezvousError(
-            f"rank {comm.rank}: could not take part in the {transport.what}: {failure!r}"
-        ) from failure
-    if aborted:
-        raise PeerAborted(
-            f"rank {comm.rank}: peers could not take part in the {transport.what}: "
-            + "; ".join(f"rank {p}: {why}" for p, why in sorted(aborted.items()))
-        )
-
-
-def _handle_count(desc: dict[str, Any]) -> int:
-    return len(desc["chunks"]) + (1 if "signal" in desc else 0)
-
-
-def _map_round(
-    comm: StoreComm,
-    transport: _Transport,
-    todo: dict[int, list[tuple[PeerRegion, Chunk]]],
-    got: dict[int, tuple[bytes, list[Any]]],
-    start: int,
-    size: int,
-) -> None:
-    """Map the handles each peer sent in one round: its chunks ``[start, start + size)``."""
-    region = transport.region
-    for peer, (_, handles) in sorted(got.items()):
-        want = todo[peer][start : start + size]
-        if len(handles) != len(want):
-            raise RendezvousError(
-                f"rank {comm.rank}: rank {peer} sent {len(handles)} handles, expected "
-                f"{len(want)} in this round"
-            )
-        for (target, chunk), handle in zip(want, handles, strict=True):
-            try:
-                transport.map(target, handle, chunk)
-            except (drv.CudaError, OSError, ValueError) as exc:
-                raise RendezvousError(
-                    f"rank {comm.rank} ({region.device}): mapping a chunk of rank {peer} "
-                    f"({chunk}, {region.handle_type}) failed: {exc}"
-                ) from exc
-
-
-def exchange_then_agree(
-    comm: StoreComm,
-    what: str,
-    exchange: Callable[[Exception | None], None],
-    local_error: Exception | None,
-    deadline: float,
-    finish: Callable[[], None] | None = None,
-) -> None:
-    """Run ``exchange(local_error)`` then the step's agreement, then ``finish()`` (e.g.
-    removing by-value exports), on every rank whatever happened: local failures become the
-    agreed error (every rank raises naming the cause); a transport failure (a peer vanished)
-    settles the agreement at once as a timeout naming the lost ranks, so no rank waits a second
-    timeout (and ``peers="auto"`` does not fall back over a dead peer); the fd transport settles
-    it before its sockets close (``_FdTransport._give_up``), so that a peer whose connection
-    that breaks adopts the cause instead of naming this rank. The agreement waits at
-    most until ``deadline`` (at least one second); the exchange ends a grace before it
-    (``_Transport.timeout``) or at once when a peer's process is gone (fd handles), so a rank
-    stuck exchanging with a lost peer settles the step naming that peer before the ranks that
-    finished exchanging time out and name it too. Raises :class:`RendezvousError`
-    (:class:`RendezvousTimeout` for missing ranks)."""
-    error: BaseException | None = local_error
-    abort, lost = None, []
-    try:
-        try:
-            exchange(local_error)
-        except (fdpass.FdExchangeError, ExchangeLost) as exc:  # a timeout naming lost peers
-            abort, lost = str(exc), exc.peers_lost
-        except PeerAborted:
-            pass  # the aborting ranks name their cause in the agreement, which then fails
-        except Exception as exc:
-            if local_error is None or exc.__cause__ is not local_error:
-                error = exc  # else the exchange only relayed the caller's error: agree on it
-        try:
-            comm.agree(
-                error, what, abort=abort, missing=lost,
-                timeout=max(1.0, deadline - time.monotonic()),
-            )  # fmt: skip
-        except GroupError as exc:
-            raise as_rendezvous_error(exc) from error
-    finally:
-        if finish is not None:
-            finish()
 
 
 def rendezvous(
@@ -543,6 +358,7 @@ def gather_requests(
             uuid=region.device_uuid(),
             capacity_bytes=region.capacity_bytes,
             chunk_bytes=region.chunk_bytes,
+            run_bytes=region.run_bytes,
             granularity=region.granularity,
             handle_type=region.handle_type,
             chunks=[[c.offset, c.size] for c in region.chunks()],
@@ -617,7 +433,7 @@ def map_peers(comm: StoreComm, region: VirtualRegion, reqs: list[dict[str, Any]]
     transport = kind(comm, region, reqs[0]["nonce"], pids, deadline=deadline, liveness=liveness)
 
     def exchange(error: Exception | None) -> None:
-        _exchange_and_map(
+        exchange_and_map(
             comm, region.chunks(), peers, transport,
             signal=signal, signal_peers=signal_peers, local_error=error,
         )  # fmt: skip

@@ -18,18 +18,21 @@ Contract:
   synchronizes; ``resize`` refuses on every rank while the calling thread captures a CUDA
   stream. Kernels read ``table`` on every launch, so what was captured before a resize is
   bounded by the new size without new arguments.
-- A failed grow rolls every rank back to the old size (peers' new chunks unmapped first, then
-  the own ones decommitted) and leaves the group usable. A failed shrink leaves the bound
+- A failed grow (an out-of-memory at any run, a failed mapping of any peer's run) rolls every
+  rank back to the old size (peers' new runs unmapped first, then the own ones decommitted),
+  every rank raising the same error, and leaves the group usable. A failed shrink leaves the bound
   lowered and ``broken`` set (as does a rollback that itself failed): every later resize is
   refused on every rank.
-- fd budget (``vmmkv.ipc.fdbudget``): a step that commits or exchanges chunks first checks that
-  its exchange rounds and the fds its chunks keep (host backend: one memfd each) fit under the
-  hard open-file limit (``check_fds``), raising ``FdBudgetError`` before any driver call.
+- fd budget (``vmmkv.ipc.fdbudget``): a step that commits or exchanges runs (one handle each,
+  whatever its size) first checks that its exchange rounds and the fds its runs keep (host
+  backend: one memfd each) fit under the hard open-file limit (``check_fds``), raising
+  ``FdBudgetError`` before any driver call; ``set_block_layout`` checks a full grow of every
+  block so.
+- The layouts (``vmmkv.ipc.layouts``) say which chunks and runs a size needs.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
 import secrets
 import threading
@@ -40,245 +43,28 @@ import torch
 
 from .. import _blockset as blockset
 from .._blockset import BlockSet
-from .._util import require_int, run_all
+from .._util import ceil_div, run_all
 from ..alloc import Chunk, VirtualRegion
-from ..alloc.region import covering_chunks
 from . import fdbudget
 from .comm import GroupError, StoreComm
 from .errors import ConfigMismatch, RendezvousError, as_rendezvous_error
-from .peers import PeerMap, exchange_then_agree
+from .exchange import exchange_then_agree
+from .layouts import (
+    _check_layout,
+    _layout_differences,
+    _Prefix,
+    _Segments,
+    _show,
+    _show_size,
+    _size_words,
+    planned_runs,
+)
+from .peers import PeerMap
 
 __all__ = ["Resizer"]
 
 # One logger for all a SymmetricRegion reports, its resizes included.
 log = logging.getLogger("vmmkv.ipc.symmetric")
-
-
-# --------------------------------------------------------------------------------------------
-# how a size maps onto the region: a committed prefix (bytes) or a block layout (blocks)
-# --------------------------------------------------------------------------------------------
-
-
-class _Prefix:
-    """The committed prefix: sizes in bytes, one bound (the committed size, chunk-rounded)."""
-
-    unit = "bytes"
-
-    def __init__(self, region: VirtualRegion) -> None:
-        self._region = region
-        self.limit = region.capacity_bytes
-
-    def current(self) -> int:
-        return self._region.committed_bytes
-
-    def rounded(self, nbytes: int) -> int:
-        return self._region.round_up(nbytes)
-
-    def commit(self, nbytes: int) -> list[Chunk]:
-        return self._region.commit(nbytes)
-
-    def decommit(self, nbytes: int) -> None:
-        self._region.decommit(nbytes)
-
-    def unmap_peers(self, peers: PeerMap, nbytes: int) -> None:
-        peers.unmap_peers_from(self._region.round_up(nbytes))
-
-    def bounds(self, nbytes: int) -> list[int]:
-        return [self._region.round_up(nbytes)]
-
-    def ranges(self, nbytes: int) -> list[tuple[int, int]]:
-        return [(0, self.rounded(nbytes))]
-
-    def moved(self, nbytes: int) -> None:
-        pass  # the size is the region's own committed size
-
-
-def _new_chunks(layout: _Prefix | _Segments, size: Any) -> int:
-    """How many chunks ``layout.commit(size)`` would add (pure geometry, no driver call)."""
-    region = layout._region
-    have = {c.offset for c in region.chunks()}
-    want = covering_chunks(layout.ranges(size), region.chunk_bytes, region.capacity_bytes)
-    return sum(c.offset not in have for c in want)
-
-
-class _Segments:
-    """A block layout: sizes are block sets (``vmmkv._blockset``: sorted block intervals; the
-    prefix of ``n`` blocks is ``((0, n),)``), one bound per segment (``offset_i + top *
-    block_i``, ``top`` one past the set's highest block).
-
-    The chunks a set needs are those covering its blocks' bytes in every segment (their union):
-    a chunk is released only when it holds no block of the set in any segment, so a hole
-    releases the chunks that lie wholly inside the hole in every segment (block-major, one
-    segment: the whole chunks inside it) and keeps the others committed; their hole blocks are
-    outside the set (never handed out) as the tail beyond a prefix is."""
-
-    unit = "blocks"
-
-    def __init__(
-        self, region: VirtualRegion, segments: tuple[tuple[int, int], ...], max_blocks: int
-    ) -> None:
-        self._region = region
-        self.segments = segments
-        self.max_blocks = self.limit = max_blocks
-        self.set: BlockSet = ()
-        self._by_start = sorted(
-            (off, off + max_blocks * block, i) for i, (off, block) in enumerate(segments)
-        )
-
-    @property
-    def blocks(self) -> int:
-        """The top of the committed set (its block count when it is a prefix): the bound."""
-        return blockset.top(self.set)
-
-    def current(self) -> BlockSet:
-        return self.set
-
-    def rounded(self, blocks: BlockSet) -> BlockSet:
-        return blocks
-
-    def ranges(self, blocks: BlockSet) -> list[tuple[int, int]]:
-        return [
-            (off + start * block, off + end * block)
-            for off, block in self.segments
-            for start, end in blocks
-        ]
-
-    def commit(self, blocks: BlockSet) -> list[Chunk]:
-        """Commit the chunks of the set ``blocks`` (a superset of the committed one); the new
-        blocks read zero. Fresh chunks are zero already; new blocks in chunks that stayed
-        committed (a segment's tail chunk after a shrink, the edge chunk of a hole, a chunk
-        shared with a neighbour) still hold old bytes: they are zeroed first (outside the set,
-        so nothing writes there) and synchronized before the agreement lets any peer write
-        into them. A grow that then fails leaves them zero. Blocks that stay in the set keep
-        their bytes."""
-        chunk = self._region.chunk_bytes
-        old = {c.offset for c in self._region.chunks()}
-        stale = []
-        for lo, hi in self.ranges(blockset.difference(blocks, self.set)):
-            stale += [
-                (max(lo, c), min(hi, c + chunk))
-                for c in range(lo - lo % chunk, hi, chunk)
-                if c in old
-            ]
-        if stale:
-            whole = self._region.tensor()
-            for lo, hi in stale:
-                whole[lo:hi].zero_()
-            del whole
-            self._region.synchronize()
-        return self._region.commit_ranges(self.ranges(blocks))
-
-    def decommit(self, blocks: BlockSet) -> None:
-        self._region.decommit_outside(self.ranges(blocks))
-
-    def unmap_peers(self, peers: PeerMap, blocks: BlockSet) -> None:
-        peers.unmap_peers_outside(self.ranges(blocks))
-
-    def bounds(self, blocks: BlockSet) -> list[int]:
-        top = blockset.top(blocks)
-        return [off + top * block for off, block in self.segments]
-
-    def moved(self, blocks: BlockSet) -> None:
-        self.set = blocks
-
-    def containing(self, start: int, end: int) -> int | None:
-        """The index of the segment that contains ``[start, end)``, or None."""
-        k = bisect.bisect_right(self._by_start, start, key=lambda t: t[0]) - 1
-        if k < 0:
-            return None
-        seg_start, seg_end, index = self._by_start[k]
-        return index if start >= seg_start and max(start, end) <= seg_end else None
-
-    def describe(self, limit: int = 6) -> str:
-        shown = ", ".join(
-            f"#{i} [{off}, {off + self.max_blocks * block}) of {block}-byte blocks"
-            for i, (off, block) in enumerate(self.segments[:limit])
-        )
-        more = len(self.segments) - limit
-        return f"{len(self.segments)} segments of {self.max_blocks} blocks: {shown}" + (
-            f", ... {more} more" if more > 0 else ""
-        )
-
-
-def _check_layout(segments: Any, max_blocks: Any, capacity: int) -> tuple[tuple[int, int], ...]:
-    """The block layout as a tuple of ``(offset_bytes, block_bytes)``, in the caller's order;
-    TypeError/ValueError naming the segment, the value got and what was expected."""
-    require_int("max_blocks", max_blocks, lo=1)
-    if isinstance(segments, (str, bytes)) or not hasattr(segments, "__iter__"):
-        raise TypeError(
-            "segments must be a sequence of (offset_bytes, block_bytes) pairs, got "
-            f"{type(segments).__name__}"
-        )
-    out = []
-    for i, seg in enumerate(segments):
-        if not isinstance(seg, (tuple, list)) or len(seg) != 2:
-            raise TypeError(
-                f"segments[{i}] must be an (offset_bytes, block_bytes) pair, got {seg!r}"
-            )
-        off, block = seg
-        require_int(f"segments[{i}] offset_bytes", off, lo=0)
-        require_int(f"segments[{i}] block_bytes", block, lo=1)
-        end = off + max_blocks * block
-        if end > capacity:
-            raise ValueError(
-                f"segments[{i}] = ({off}, {block}) spans [{off}, {end}) with max_blocks="
-                f"{max_blocks}, beyond the capacity {capacity}"
-            )
-        out.append((off, block))
-    if not out:
-        raise ValueError("segments must hold at least one (offset_bytes, block_bytes) pair")
-    spans = sorted((off, off + max_blocks * block, i) for i, (off, block) in enumerate(out))
-    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:], strict=False):
-        if start_b < end_a:
-            raise ValueError(
-                f"segments[{a}] = {out[a]} and segments[{b}] = {out[b]} overlap with max_blocks="
-                f"{max_blocks} (segment {a} ends at {end_a}, segment {b} starts at {start_b})"
-            )
-    return tuple(out)
-
-
-def _layout_differences(layouts: list[Any]) -> str:
-    """Which ranks passed which layout: ranks grouped by layout, each group with its segment
-    count, max_blocks and its first segment that differs from rank 0's."""
-    groups: dict[str, list[int]] = {}
-    for rank, layout in enumerate(layouts):
-        groups.setdefault(repr(layout), []).append(rank)
-    first = layouts[0]
-    parts = []
-    for ranks in groups.values():
-        max_blocks, segs = layouts[ranks[0]]
-        diff = next(
-            (i for i, (a, b) in enumerate(zip(segs, first[1], strict=False)) if a != b),
-            None if len(segs) == len(first[1]) else min(len(segs), len(first[1])),
-        )
-        at = ""
-        if diff is not None and ranks[0] != 0:
-            theirs = tuple(segs[diff]) if diff < len(segs) else None
-            ours = tuple(first[1][diff]) if diff < len(first[1]) else None
-            at = f", first differing segment #{diff}: {theirs} (rank 0: {ours})"
-        parts.append(f"ranks {ranks} have {len(segs)} segments, max_blocks={max_blocks}{at}")
-    return "; ".join(parts)
-
-
-def _show(s: BlockSet, limit: int = 8) -> str:
-    """A block set in words: its intervals (the first ``limit``) and its block count."""
-    shown = ", ".join(f"[{a}, {b})" for a, b in s[:limit])
-    more = f", ... {len(s) - limit} more" if len(s) > limit else ""
-    return f"{{{shown}{more}}} ({blockset.count(s)} blocks)" if s else "{} (0 blocks)"
-
-
-def _show_size(s: BlockSet) -> str:
-    """A committed block set: ``n`` when it is the prefix ``[0, n)``, else the set."""
-    n = blockset.as_prefix(s)
-    return str(n) if n is not None else _show(s)
-
-
-def _size_words(size: Any, unit: str) -> str:
-    """A resize target in words: ``n blocks`` for a prefix, the set otherwise; bytes as is."""
-    if not isinstance(size, tuple):
-        return f"{size} {unit}"
-    n = blockset.as_prefix(size)
-    return f"{n} blocks" if n is not None else f"the block set {_show(size)}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,6 +84,7 @@ class Resizer:
         self.layout: _Prefix | _Segments = _Prefix(region)
         self.table: torch.Tensor | None = None  # the bound table, made by commit_initial
         self.broken = ""  # why resizes are refused: a failed shrink or rollback left mappings
+        self.fd_world = 1  # ranks that exchange fds (commit_initial sets it)
 
     @property
     def rank(self) -> int:
@@ -332,7 +119,7 @@ class Resizer:
             return (
                 f"with a block layout, {held} of {layout.max_blocks} blocks of each of "
                 f"its {len(layout.segments)} segments are committed ({total} bytes in chunks of "
-                f"{self.region.chunk_bytes})"
+                f"{self.region.chunk_bytes}, {len(self.region.chunks())} runs)"
             )
         return f"the committed prefix is {total} of {self.region.capacity_bytes} bytes"
 
@@ -340,25 +127,29 @@ class Resizer:
         """Local, before the region's first collective step: check the fd budget (``world``
         ranks exchange fds), commit the initial prefix and make the bound table."""
         region = self.region
-        # Every chunk of the capacity may be committed later: refuse now, before anything
-        # is committed, a hard open-file limit that could never hold a full grow.
-        grid = -(-region.capacity_bytes // region.chunk_bytes)
-        self.check_fds("setting up", grid, world=world, keep=False)
-        initial = _new_chunks(self.layout, initial_bytes)
+        self.fd_world = world
+        # A full grow of the prefix may come later: refuse now, before anything is committed,
+        # a hard open-file limit that could never hold its runs (a block layout checks its own
+        # full grow when it is set).
+        full = ceil_div(region.capacity_bytes, region.run_bytes)
+        self.check_fds("setting up", full, world=world, keep=False)
+        initial = len(planned_runs(self.layout, initial_bytes))
         self.check_fds("the initial commit", initial, world=world)
-        region.commit(initial_bytes)
+        self.layout.commit(initial_bytes)
+        self.layout.moved(initial_bytes)
         self.table = torch.full(
             (1,), region.committed_bytes, dtype=torch.int64, device=region.device
         )
 
-    def check_fds(self, what: str, chunks: int, *, world: int, keep: bool = True) -> None:
-        """Before a step commits or exchanges ``chunks`` chunks (``vmmkv.ipc.fdbudget``): raise
-        ``FdBudgetError`` when its exchange rounds and the fds its chunks keep (host backend:
-        one memfd each) cannot fit under the hard limit; with ``keep`` (the step commits them now)
-        also make room under the soft limit for the fds kept."""
-        kept = chunks if self.region.keeps_fds else 0
+    def check_fds(self, what: str, runs: int, *, world: int, keep: bool = True) -> None:
+        """Before a step commits or exchanges ``runs`` runs, one handle each whatever its size
+        (``vmmkv.ipc.fdbudget``): raise ``FdBudgetError`` when its exchange rounds and the fds
+        its runs keep (host backend: one memfd each) cannot fit under the hard limit; with
+        ``keep`` (the step commits them now) also make room under the soft limit for the fds
+        kept."""
+        kept = runs if self.region.keeps_fds else 0
         fdbudget.exchange_round(
-            rank=self.rank, world=world, device=self.region.device, what=what, chunks=chunks,
+            rank=self.rank, world=world, device=self.region.device, what=what, runs=runs,
             kept=kept,
         )  # fmt: skip
         if keep:
@@ -385,6 +176,15 @@ class Resizer:
                 )
             except Exception as exc:
                 problem, kind = f"creating the bound table failed: {exc!r}", RuntimeError
+        if not problem:
+            # a full grow of every block must fit the open-file budget, as the prefix's must
+            # at setup: refused now, not at the first large grow
+            full = planned_runs(_Segments(self.region, checked, max_blocks), ((0, max_blocks),))
+            try:
+                self.check_fds("a full grow of the block layout", len(full),
+                               world=self.fd_world, keep=False)  # fmt: skip
+            except fdbudget.FdBudgetError as exc:
+                problem, kind = str(exc), fdbudget.FdBudgetError
         with self._lock:
             request = (None if problem else [max_blocks, [list(seg) for seg in checked]], problem)
             reqs = self._gather(request, "block layout")
@@ -567,7 +367,7 @@ class Resizer:
             bounds = self._bounds_tensor(layout, size)
             world = 1 if peers is None or peers.by_value else self._comm.world_size
             doing = "the open-file check"
-            self.check_fds(what, _new_chunks(layout, size), world=world)
+            self.check_fds(what, len(planned_runs(layout, size)), world=world)
             doing = "the local commit"
             added = layout.commit(size)
         except Exception as exc:

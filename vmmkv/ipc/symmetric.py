@@ -31,6 +31,9 @@ Contract:
   committed or with a block layout); ``view(rank, reserve=True)`` the whole capacity, of which
   only committed chunks may be touched. ``region.tensor()`` (the ``VirtualRegion``) is always
   the whole capacity (address space, see ``vmmkv.alloc.region``).
+- Memory comes in runs (``run_bytes``, ``vmmkv.alloc.region``): a grow creates, exchanges
+  (one handle each) and maps one allocation per stretch of new chunks of each range; a run
+  stays whole while the size needs a byte of it, on every rank and in every peer mapping.
 - Two ways to size the region, one protocol (docs/design.md, "Resize protocol"):
   - prefix (the default): ``resize(committed_bytes)`` grows or shrinks every rank's committed
     prefix; ``committed_table`` (device int64 ``[1]``) holds the committed size (chunk-rounded).
@@ -97,7 +100,12 @@ class RendezvousTypeError(RendezvousError, TypeError):
 
 
 def _check_region_args(
-    capacity_bytes: Any, device: Any, chunk_bytes: Any, initial_bytes: Any, backend: Any
+    capacity_bytes: Any,
+    device: Any,
+    chunk_bytes: Any,
+    run_bytes: Any,
+    initial_bytes: Any,
+    backend: Any,
 ) -> None:
     """The constructor's arguments, without a driver call: TypeError/ValueError naming the
     argument, the value got and what was expected (the granularity is checked later, by the
@@ -107,6 +115,12 @@ def _check_region_args(
         require_int("chunk_bytes", chunk_bytes, lo=1)
         if chunk_bytes > capacity_bytes:
             raise ValueError(f"chunk_bytes={chunk_bytes} exceeds capacity_bytes={capacity_bytes}")
+    if run_bytes is not None:
+        require_int("run_bytes", run_bytes, lo=1)
+        if chunk_bytes is not None and run_bytes % chunk_bytes:
+            raise ValueError(
+                f"run_bytes={run_bytes} is not a multiple of chunk_bytes={chunk_bytes}"
+            )
     require_int("initial_bytes", initial_bytes, lo=0, hi=capacity_bytes)
     check_device(device, backend)
 
@@ -135,6 +149,7 @@ class SymmetricRegion:
         group: Any = None,
         *,
         chunk_bytes: int | None = None,
+        run_bytes: int | None = None,
         initial_bytes: int = 0,
         backend: str = "auto",
         timeout: float = 60.0,
@@ -154,7 +169,9 @@ class SymmetricRegion:
         # this rank then raises it as the argument's own class (see _raise_setup_error).
         arg_error: Exception | None = None
         try:
-            _check_region_args(capacity_bytes, device, chunk_bytes, initial_bytes, backend)
+            _check_region_args(
+                capacity_bytes, device, chunk_bytes, run_bytes, initial_bytes, backend
+            )
         except (TypeError, ValueError) as exc:
             arg_error = exc
         self._comm = StoreComm(group, timeout)
@@ -181,8 +198,8 @@ class SymmetricRegion:
             if arg_error is not None:
                 raise arg_error
             self.region = VirtualRegion(
-                capacity_bytes, device, chunk_bytes=chunk_bytes, backend=backend,
-                handle_type=handle_type,
+                capacity_bytes, device, chunk_bytes=chunk_bytes, run_bytes=run_bytes,
+                backend=backend, handle_type=handle_type,
             )  # fmt: skip
             self._resizer = Resizer(self._comm, self.region, self._lock)
             fd_world = 1 if peers == "off" or handle_type in BY_VALUE_HANDLES else self.world_size
@@ -220,10 +237,14 @@ class SymmetricRegion:
 
     # -- properties: the communicator's and the own region's, passed through ----------------
     rank, world_size, group, timeout = delegates("_comm", "rank", "world_size", "group", "timeout")
-    device, backend, base_ptr, chunk_bytes, committed_bytes, capacity_bytes = delegates(
-        "region", "device", "backend", "base_ptr", "chunk_bytes", "committed_bytes",
-        "capacity_bytes",
-    )  # fmt: skip
+    device, backend, base_ptr, chunk_bytes, run_bytes, capacity_bytes = delegates(
+        "region", "device", "backend", "base_ptr", "chunk_bytes", "run_bytes", "capacity_bytes"
+    )
+    committed_bytes = delegate(
+        "region.committed_bytes",
+        "The memory committed (the sum of the runs): at least what the size asks for, more "
+        "when a shrink ended inside a run (it stays whole).",
+    )
     committed_table = delegate(
         "_resizer.table",
         "Device int64: the kernels' bound, ``[1]`` (the committed size) or, with a block layout, "
@@ -292,12 +313,9 @@ class SymmetricRegion:
 
     def is_committed(self, start: int, end: int) -> bool:
         """Local: whether every byte of ``[start, end)`` (region offsets) lies in a committed
-        chunk of this rank's region (peers commit the same chunks)."""
+        run of this rank's region (peers map the same runs)."""
         self._check_open()
-        if end <= start:
-            return True
-        have = set(self.region.chunks())
-        return all(c in have for c in self.region.chunks_covering([(start, end)]))
+        return self.region.covers(start, end)
 
     def describe_committed(self) -> str:
         """What is committed, in words (for error messages)."""

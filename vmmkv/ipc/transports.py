@@ -1,9 +1,9 @@
-"""How one exchange of the rendezvous or a resize (``vmmkv.ipc.peers``) moves chunks between
+"""How one exchange of the rendezvous or a resize (``vmmkv.ipc.exchange``) moves runs between
 ranks: POSIX fds over abstract Unix sockets (``_FdTransport``, ``vmmkv.ipc.fdpass``: one host),
 or values through the group's store (``_ValueTransport``, ``BY_VALUE_HANDLES``: CUDA fabric
 handles, the host simulation's shm names). The protocol around both (descriptions, abort
-notices, mapping, agreement, rollback) is ``peers._exchange_and_map`` with
-``peers.exchange_then_agree``.
+notices, mapping, agreement, rollback) is ``exchange.exchange_and_map`` with
+``exchange.exchange_then_agree``.
 
 Collective or local: ``exchange`` is the only step that talks to peers (fds: point to point
 with every peer; values: one collective step of the store); the caller runs it on every rank
@@ -35,16 +35,16 @@ __all__ = ["BY_VALUE_HANDLES"]
 # the rendezvous and its parts log under one name, the module they were split from
 log = logging.getLogger("vmmkv.ipc.peers")
 
-# Handle types whose chunks travel as values through the group's store (no socket, no fd).
+# Handle types whose runs travel as values through the group's store (no socket, no fd).
 BY_VALUE_HANDLES = ("fabric", "shm_name")
 _ONE_ROUND = 1 << 30
 _MIN_EXCHANGE_S = 0.05  # a rank that reaches its exchange at the deadline still tries once
 
 
 class _Transport:
-    """How one exchange moves chunks between ranks; the protocol around it
-    (``_exchange_and_map``: descriptions, abort notices, validation, mapping, agreement and
-    rollback) is the same for both. ``export``: a committed chunk's handle to send (the
+    """How one exchange moves runs (one handle each) between ranks; the protocol around it
+    (``exchange.exchange_and_map``: descriptions, abort notices, validation, mapping, agreement and
+    rollback) is the same for both. ``export``: a committed run's handle to send (the
     caller ``discard``-s those it does not send); ``exchange``: send ``body`` and the handles
     to every peer, get theirs (``{peer: (body, handles)}``), raising ``FdExchangeError`` or
     :class:`ExchangeLost` (with ``peers_lost``) when peers vanished; ``map`` a received handle;
@@ -69,7 +69,7 @@ class _Transport:
     def timeout(self, round_no: int = 0) -> float:
         """Seconds round ``round_no`` of the exchange may still take. Round r ends
         ``min(1 s, timeout / 4) / (r + 1)`` before the step's ``deadline`` (the agreement's,
-        ``peers.exchange_then_agree``): a rank still exchanging (a peer that never sent) then
+        ``exchange.exchange_then_agree``): a rank still exchanging (a peer that never sent) then
         settles the step naming the peers it lost while the ranks that finished their exchange
         still wait in the agreement; with one deadline for both, those ranks could settle first
         and name the late rank as missing too. A rank that lost a peer in round r is still in
@@ -83,7 +83,7 @@ class _Transport:
 
     def round_size(self, count: int) -> int:
         """The most handles this rank can take from each peer in one round of an exchange of
-        ``count`` own handles (``peers._exchange_and_map`` uses the smallest any rank offers);
+        ``count`` own handles (``exchange.exchange_and_map`` uses the smallest any rank offers);
         raises ``FdBudgetError`` when no round fits."""
         raise NotImplementedError
 
@@ -119,7 +119,7 @@ class _FdTransport(_Transport):
     def round_size(self, count: int) -> int:
         return fdbudget.exchange_round(
             rank=self.comm.rank, world=self.comm.world_size, device=self.region.device,
-            what=self.what, chunks=count,
+            what=self.what, runs=count,
         )  # fmt: skip
 
     def export(self, owner: VirtualRegion, chunk: Chunk) -> int:
@@ -155,7 +155,7 @@ class _FdTransport(_Transport):
             raise
 
     def _give_up(self, exc: fdpass.FdExchangeError) -> None:
-        """Settle the step that follows the exchange (``peers.exchange_then_agree``'s
+        """Settle the step that follows the exchange (``exchange.exchange_then_agree``'s
         agreement) with this rank's cause while its connections are still open: a peer whose
         message we had not read yet sees its connection reset when we close and would settle
         the step naming this rank as lost, though this rank only gave up because another peer

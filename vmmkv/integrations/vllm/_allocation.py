@@ -14,8 +14,8 @@ vLLM keeps what 0.34 gives every user by default (sizing after CUDA-graph captur
 memory, the 1.0 ``gpu_memory_utilization`` default, ``release_kv_cache_memory`` and sleep
 without a special backend, KV lending for layer-wise weight updates), and vmmkv adds what 0.34
 lacks: every rank maps its peers' replicas, and the PCP gather + insert becomes one direct store.
-:func:`make_buffer` builds vLLM's buffer, a ``_buffer.PeerKVBuffer``, in the chunk ``_buffer``
-chooses.
+:func:`make_buffer` builds vLLM's buffer, a ``_buffer.PeerKVBuffer``, in the chunk and runs
+``_buffer`` chooses.
 
 The replaced ``allocate_kv_cache`` first runs ``check_vllm_config`` (``_support``; local, before
 any collective: every rank refuses alike), then builds the cache outside vLLM's CuMem pools
@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from itertools import accumulate
 from typing import Any
 
-from ._buffer import PeerKVBuffer, _chunk_bytes, elastic_chunk_bytes
+from ._buffer import PeerKVBuffer, _chunk_and_runs, _chunk_bytes_from_env, elastic_chunk_bytes
 from ._elastic_settings import check_elastic_config, elastic_enabled, settings_for
 from ._elastic_worker import WORKER
 from ._state import _STATE, close_active, original
@@ -168,6 +168,9 @@ def make_buffer(
     over the PCP group; it replaces the process's previous cache). Refuses
     (``UnsupportedKVCache``) what the plugin cannot hold, and export handle types (a KV
     connector's), before any collective."""
+    from ..._util import round_up
+    from ...alloc.region import make_backend
+
     spec = _STATE.extensible_spec
     pcp = _pcp_group()
     if spec is None or pcp.world_size == 1:
@@ -182,7 +185,12 @@ def make_buffer(
     cfg = get_current_vllm_config_or_none()
     if cfg is not None:
         check_vllm_config(cfg)
-    chunk = _elastic_chunk(cfg, layout) or _chunk_bytes(device, max_num_bytes, layout)
+    elastic = _elastic_chunk(cfg, layout)
+    gran = make_backend(device, "auto").granularity
+    cap = round_up(max_num_bytes, gran)
+    # elastic mode reads VMMKV_CHUNK_MIB as its own chunk, a small cache being one chunk
+    env = _chunk_bytes_from_env(1, 1 << 62) if elastic else _chunk_bytes_from_env(gran, cap)
+    chunk, runs = _chunk_and_runs(gran, max_num_bytes, elastic, env and min(env, cap))
     if export_handle_types:
         raise UnsupportedKVCache(
             f"vLLM asks the KV cache to be exportable to other processes (handle types "
@@ -193,7 +201,7 @@ def make_buffer(
     close_active("vLLM allocates a new KV cache")
     cache = build_cache(
         cfg, pcp, "ExtensibleKVCache", kv_cache_config, layout, device=device,
-        initial_blocks=0, chunk_bytes=chunk,
+        initial_blocks=0, chunk_bytes=chunk, run_bytes=runs,
     )  # fmt: skip
     try:
         offsets = list(accumulate([0, *segment_capacities[:-1]]))
@@ -221,10 +229,10 @@ def make_buffer(
 
 
 def _elastic_chunk(cfg: Any, layout: Any) -> int | None:
-    """Elastic mode (``VLLM_VMMKV_ELASTIC=1``): its chunk (``_buffer.elastic_chunk_bytes``), after
-    the refusals of vmmkv's own allocation in elastic mode (what it has not been tested with; a
-    layer-major layout, whose blocks span every layer's segment); the worker's applied resize
-    requests reset. None otherwise. Local."""
+    """Elastic mode (``VLLM_VMMKV_ELASTIC=1``): its chunk (``_buffer.elastic_chunk_bytes``, the
+    grid its releases return memory in), after the refusals of vmmkv's own allocation in
+    elastic mode (what it has not been tested with; a layer-major layout, whose blocks span
+    every layer's segment); the worker's applied resize requests reset. None otherwise. Local."""
     if not elastic_enabled():
         return None
     from ._layout import UnsupportedKVCache

@@ -1,5 +1,5 @@
 """vLLM 0.34's extensible KV cache with vmmkv as its physical layer (PCP > 1): the buffer, and the
-chunk it commits in.
+chunk and runs it commits in.
 
 vLLM 0.34 reserves the KV cache's address range itself (``ExtensibleKVCache``, on by default on
 CUDA), commits a prefix of blocks on demand and keeps the planning, the post-capture sizing, the
@@ -13,10 +13,11 @@ over one ``VllmKVCache``, whose region every PCP rank maps: a commit is vmmkv's 
 release its collective shrink to 0 (peers unmapped first). With PCP = 1 it returns vLLM's own
 ``ExtensibleTensor``: nothing of vmmkv runs.
 
-The chunk (the unit a commit maps, :attr:`PeerKVBuffer.granularity`, which vLLM's sizing after
-capture rounds every segment up to) is chosen here: :func:`_chunk_bytes` under vLLM's extensible
-cache, :func:`elastic_chunk_bytes` in elastic mode; ``VMMKV_CHUNK_MIB`` comes first in both
-(:func:`_chunk_bytes_from_env`, also ``VllmKVCache``'s default).
+The chunk (the unit a commit rounds each segment to, :attr:`PeerKVBuffer.granularity`, which
+vLLM's sizing after capture rounds every segment up to) and the runs (one physical allocation
+per stretch of new chunks, ``vmmkv.alloc.region``) are chosen here: :func:`_chunk_and_runs`,
+with elastic mode's chunk (:func:`elastic_chunk_bytes`) as the grid the runs are cut at;
+``VMMKV_CHUNK_MIB`` comes first (:func:`_chunk_bytes_from_env`, also ``VllmKVCache``'s default).
 
 Why every collective lines up: vLLM calls the buffer on every rank in the same order: the
 allocate hook, warmup commits (counts min-reduced over the world group), the two shrink-remaps
@@ -36,6 +37,7 @@ at the runner's shutdown).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,27 +76,28 @@ def elastic_chunk_bytes() -> int:
     return _chunk_bytes_from_env(1, 1 << 62) or ELASTIC_CHUNK_MIB << 20
 
 
-def _chunk_bytes(device: Any, size: int, layout: Any) -> int:
-    """``VMMKV_CHUNK_MIB``; else, under a block-major layout (one segment),
-    ``ELASTIC_CHUNK_MIB`` (64 MiB) clamped to the range; else the allocation granularity.
+def _chunk_and_runs(
+    granularity: int, size: int, elastic: int | None, env: int | None
+) -> tuple[int, int]:
+    """The region's ``(chunk_bytes, run_bytes)`` for a cache of ``size`` bytes. ``env``
+    (``VMMKV_CHUNK_MIB``) makes both that chunk (one allocation per chunk); else the chunk is
+    the allocation ``granularity``, so that vLLM's estimate (each segment rounded up to the
+    buffer's ``granularity``) is what vmmkv maps, and runs follow vLLM's own buffer: one
+    allocation per stretch of each segment a commit adds (DeepSeek-V3.2's layer-major cache:
+    122 runs, one per layer segment), cut at elastic mode's chunk (``elastic``, 64 MiB) so that
+    its releases return what a grid of those chunks returns (docs/design.md, "Chunk sizes").
+    Pure: no vLLM, no driver call.
 
-    vLLM sizes the cache after capture from its estimate of a commit's physical bytes, each
-    segment rounded up to the buffer's ``granularity``, which is this chunk: so what vLLM
-    budgets is what vmmkv maps, and a large chunk costs at most one chunk per segment of the
-    budget. Under a layer-major layout that is one per layer region (122 under DeepSeek-V3.2),
-    so those keep the granule. A commit's time is per chunk (an extend of ~25 GiB: 5.4 s in
-    2 MiB chunks at 2 ranks sharing an H200, BENCHMARKS.md "vLLM 0.34's extensible cache"),
-    which is why the one-segment layouts take large ones."""
+    Why runs: a commit's time is per allocation and peer, not per byte; an extend of ~25 GiB in
+    2 MiB allocations took 4.9 s at 2 ranks on one H100, where the same bytes in 122 runs take
+    a plain driver replay 16 ms (docs/design.md, "Chunk sizes")."""
     from ..._util import round_up
-    from ...alloc.region import make_backend
 
-    gran = make_backend(device, "auto").granularity
-    env = _chunk_bytes_from_env(gran, round_up(size, gran))
     if env:
-        return env
-    if layout.is_block_outermost:
-        return min(round_up(ELASTIC_CHUNK_MIB << 20, gran), round_up(size, gran))
-    return gran
+        return env, env
+    if elastic:
+        return granularity, round_up(elastic, granularity)
+    return granularity, round_up(size, granularity)
 
 
 class PeerKVBuffer:
@@ -122,14 +125,14 @@ class PeerKVBuffer:
 
     @property
     def granularity(self) -> int:
-        # The unit a commit maps: vLLM's physical_bytes_for rounds every segment up to it,
-        # so vLLM sizes the cache after capture by what vmmkv maps (the region's chunk, a
-        # multiple of the driver's granule), not by the granule.
+        # The unit a commit rounds each segment to (the region's chunk: the driver's granule
+        # unless VMMKV_CHUNK_MIB), which vLLM's physical_bytes_for rounds every segment up to:
+        # vLLM sizes the cache after capture by what vmmkv maps.
         return int(self.cache.cache.region.chunk_bytes)
 
     @property
     def physical_bytes(self) -> int:
-        """The own replica's committed bytes, chunk rounding included (peers' not counted)."""
+        """The own replica's mapped bytes (its runs; peers' not counted)."""
         return 0 if self._closed else int(self.cache.cache.committed_bytes)
 
     def full_view(self) -> torch.Tensor:
@@ -168,12 +171,26 @@ class PeerKVBuffer:
         self.released = True
 
     def segments_backed_by_one_chunk(self, sizes: Sequence[int]) -> list[bool]:
-        # vLLM asks only to defragment for a connector that registers the KV cache for RDMA,
-        # and vmmkv refuses every KV-transfer connector before this buffer exists.
-        raise NotImplementedError(
-            "vmmkv's KV cache is not laid out for RDMA registration (KV-transfer connectors "
-            "are refused under VLLM_USE_VMMKV=1)"
-        )
+        """Whether each segment's first ``sizes[i]`` bytes lie inside one run of the own
+        replica (one driver allocation), as vLLM's own buffer answers it (an RDMA registration
+        of a segment needs one allocation). Local. vLLM asks it only to defragment for a KV
+        connector, which the plugin refuses."""
+        self._check_open("segments_backed_by_one_chunk")
+        if len(sizes) != len(self._offsets):
+            raise ValueError(
+                f"rank {self.cache.rank}: segments_backed_by_one_chunk: expected "
+                f"{len(self._offsets)} segment sizes, got {len(sizes)}"
+            )
+        region = self.cache.cache.region.region
+        base = self.cache.buffer.data_ptr() - region.base_ptr
+        runs = region.chunks()
+        starts = [c.offset for c in runs]
+        out = []
+        for off, size in zip(self._offsets, sizes, strict=True):
+            lo = base + off
+            i = bisect.bisect_right(starts, lo) - 1
+            out.append(i >= 0 and lo + size <= runs[i].offset + runs[i].size)
+        return out
 
     def free(self) -> None:
         """Local, idempotent: close the cache (the views are invalid afterwards)."""

@@ -8,8 +8,10 @@ What it does, in order (the constructor):
    ``device_group`` for its gather fallback) of the backing size rounded up to the allocation
    granularity, nothing committed, in the region's default chunks (at most 64, of at most 1 GiB;
    ``chunk_bytes`` or ``VMMKV_CHUNK_MIB`` for others): vLLM commits every block or none
-   (start, sleep, wake), and a grow's cost is per chunk and peer, so few chunks make the engine's
-   start and every wake fast (docs/design.md, "Chunk sizes").
+   (start, sleep, wake), and a grow's cost is per allocation and peer, so few chunks make the
+   engine's start and every wake fast (docs/design.md, "Chunk sizes"). ``run_bytes``: the
+   region's run grid (vLLM's extensible cache passes granule chunks in runs of each segment's
+   own, ``_buffer._chunk_and_runs``).
 3. ``allocate(size, reserve=True)`` (exactly vLLM's backing size, committed block by block
    afterwards) is vLLM's backing buffer; ``set_block_layout`` declares the plan's segments
    (block growth, both layout families); vLLM's own ``create_kv_cache_views`` builds the layer
@@ -153,6 +155,7 @@ class VllmKVCache:
         direct: bool | None = None,
         timeout: float = 60.0,
         chunk_bytes: int | None = None,
+        run_bytes: int | None = None,
         backend: str = "auto",
     ) -> None:
         self.config = kv_cache_config
@@ -176,7 +179,8 @@ class VllmKVCache:
             chunk_bytes = capacity
         self.cache = ReplicatedKVCache(
             cpu_group, capacity, device, device_group=device_group, initial_bytes=0,
-            chunk_bytes=chunk_bytes, lanes=1, direct=direct, timeout=timeout, backend=backend,
+            chunk_bytes=chunk_bytes, run_bytes=run_bytes, lanes=1, direct=direct,
+            timeout=timeout, backend=backend,
         )  # fmt: skip
         try:
             # the whole backing, committed block by block below (set_block_layout + grow)
