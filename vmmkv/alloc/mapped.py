@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .._util import require_int, run_all
+from .._util import delegate, delegates, require_int, run_all
 from . import driver
 from .backend import Backend
 from .dlpack import tensor_at
@@ -83,34 +83,13 @@ class _MappedRange:
         self._check_open()
         return self._base
 
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
-
-    @property
-    def granularity(self) -> int:
-        return self._backend.granularity
-
-    @property
-    def device(self) -> torch.device:
-        return self._backend.device
-
-    @property
-    def backend(self) -> str:
-        return self._backend.name
-
-    @property
-    def handle_type(self) -> str:
-        return self._backend.handle_type
-
-    @property
-    def keeps_fds(self) -> bool:
-        """Whether each own run holds an open fd (the host backend's memfds)."""
-        return self._backend.keeps_fds
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
+    capacity_bytes = delegate("_capacity")
+    closed = delegate("_closed")
+    granularity, device, handle_type = delegates("_backend", "granularity", "device", "handle_type")
+    backend = delegate("_backend.name")
+    keeps_fds = delegate(
+        "_backend.keeps_fds", "Whether each own run holds an open fd (the host backend's memfds)."
+    )
 
     def _mapped_total(self) -> int:
         return sum(c.size for c in self._chunks)

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from .._util import ceil_div, require_int, run_all
+from .._util import ceil_div, delegate, require_int, run_all
 from .._util import round_up as _round_up
 from . import driver
 from .backend import Backend
@@ -202,15 +202,10 @@ class VirtualRegion(_MappedRange):
         self._run = run_bytes
         super().__init__(be, capacity_bytes)
 
-    @property
-    def chunk_bytes(self) -> int:
-        """The grid a commit rounds to: what is committed is always whole chunks."""
-        return self._chunk
-
-    @property
-    def run_bytes(self) -> int:
-        """The run grid: no physical allocation crosses a multiple of it."""
-        return self._run
+    chunk_bytes = delegate(
+        "_chunk", "The grid a commit rounds to: what is committed is always whole chunks."
+    )
+    run_bytes = delegate("_run", "The run grid: no physical allocation crosses a multiple of it.")
 
     @property
     def committed_bytes(self) -> int:
