@@ -233,6 +233,47 @@ def test_released_cached_blocks_lose_their_hash_and_reset_sees_parked_blocks(eng
     assert pool.get_usage() == 0.0 and el.queue.num_free_blocks == el.limit - 1
 
 
+@pytest.mark.parametrize("running", [False, True], ids=["idle", "reset-running-requests"])
+def test_after_reset_prefix_cache_every_free_block_counts_as_uncached_lowest_id_first(
+    engine, running
+):
+    """vLLM's ``reset_prefix_cache`` (every sleep of level >= 1, RL weight syncs) drops every
+    hash but leaves its free queue as it was: the pool then files no free block as cached
+    (its "free" is every free committed block), hands them out lowest id first, and forgets
+    which blocks prefix hits reused. Both forms: idle, and preempting running requests first."""
+    from vmmkv.testing.vllm.trace import TraceRun, counting_worker, model_output, schedule
+
+    engine.setenv("VMMKV_ELASTIC_CACHED_BLOCKS", "32")
+    run = TraceRun(trace="ranks", seed=0, num_blocks=128, max_num_batched_tokens=256,
+                   max_num_seqs=16)  # fmt: skip
+    s = run.build()
+    el, q, on_step = run.el, run.el.queue, counting_worker(run)
+
+    def step():
+        so = schedule(s)
+        s.update_from_output(so, model_output(so, on_step(so)))
+        run.now += 0.03
+
+    for _ in range(6):  # shared prefixes: their full blocks stay cached, hits reuse them
+        run._add(300, 4, shared=True)
+    while s.has_requests():
+        step()
+    if running:
+        for _ in range(3):
+            run._add(300, 40, shared=True)
+        for _ in range(4):
+            step()
+        assert s.running
+    assert len(q.lru) > 0 and el.hit, (len(q.lru), el.hit)
+    assert s.reset_prefix_cache(reset_running_requests=running) is True
+    assert not any(b.block_hash is not None for b in run.pool.blocks)
+    assert len(q.lru) == 0 and not el.hit
+    assert q.num_uncached == q.num_free_blocks == el.stats()["uncached_free"]
+    assert el.stats()["cached_free"] == 0
+    free = sorted(b.block_id for b in q.get_all_free_blocks())
+    assert [b.block_id for b in q.popleft_n(3)] == free[:3]
+
+
 def test_what_elastic_mode_has_not_been_tested_with_is_refused_by_name(engine):
     """Refused before anything is built: in the engine core (the pool) and in the worker (the
     allocation: also a layer-major layout)."""
@@ -345,6 +386,7 @@ def test_the_idle_hook_releases_through_collective_rpc_unless_a_request_arrives(
         input_queue: queue.Queue = queue.Queue()
         handled: list = []
         rpcs: list = []
+        work = False  # an added request until vLLM's step would run it
         _deferred_inputs: list = []
         _idle_state_callbacks: list = []
         model_executor = type("Executor", (), {"is_sleeping": False})()
@@ -353,13 +395,17 @@ def test_the_idle_hook_releases_through_collective_rpc_unless_a_request_arrives(
             return False
 
         def has_work(self):
-            return False
+            return self.work
 
         def is_running(self):
             return True
 
+        def _notify_idle_state_callbacks(self):
+            pass
+
         def _handle_client_request(self, *req):
             self.handled.append(req)
+            self.work = self.work or req[0] == "ADD"
 
         def collective_rpc(self, method, args=()):
             self.rpcs.append(args)
@@ -373,7 +419,11 @@ def test_the_idle_hook_releases_through_collective_rpc_unless_a_request_arrives(
         eng.input_queue.put(("ADD", "r1"))  # a request arrives during the wait: no release
         assert hook(eng) == "vllm's loop"
         assert eng.handled == [("ADD", "r1")] and eng.rpcs == [] and el.limit == 600
+        eng.work = False  # vLLM's step ran it; the engine is idle again
+        el.before_schedule()  # a step: the idle time counts from the end of this one
+        eng.input_queue.put(("UTILITY", "stats"))  # a utility call neither ends nor restarts it
         assert hook(eng) == "vllm's loop"  # idle: released down to the floor on every worker
+        assert eng.handled[-1] == ("UTILITY", "stats")
         assert eng.rpcs == [(1, el.s.floor)] and el.limit == el.s.floor
         assert cache.committed_blocks == el.s.floor
         assert hook(eng) == "vllm's loop" and len(eng.rpcs) == 1  # at the floor: no wait

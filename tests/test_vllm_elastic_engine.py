@@ -624,9 +624,35 @@ def test_a_worker_refuses_a_step_without_a_resize_request_in_elastic_mode(engine
     so = s.schedule()
     cache = CountingCache(75)
     cache.rank = 1
+    worker_side.WORKER.phase = "serving"  # vLLM's compile_or_warm_up_model returned
     with pytest.raises(RuntimeError) as err:
         worker_side.on_update_requests(cache, so)
     msg = str(err.value)
     assert msg.startswith("rank 1: ") and "vmmkv_resize" in msg, msg
     assert "without vmmkv's elastic engine sites" in msg and "VLLM_VMMKV_ELASTIC=1" in msg, msg
     assert cache.committed_blocks == 75 and worker_side.WORKER.seq == 0
+
+
+def test_before_warmup_ends_a_worker_commits_what_vllms_own_steps_address(engine_sites):
+    """vLLM's warmup drives real steps without a resize request (``SchedulerOutput.make_empty``
+    filled by ``warmup.py``): until the worker leaves ``compile_or_warm_up_model`` (the phase the
+    plugin's site sets, not a guess from request ids) such a step is accepted, and on vmmkv's
+    own allocation the worker commits the blocks it addresses; the end of warmup brings it back
+    to the floor. The same step in a serving worker is refused (the test above)."""
+    from vmmkv.integrations.vllm import _elastic_worker as worker_side
+    from vmmkv.testing.vllm.trace import CountingCache, TraceRun
+
+    run = TraceRun(trace="ranks", num_blocks=N, elastic=False, max_num_batched_tokens=256)
+    s = run.build()
+    run._add(300, 8, shared=False)
+    so = s.schedule()
+    top = max(worker_side.step_block_ids(so))
+    cache = CountingCache(2)
+    worker = worker_side.WORKER
+    worker.reset()
+    worker.floor = 2
+    assert worker.phase == "start" and top >= 2
+    worker_side.on_update_requests(cache, so)  # accepted: the blocks it adds are committed
+    assert cache.committed_blocks == top + 1 and worker.seq == 0
+    worker.end_warmup(cache)
+    assert worker.phase == "serving" and cache.committed_blocks == 2

@@ -211,6 +211,14 @@ def _scenario(rank, world, port, runs, dcps):
                 # vLLM's own estimate of a commit's memory, from the buffer's granularity
                 rep["vllm's estimate"] = ext.physical_bytes_for(NUM_BLOCKS)
                 rep["view blocks"] = sorted({v.shape[0] for v in views.values()})
+                # vLLM's ExtensibleTensor documents both views as uint8
+                rep["view dtypes"] = sorted(
+                    {str(ext.buffer.full_view().dtype)}
+                    | {
+                        str(ext.buffer.segment_view(i).dtype)
+                        for i in range(len(ext.segment_offsets))
+                    }
+                )
                 rep["rebound"] = committed is not None  # None: layers span several segments
                 plain = worker_utils.allocate_kv_cache(config, cpu, lay, [BS])
                 want = _flat(next(iter(plain.values())), size)
@@ -269,6 +277,7 @@ def _check(rep, world, direct):
     assert (blocks, vblocks) == (NUM_BLOCKS, NUM_BLOCKS)
     assert rep["bytes of blocks"] <= physical == rep["vllm's estimate"], rep
     assert rep["view blocks"] == [NUM_BLOCKS if rep["rebound"] else CAPACITY], rep
+    assert rep["view dtypes"] == ["torch.uint8"], rep["view dtypes"]
     assert rep["extended: equal"] == (True, 0), rep["extended: equal"]
     sleep = rep["sleep"]
     for name in ("asleep 1", "weights awake", "asleep 2", "discarded"):

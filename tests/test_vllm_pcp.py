@@ -13,7 +13,11 @@ ranks): nothing vLLM computes is drawn by hand here.
   rank 0 their canonical writer), over step mixes: decode-only, mixed, prefill-only, a prefill
   crossing blocks, and replicated draft decodes (unexpanded mapping). Every rank's rows are
   those of the global tokens ``PCPManager`` gives it (``_padded_gather_idx``), so replicated
-  rows are equal on every rank as in a real forward.
+  rows are equal on every rank as in a real forward. The mappings come from one global block
+  table, the same on every rank: under DCP 2 vLLM's own block tables shard the cache over the
+  DCP ranks (each rank's mapping holds its own slots, -1 for the other's tokens), which only
+  the engine harness (``tests/test_vllm_engine.py``) builds; here DCP 2 checks the gather path
+  the plugin takes for it.
 - **Stores**: through vLLM's call sites (``sparse_attn_indexer``'s ``maybe_gather_indexer_k`` +
   ``ops.indexer_k_quant_and_cache``; ``maybe_gather_mla_latent_cache_inputs`` of
   ``deepseek_v32.attention`` and of ``mla_attention`` + ``MLAAttentionImpl.do_kv_cache_update``).
@@ -313,7 +317,9 @@ def _scenario(rank, world, port, tp, runs, dcps):
                         _call_sites(views, layer, *step, pcp_size)
                         _vllm_reference(vc, plain, layer, *step)
                         rows, mapping, nd_mla, nd_idx, shard = step[0].shape[0], *step[3:]
-                        if direct and mapping.numel() > rows:  # expanded: rows past nlo published
+                        # expanded: rows past nlo published; under DCP > 1 (vLLM shards the
+                        # cache over the DCP ranks) every store takes the gather path instead
+                        if direct and mapping.numel() > rows and shard:
                             for nd, entry in ((nd_mla, MLA_B), (nd_idx, IDX_B)):
                                 nlo = 0 if shard else nd  # sharded decodes are published
                                 expect["peer_bytes"] += (pcp_size - 1) * (rows - nlo) * entry

@@ -39,8 +39,9 @@ def configs():
 @pytest.mark.timeout(300)
 def test_vllms_plugin_loader_finds_the_entry_point_and_it_patches_only_in_a_worker_process():
     """vLLM runs register() in every process: enabled, it checks the version and waits; only the
-    import of MRV2's model runner (a GPU worker) installs the patches. API-server-like
-    processes import no vLLM model-runner or model module on vmmkv's behalf."""
+    import of vLLM's GPU worker module (a GPU worker: it imports MRV2's model runner while it
+    loads) installs the patches, once that module has run. API-server-like processes import no
+    vLLM model-runner or model module on vmmkv's behalf."""
     code = (
         "import sys\n"
         "from vllm.plugins import load_general_plugins\n"
@@ -50,13 +51,29 @@ def test_vllms_plugin_loader_finds_the_entry_point_and_it_patches_only_in_a_work
         " 'vllm.model_executor.layers.sparse_attn_indexer'))]\n"
         "before = (v.installed(), heavy)\n"
         "import vllm.v1.worker.gpu.model_runner\n"
+        "runner_only = v.installed()\n"
+        "import vllm.v1.worker.gpu_worker\n"
         "import vllm.v1.worker.gpu.attn_utils as a\n"
-        "print(before, v.installed(), a.allocate_kv_cache.__module__)\n"
+        "print(before, runner_only, v.installed(), a.allocate_kv_cache.__module__)\n"
     )
     assert (
-        _python(code, VLLM_USE_VMMKV="1") == "(False, []) True vmmkv.integrations.vllm._allocation"
+        _python(code, VLLM_USE_VMMKV="1")
+        == "(False, []) False True vmmkv.integrations.vllm._allocation"
     )
-    assert _python(code, VLLM_USE_VMMKV="0") == "(False, []) False vllm.v1.worker.utils"
+    assert _python(code, VLLM_USE_VMMKV="0") == "(False, []) False False vllm.v1.worker.utils"
+    # elastic mode patches vLLM's Worker too, which does not exist yet when the GPU worker module
+    # imports MRV2's runner: the sites install once the worker module has run, as vLLM imports it
+    code = (
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "from vmmkv.integrations import vllm as v\n"
+        "import vllm.v1.worker.gpu_worker as w\n"
+        "print(v.installed(), w.Worker.extend_kv_cache.__module__,"
+        " w.Worker.compile_or_warm_up_model.__module__)\n"
+    )
+    site = "vmmkv.integrations.vllm._elastic_worker"
+    got = _python(code, VLLM_USE_VMMKV="1", VLLM_VMMKV_ELASTIC="1")
+    assert got == f"True {site} {site}", got
 
 
 @pytest.mark.timeout(300)

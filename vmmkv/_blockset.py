@@ -24,6 +24,7 @@ __all__ = [
     "block_set",
     "contains",
     "count",
+    "intersection",
     "difference",
     "is_subset",
     "prefix",
@@ -114,6 +115,11 @@ def difference(a: BlockSet, b: BlockSet) -> BlockSet:
         if cur < end:
             out.append((cur, end))
     return tuple(out)
+
+
+def intersection(a: BlockSet, b: BlockSet) -> BlockSet:
+    """The blocks in both ``a`` and ``b``."""
+    return difference(a, difference(a, b))
 
 
 def is_subset(a: BlockSet, b: BlockSet) -> bool:

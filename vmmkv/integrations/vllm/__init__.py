@@ -26,7 +26,8 @@ whose PCP group has more than one rank,
   their own metadata's ``num_decode_tokens``): replicated draft decodes (unexpanded slot
   mapping): all rows, local only; ``pcp_shard_decode_requests`` (DCP == 1): 0, every row is
   published; DCP > 1: ``num_decode_tokens`` (decode rows local at rank 0's slots, vLLM's
-  canonical writer of replicated rows; prefill rows published);
+  canonical writer of replicated rows; prefill rows through vmmkv's gather path, since vLLM
+  shards the KV cache over the DCP ranks then: ``_cache.pcp_store_plan``);
 - ``KVBlockZeroer.zero_block_ids`` runs the cache barrier after vLLM's zeroing, and MRV2's
   ``copy_kv_cache_blocks_inplace`` again after vLLM's copy-on-write block copies.
 

@@ -143,10 +143,8 @@ def _elastic_kwargs(cfg: Any, kv_cache_config: Any, layout: Any) -> dict[str, An
         )
     chunk = elastic_chunk_bytes()
     WORKER.reset()  # a new cache: no resize applied yet
-    return {
-        "initial_blocks": settings_for(cfg, kv_cache_config, chunk).floor,
-        "chunk_bytes": chunk,
-    }
+    WORKER.floor = settings_for(cfg, kv_cache_config, chunk).floor
+    return {"initial_blocks": WORKER.floor, "chunk_bytes": chunk}
 
 
 def _pcp_group() -> Any:

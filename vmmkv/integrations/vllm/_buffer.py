@@ -138,7 +138,7 @@ class PeerKVBuffer:
     def full_view(self) -> torch.Tensor:
         """The uint8 tensor over the whole reservation (vLLM's backing size)."""
         self._check_open("full_view")
-        return self.cache.buffer
+        return self.cache.buffer.view(torch.uint8)  # vLLM's ExtensibleTensor views are uint8
 
     def segment_view(self, index: int) -> torch.Tensor:
         """The uint8 tensor over segment ``index``'s committed prefix, sized exactly to it."""
@@ -146,7 +146,7 @@ class PeerKVBuffer:
         if not 0 <= index < len(self._offsets):
             raise IndexError(f"segment {index} out of range ({len(self._offsets)})")
         start = self._offsets[index]
-        return self.cache.buffer[start : start + self._committed(index)]
+        return self.cache.buffer.view(torch.uint8)[start : start + self._committed(index)]
 
     def resize_segments_(self, sizes: Sequence[int], zero_new: bool = False) -> None:
         """Collective: grow every segment to ``sizes`` bytes, which must be the same block

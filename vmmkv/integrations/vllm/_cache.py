@@ -66,6 +66,7 @@ __all__ = ["StorePlan", "VllmKVCache", "pcp_store_plan"]
 log = logging.getLogger(__name__)
 
 MLA, INDEXER = "mla", "indexer"
+DCP_SHARDED = "dcp-replicated-decodes"  # StorePlan.case under DCP > 1
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,13 @@ def pcp_store_plan(
     2. ``shard_decode_requests`` (PCP with DCP == 1: one owner per decode): every local row is
        published at this rank's own section (``num_local_only = 0``);
     3. otherwise (DCP > 1, decodes replicated): the leading ``nd = num_decode_tokens`` rows are
-       local only, the rest published.
+       local only, the rest gathered. vLLM shards the KV cache over the DCP ranks then (its
+       specs are ``dcp_sharded``): each rank's block holds the tokens the interleave gives it, at
+       slots of its own, and its expanded mapping holds -1 for every token another rank keeps.
+       A rank's rows therefore belong in its peers' caches at slots only their mappings know,
+       and the store takes the gather path (``VllmKVCache.store``): every rank inserts the
+       gathered rows into its own cache at its own mapping, as vLLM's gather + insert does.
+       Direct publication needs every PCP rank to hold the same replica (DCP = 1).
 
     In 2 and 3 the slot mapping is the expanded one that vLLM's ``PCPManager`` builds: its first
     ``world * rows`` entries are rank-major (rank ``r``'s rows at ``[r * rows, (r + 1) * rows)``).
@@ -130,7 +137,7 @@ def pcp_store_plan(
     nd = num_decode_tokens
     if 0 < nd and rank != 0:
         own = torch.cat((gathered[:nd], own[nd:]))
-    return StorePlan("dcp-replicated-decodes", rows, nd, own, gathered)
+    return StorePlan(DCP_SHARDED, rows, nd, own, gathered)
 
 
 class VllmKVCache:
@@ -159,6 +166,7 @@ class VllmKVCache:
         backend: str = "auto",
     ) -> None:
         self.config = kv_cache_config
+        self.timeout = timeout
         self.plan: KVCachePlan = plan_kv_cache(
             kv_cache_config, layout, kernel_block_sizes, mla_kind=mla_kind,
             indexer_kind=indexer_kind,
@@ -289,14 +297,17 @@ class VllmKVCache:
     def store(self, b: Binding, inputs: Sequence[torch.Tensor], plan: StorePlan) -> None:
         """Store one layer cache's rows (``inputs``: ``kv_c, k_pe`` or ``k``) as ``plan`` says,
         then, in direct mode when rows went to peers, the barrier: every replica holds every
-        rank's rows before attention reads them. Collective (see the module docstring)."""
+        rank's rows before attention reads them. Under DCP > 1 the gather path, whatever the
+        cache's mode: vLLM shards the KV cache over the DCP ranks there (``pcp_store_plan``).
+        Collective (see the module docstring)."""
         mla = self._family(b.kind) == MLA
         store = self.cache.store_ds_mla if mla else self.cache.store_indexer_k
+        mode = "gather" if plan.case == DCP_SHARDED else None
         store(
-            b, *inputs, plan.slots, num_local_only=plan.num_local_only,
+            b, *inputs, plan.slots, num_local_only=plan.num_local_only, mode=mode,
             gathered_slot_mapping=plan.gathered,
         )  # fmt: skip
-        if self.cache.direct and plan.num_local_only < plan.tokens:
+        if self.cache.direct and mode is None and plan.num_local_only < plan.tokens:
             self.cache.barrier()
 
     def after_zeroing(self) -> None:

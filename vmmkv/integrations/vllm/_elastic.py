@@ -115,6 +115,7 @@ class ElasticPool(LoadWatch, HoleScan):
             )
         self.pool, self.s = block_pool, settings
         self.clock = clock or time.monotonic
+        self.idle_since: float | None = None  # when the engine went idle (its input loop)
         self.limit = settings.floor  # blocks [0, limit) less the holes may be handed out
         # uncommitted whole chunks below the limit (parked like the tail: never handed out)
         self.holes: blockset.BlockSet = ()
@@ -168,6 +169,7 @@ class ElasticPool(LoadWatch, HoleScan):
     def before_schedule(self) -> None:
         """Before ``Scheduler.schedule``: cap the cached blocks, then grow or release."""
         now = self.clock()
+        self.idle_since = None  # the engine steps: not idle
         self._cap_cached()
         self._observe(now)
         s, q = self.s, self.queue
@@ -384,7 +386,8 @@ class ElasticPool(LoadWatch, HoleScan):
         (uncached / cached), the watermark, grows, releases, refusals, dropped cache entries."""
         q = self.queue
         return {
-            "capacity": self.s.num_blocks, "limit": self.limit, "committed": self.committed,
+            "capacity": self.s.num_blocks, "floor": self.s.floor, "limit": self.limit,
+            "committed": self.committed,
             "committed_bytes": self.committed * self.s.block_bytes, "target": self.target,
             "holes": self.holes,
             "seq": self.seq, "pending": self.pending is not None,

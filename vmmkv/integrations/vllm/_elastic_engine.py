@@ -11,7 +11,7 @@ load first):
 | ``Scheduler.__init__`` | vLLM's, then an :class:`~._elastic.ElasticPool` on its block pool (PCP > 1 only; refusals first); the manager's ``allocate_slots`` watched for refusals (KV pressure) |
 | ``Scheduler.schedule`` | the pool's step (cached cap, grow or release), vLLM's schedule, the resize request set on the output |
 | ``Scheduler.update_from_output`` | the pool reads the worker's stamp (confirms or refuses a pending grow), then vLLM's |
-| ``EngineCoreProc._process_input_queue`` (the busy loop of an engine-core process) | the inputs vLLM deferred during the last step handled first (as vLLM's loop does); then, while idle, awake, unpaused, with no idle-state callback pending and blocks above the floor: wait ``idle_seconds`` for a request (vLLM's watchdog off), else the idle release through ``collective_rpc`` (ordered with every step in vLLM's one queue); then vLLM's |
+| ``EngineCoreProc._process_input_queue`` (the busy loop of an engine-core process) | the inputs vLLM deferred during the last step handled first (as vLLM's loop does); then, while the engine has no work and blocks above the floor, its inputs taken and handled here (:func:`idle_loop`): ``idle_seconds`` after it went idle, awake and unpaused, the idle release through ``collective_rpc`` (ordered with every step in vLLM's one queue); then vLLM's |
 | ``EngineCore.vmmkv_elastic_stats`` (added: vLLM has none) | the pool's ``stats()``, a utility vLLM's client calls by name (:func:`elastic_stats`) |
 
 Local to the engine core, single-threaded like vLLM's scheduler.
@@ -48,12 +48,17 @@ def install_pool(scheduler: Any, chunk_bytes: int) -> ElasticPool:
     el = ElasticPool(pool, settings_for(cfg, scheduler.kv_cache_config, chunk_bytes))
     reset = pool.reset_prefix_cache
 
-    def reset_prefix_cache():  # vLLM counts every block not in the queue as in use
+    def reset_prefix_cache():
+        # vLLM counts every block not in the queue as in use: the parked ones count as free
         el.queue.num_free_blocks += el.parked()
         try:
-            return reset()
+            done = reset()
         finally:
             el.queue.num_free_blocks -= el.parked()
+        if done:  # vLLM dropped every hash but left its free queue (ours) as it was
+            el.queue.demote_unhashed()
+            el.hit.clear()
+        return done
 
     pool.reset_prefix_cache = reset_prefix_cache
     pool.get_usage = el.usage
@@ -133,11 +138,11 @@ def idle_release(engine: Any, el: ElasticPool) -> None:
 
 
 def idle_wait_due(engine: Any, el: ElasticPool) -> bool:
-    """Whether the engine's input loop may wait ``idle_seconds`` and then release: blocks above
-    the floor, and vLLM's loop would otherwise block idle with nothing to hand over. Not while
-    vLLM holds inputs deferred from the last step (``_deferred_inputs``: the hook handles them
-    first, as vLLM's loop does), has idle-state callbacks to run (a pause completing), is paused or asleep (sleep releases the KV
-    cache itself; a pause keeps the size it was given), has work, or shuts down."""
+    """Whether the engine's idle time counts toward the idle release: blocks above the floor,
+    no work, running, and nothing that holds the size as it is: inputs vLLM deferred during the
+    last step (handled first, as vLLM's loop does), idle-state callbacks to run (a pause
+    completing), a pause (it keeps the size it was given) or sleep (it released the KV cache
+    itself)."""
     return (
         el.limit > el.s.floor
         and not engine._deferred_inputs
@@ -149,22 +154,46 @@ def idle_wait_due(engine: Any, el: ElasticPool) -> bool:
     )
 
 
+def idle_loop(engine: Any, el: ElasticPool) -> None:
+    """While the engine has no work and holds blocks above the floor, take its inputs here
+    instead of in vLLM's loop (which blocks until there is work, and would never come back to
+    release): each one handled as vLLM's loop handles it, the idle-state callbacks run before
+    each wait as vLLM's loop runs them. The idle time counts from when the engine went idle
+    (``el.idle_since``, cleared by every step): a utility call (stats, a prefix-cache reset, a
+    ``collective_rpc``) handled meanwhile neither ends nor restarts it; a pause or sleep holds
+    it; work ends the loop. Once ``idle_seconds`` have passed: the idle release. The waits run
+    with vLLM's watchdog off, as vLLM's own idle wait."""
+    from vllm.utils.watch_dog import get_watch_dog
+
+    while engine.is_running() and not engine.has_work() and el.limit > el.s.floor:
+        engine._notify_idle_state_callbacks()
+        timeout = None  # not due (a pause, sleep, callbacks): wait for the input that ends it
+        if idle_wait_due(engine, el):
+            now = el.clock()
+            if el.idle_since is None:
+                el.idle_since = now
+            timeout = el.idle_since + el.s.idle_seconds - now
+            if timeout <= 0:
+                idle_release(engine, el)
+                return
+        try:
+            with get_watch_dog().disable():
+                req = engine.input_queue.get(timeout=timeout)
+        except queue.Empty:
+            idle_release(engine, el)
+            return
+        engine._handle_client_request(*req)
+        while engine._deferred_inputs:  # vLLM defers inputs only during a step; none here
+            engine._handle_client_request(*engine._deferred_inputs.popleft())
+
+
 def _process_input_queue(orig: Callable[..., Any]) -> Callable[..., Any]:
     def _process_input_queue(self):
         el = pool_of(self.scheduler)
         if el is not None:
             while self._deferred_inputs:  # vLLM's order: inputs deferred by the last step first
                 self._handle_client_request(*self._deferred_inputs.popleft())
-        if el is not None and idle_wait_due(self, el):
-            from vllm.utils.watch_dog import get_watch_dog
-
-            try:
-                with get_watch_dog().disable():  # an idle wait, as vLLM's own
-                    req = self.input_queue.get(timeout=el.s.idle_seconds)
-            except queue.Empty:
-                idle_release(self, el)
-            else:
-                self._handle_client_request(*req)
+            idle_loop(self, el)
         return orig(self)
 
     return _process_input_queue

@@ -133,3 +133,11 @@ class LowestIdFreeQueue:
         del self.lru[block.block_id]
         self._low.add(block.block_id)
         self._push(block.block_id)
+
+    def demote_unhashed(self) -> int:
+        """Every cached-free block without a hash (vLLM's ``reset_prefix_cache`` clears them
+        all) becomes an ordinary free block, handed out lowest id first; returns how many."""
+        gone = [b for b in self.lru.values() if b.block_hash is None]
+        for b in gone:
+            self.demote(b)
+        return len(gone)

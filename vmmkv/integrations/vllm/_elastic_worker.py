@@ -68,6 +68,14 @@ class ElasticWorker:
     def reset(self) -> None:
         self.seq = 0
         self.error: str | None = None
+        # "start" until vLLM's compile_or_warm_up_model returns: its warmup steps are vLLM's own
+        # SchedulerOutputs, without a resize request; "serving" afterwards
+        self.phase = "start"
+        self.floor: int | None = None  # vmmkv's own allocation: the floor the pool starts at
+        # the committed block sets every worker of the engine reported at the last agreement
+        # (None with one PCP group): the stamp reports what all of them hold
+        self.agreed: list[Any] | None = None
+        self._comm: Any = None  # a StoreComm over vLLM's world group, for those agreements
 
     def apply(self, cache: Any, resize: tuple[int, Any] | None) -> None:
         """Collective when ``resize`` carries a new sequence number: every PCP rank gets the
@@ -80,18 +88,77 @@ class ElasticWorker:
         seq, target = resize
         self.seq, self.error = seq, None
         ext = vllm_cache_of(cache)
+        released = _released(cache)
+        held = getattr(cache, "committed_block_set", None)
         if ext is not None:
             self._apply_extensible(cache, ext, _as_int_if_prefix(target))
-            return
-        released = _released(cache)
-        if released is not None:
+        elif released is not None:
             self._retarget_released(cache, released, target)
-            return
-        held = getattr(cache, "committed_block_set", None)
-        if isinstance(target, int) and (held is None or blockset.as_prefix(held) is not None):
+        elif isinstance(target, int) and (held is None or blockset.as_prefix(held) is not None):
             self._resize_prefix(cache, target)
         else:
             self._resize_set(cache, target)
+        self._agree(cache)
+
+    def _agree(self, cache: Any) -> None:
+        """With more than one PCP group in the engine (TP > 1: one group and one cache per TP
+        rank), every worker of the engine reports what it holds and its error; each group
+        resized on its own, so a grow refused in one group (out of memory on one GPU) is seen
+        by all: the stamp then reports the blocks every group holds and every error, the same
+        on every worker, and the engine core's pool confirms nothing that one group lacks. A
+        group that grew keeps its memory (targets are absolute: the next grow is a no-op
+        there). Collective over vLLM's world group, bounded by the cache's timeout; every
+        worker reaches it once per sequence number (every worker gets every step)."""
+        from vllm.distributed import parallel_state as ps
+
+        # outside vLLM's distributed setup (tools driving the policy in one process): one group
+        world = ps.get_world_group() if ps.model_parallel_is_initialized() else None
+        if world is None or world.world_size == ps.get_pcp_group().world_size:
+            self.agreed = None
+            return
+        if self._comm is None:
+            from ...ipc.comm import StoreComm
+
+            self._comm = StoreComm(world.cpu_group, cache.timeout, tag="elastic-engine")
+        mine = [list(map(list, self._held(cache))), self.error]
+        votes = self._comm.all_gather(mine, f"elastic resize {self.seq}")
+        self.agreed = [tuple(tuple(p) for p in held) for held, _ in votes]
+        errors = {e: r for r, (_, e) in reversed(list(enumerate(votes))) if e}
+        if errors:
+            self.error = "; ".join(f"global rank {r}: {e}" for e, r in errors.items())
+
+    def _held(self, cache: Any) -> Any:
+        """This worker's committed blocks as a block set (what a wake restores while
+        released)."""
+        committed = self._own(cache)
+        return blockset.as_set(committed) if isinstance(committed, int) else committed
+
+    def cover(self, cache: Any, so: Any) -> None:
+        """A step of vLLM's own start-up (warmup) on vmmkv's own allocation: commit the blocks it
+        addresses, collectively over the PCP group (every rank runs the same warmup steps).
+        Under vLLM's extensible KV cache vLLM commits them itself (``ensure_kv_cache_blocks``)."""
+        ids = step_block_ids(so)
+        if not ids or vllm_cache_of(cache) is not None:
+            return
+        need = max(ids) + 1
+        if need > cache.committed_blocks and cache.committed_block_set == blockset.prefix(
+            cache.committed_blocks
+        ):
+            cache.grow(need)
+
+    def end_warmup(self, cache: Any) -> None:
+        """vLLM's ``compile_or_warm_up_model`` returned: on vmmkv's own allocation every rank
+        comes back down to the floor the engine core's pool starts at (collective over the PCP
+        group: vLLM runs warmup through a ``collective_rpc``); then steps must carry a resize
+        request. Under vLLM's extensible KV cache ``settle_elastic`` sets the floor after
+        ``extend_kv_cache``."""
+        if (
+            vllm_cache_of(cache) is None
+            and self.floor is not None
+            and cache.committed_blocks > self.floor
+        ):
+            cache.shrink(self.floor)
+        self.phase = "serving"
 
     def _resize_prefix(self, cache: Any, target: int) -> None:
         before = cache.committed_blocks
@@ -179,18 +246,29 @@ class ElasticWorker:
     def stamp(self, cache: Any) -> tuple[int, Any, str | None]:
         """``(seq, committed, error)``: ``committed`` the committed blocks, an int while they
         are a prefix, else the block set; while released, what the wake restores (vmmkv's
-        sleep-mode backend, or vLLM's recommit under its extensible KV cache)."""
+        sleep-mode backend, or vLLM's recommit under its extensible KV cache). With several
+        PCP groups, the blocks every worker of the engine reported at the last agreement and
+        this worker holds now (the same on every worker)."""
+        committed = self._own(cache)
+        if self.agreed is not None:
+            common = self._held(cache)
+            for held in self.agreed:
+                common = blockset.intersection(common, held)
+            n = blockset.as_prefix(common)
+            committed = common if n is None else n
+        return (self.seq, committed, self.error)
+
+    def _own(self, cache: Any) -> Any:
         ext = vllm_cache_of(cache)
         if ext is not None:
-            blocks = ext.num_committed_blocks if ext.buffer.released else cache.committed_blocks
-            return (self.seq, blocks, self.error)
+            return ext.num_committed_blocks if ext.buffer.released else cache.committed_blocks
         released = _released(cache)
         if released is not None:
-            return (self.seq, released.committed, self.error)
+            return released.committed
         held = getattr(cache, "committed_block_set", None)
         if held is None or blockset.as_prefix(held) is not None:
-            return (self.seq, cache.committed_blocks, self.error)
-        return (self.seq, held, self.error)
+            return cache.committed_blocks
+        return held
 
 
 def vllm_cache_of(cache: Any) -> Any:
@@ -278,7 +356,9 @@ def on_update_requests(cache: Any, so: Any) -> None:
     out every block: RuntimeError at once (every rank receives the same step, so every rank
     raises), not at the first block above the floor."""
     resize = getattr(so, RESIZE, None)
-    if resize is None:
+    if resize is None and WORKER.phase != "serving":
+        WORKER.cover(cache, so)  # vLLM's own warmup step
+    elif resize is None:
         raise RuntimeError(
             f"rank {cache.rank}: update_requests: elastic KV (VLLM_VMMKV_ELASTIC=1) got a "
             f"SchedulerOutput without {RESIZE}: the engine core runs without vmmkv's elastic "
@@ -287,7 +367,8 @@ def on_update_requests(cache: Any, so: Any) -> None:
             "and VLLM_VMMKV_ELASTIC=1 as well, or run every process without "
             "VLLM_VMMKV_ELASTIC=1"
         )
-    WORKER.apply(cache, resize)
+    else:
+        WORKER.apply(cache, resize)
     cache.check_blocks(step_block_ids(so))
 
 
@@ -337,6 +418,18 @@ def _update_requests(orig: Callable[..., Any]) -> Callable[..., Any]:
         return orig(self, scheduler_output)
 
     return update_requests
+
+
+def _warmup(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def compile_or_warm_up_model(self):
+        WORKER.phase = "warmup"
+        out = orig(self)
+        cache = active_cache()
+        if cache is not None:
+            WORKER.end_warmup(cache)
+        return out
+
+    return compile_or_warm_up_model
 
 
 def _extend(orig: Callable[..., Any]) -> Callable[..., Any]:

@@ -11,7 +11,8 @@ sites are patched. What each site is replaced by, and why, is in the module that
   ``copy_kv_cache_blocks_inplace``, ``MLAAttention._gather_pcp_cache_inputs``;
 - ``_lending``: ``_release_for_weight_update``;
 - ``_elastic_worker`` (``WORKER_SITES``, elastic mode): ``GPUModelRunner.update_requests``,
-  ``execute_model``, ``sample_tokens``, ``Worker.extend_kv_cache``;
+  ``execute_model``, ``sample_tokens``, ``Worker.compile_or_warm_up_model``,
+  ``Worker.extend_kv_cache``;
 - ``_elastic_engine`` (``ENGINE_SITES``, elastic mode, in the engine core): the scheduler's
   ``__init__``, ``schedule`` and ``update_from_output``, the engine core's input loop, its
   stats utility.
@@ -24,7 +25,7 @@ Installation (:func:`install`) is all or nothing: the installed vLLM's version m
 without importing vLLM) and every site must exist with the parameters recorded here from 0.34.0;
 otherwise :class:`UnsupportedVLLM` names vmmkv, the supported release and every site that moved,
 and nothing is patched. :func:`install_when_worker_starts` (what ``register()`` uses) defers the
-installation until the process imports MRV2's model runner module, so vLLM's API server and
+installation until the process has imported vLLM's GPU worker module, so vLLM's API server and
 engine-core processes never import vLLM modules on vmmkv's behalf.
 
 The patches and the import hooks live in ``_state``; this module writes them.
@@ -52,7 +53,7 @@ from ._elastic_engine import (
     _stats_utility,
     _update_from_output,
 )
-from ._elastic_worker import _extend, _stamping, _update_requests
+from ._elastic_worker import _extend, _stamping, _update_requests, _warmup
 from ._lending import agreed_lending
 from ._state import _STATE, ABSENT, UnsupportedVLLM, _Patch, close_active
 from ._stores import (
@@ -79,8 +80,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# The module whose import marks a process that runs an MRV2 GPU worker.
-WORKER_MODULE = "vllm.v1.worker.gpu.model_runner"
+# The module whose import marks a process that runs a GPU worker: vLLM's worker class lives there,
+# and it imports MRV2's model runner while it loads (through its warmup module), so the runner's
+# sites exist once it has run. Hooking the runner's module instead fired in the middle of this
+# one's import, where elastic mode's Worker site did not exist yet (UnsupportedVLLM at start).
+WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 ENGINE_MODULE = "vllm.v1.engine.core"  # elastic mode's engine sites (EngineCoreProc) live here
 
 
@@ -161,6 +165,9 @@ WORKER_SITES: tuple[tuple[str, str, Callable[..., Any], tuple[str, ...]], ...] =
     (
         "vllm.v1.worker.gpu.model_runner", "GPUModelRunner.sample_tokens", _stamping,
         ("self", "grammar_output"),
+    ),
+    (
+        "vllm.v1.worker.gpu_worker", "Worker.compile_or_warm_up_model", _warmup, ("self",),
     ),
     ("vllm.v1.worker.gpu_worker", "Worker.extend_kv_cache", _extend, ("self", "num_blocks")),
 )  # fmt: skip
@@ -308,7 +315,7 @@ def _when_imported(module: str, install: Callable[[], None], slot: str) -> None:
 
 def install_when_worker_starts() -> None:
     """Check the vLLM version now (no vLLM import), then install the patches when this process
-    imports MRV2's model runner module (``WORKER_MODULE``): at once if it already did. vLLM's
+    has imported vLLM's GPU worker module (``WORKER_MODULE``): at once if it already did. vLLM's
     API server and engine-core processes never import it, so they import nothing of vLLM on
     vmmkv's behalf. Idempotent."""
     check_vllm_version()

@@ -38,6 +38,7 @@ __all__ = [
     "idx_layer",
     "join_vllm_groups",
     "layer_specs",
+    "mla_spec",
     "mla_layer",
     "model_config",
     "vllm_config",
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 
 BLOCK_SIZE = 64
 CACHE_DTYPE = "fp8_ds_mla"
-_MODEL: dict[int, Any] = {}
+_MODEL: dict[tuple, Any] = {}
 
 
 def mla_layer(i: int) -> str:
@@ -59,16 +60,22 @@ def idx_layer(i: int) -> str:
     return f"model.layers.{i}.self_attn.indexer.k_cache"
 
 
-def model_config(num_layers: int = 4) -> Any:
+def model_config(num_layers: int = 4, **settings: Any) -> Any:
     """A real vLLM ``ModelConfig`` of a DeepSeek-V3.2-shaped model of ``num_layers`` layers
-    (no weights, no tokenizer), cached per layer count."""
-    if num_layers in _MODEL:
-        return _MODEL[num_layers]
+    (no weights, no tokenizer) with ``settings`` (e.g. ``enable_sleep_mode``), cached per layer
+    count and settings."""
+    key = (num_layers, tuple(sorted(settings.items())))
+    if key in _MODEL:
+        return _MODEL[key]
     from transformers.models.deepseek_v32.configuration_deepseek_v32 import DeepseekV32Config
     from vllm.config import ModelConfig
 
     hf = DeepseekV32Config(
         num_hidden_layers=num_layers,
+        # 64 query heads, not DeepSeek-V3.2's 128 (the KV cache has one head either way): vLLM's
+        # FlashMLA-sparse builder refuses TP 2 x DCP 4 when the local and DCP-gathered heads
+        # pad to different kernel envelopes, which 128 heads do (64 local, 128 gathered)
+        num_attention_heads=64,
         first_k_dense_replace=num_layers,
         hidden_size=128,
         intermediate_size=256,
@@ -82,10 +89,10 @@ def model_config(num_layers: int = 4) -> Any:
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf, f)
-    _MODEL[num_layers] = ModelConfig(
-        model=folder, skip_tokenizer_init=True, max_model_len=1024, dtype="bfloat16"
+    _MODEL[key] = ModelConfig(
+        model=folder, skip_tokenizer_init=True, max_model_len=1024, dtype="bfloat16", **settings
     )
-    return _MODEL[num_layers]
+    return _MODEL[key]
 
 
 def vllm_config(
@@ -110,13 +117,32 @@ def vllm_config(
     return cfg
 
 
+def mla_spec(cfg: Any) -> Any:
+    """The spec vLLM's ``MLAAttention.get_kv_cache_spec`` gives a DeepSeek-V3.2 layer of the
+    fp8_ds_mla cache (building the attention module itself needs a CUDA backend)."""
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
+
+    return MLAAttentionSpec(
+        block_size=cfg.cache_config.block_size,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=MLA_KV_DIM + MLA_ROPE_DIM,
+        dtype=kv_cache_dtype_str_to_dtype(CACHE_DTYPE, cfg.model_config),
+        cache_dtype_str=CACHE_DTYPE,
+        kv_quant_mode=get_kv_quant_mode(CACHE_DTYPE),
+        state_content_bytes=MLA_ENTRY_BYTES,
+        topk_buffer_width=cfg.model_config.hf_config.index_topk,
+        is_index_group_leader=True,
+        non_causal_multi_token_decode=False,
+    )
+
+
 def layer_specs(cfg: Any) -> dict[str, Any]:
     """Layer name -> spec, in the model's registration order (indexer K cache, then MLA)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache
-    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
     from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
     from vllm.v1.worker.utils import customize_attention_spec
 
     hf = cfg.model_config.hf_config
@@ -131,20 +157,7 @@ def layer_specs(cfg: Any) -> dict[str, Any]:
             )
             spec = idx.get_kv_cache_spec(cfg)
         specs[idx_layer(i)] = customize_attention_spec(idx.get_attn_backend(), spec)
-        mla = MLAAttentionSpec(
-            block_size=cfg.cache_config.block_size,
-            num_kv_heads=1,
-            max_tp_shards=1,
-            head_size=MLA_KV_DIM + MLA_ROPE_DIM,
-            dtype=kv_cache_dtype_str_to_dtype(CACHE_DTYPE, cfg.model_config),
-            cache_dtype_str=CACHE_DTYPE,
-            kv_quant_mode=get_kv_quant_mode(CACHE_DTYPE),
-            state_content_bytes=MLA_ENTRY_BYTES,
-            topk_buffer_width=hf.index_topk,
-            is_index_group_leader=True,
-            non_causal_multi_token_decode=False,
-        )
-        specs[mla_layer(i)] = customize_attention_spec(FlashMLASparseBackend, mla)
+        specs[mla_layer(i)] = customize_attention_spec(FlashMLASparseBackend, mla_spec(cfg))
     return specs
 
 
