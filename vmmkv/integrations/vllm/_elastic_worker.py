@@ -36,6 +36,7 @@ core's idle release) and :func:`worker_stats` (each rank's committed blocks and 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -109,10 +110,13 @@ class ElasticWorker:
         group that grew keeps its memory (targets are absolute: the next grow is a no-op
         there). Collective over vLLM's world group, bounded by the cache's timeout; every
         worker reaches it once per sequence number (every worker gets every step)."""
-        from vllm.distributed import parallel_state as ps
-
-        # outside vLLM's distributed setup (tools driving the policy in one process): one group
-        world = ps.get_world_group() if ps.model_parallel_is_initialized() else None
+        # Outside vLLM's distributed setup (tools driving the policy, where vLLM may not even be
+        # installed, as on the GPU machines): one group. vLLM's parallel state is read only if a
+        # vLLM worker already imported it.
+        ps = sys.modules.get("vllm.distributed.parallel_state")
+        world = (
+            ps.get_world_group() if ps is not None and ps.model_parallel_is_initialized() else None
+        )
         if world is None or world.world_size == ps.get_pcp_group().world_size:
             self.agreed = None
             return
