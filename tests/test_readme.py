@@ -49,8 +49,22 @@ def test_the_code_reads_the_variables_this_test_is_meant_to_find():
         assert name in found, (name, sorted(found))
 
 
+def vllm_variables_the_harness_sets() -> set[str]:
+    """vLLM's own variables that the engine harness sets for the engines it starts (the keys of
+    ``ENV`` in vmmkv/testing/vllm/host.py, read without importing it: it imports vLLM); vmmkv
+    reads none of them, so the table leaves them out."""
+    for node in ast.parse((ROOT / "vmmkv/testing/vllm/host.py").read_text()).body:
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["ENV"]:
+            return {k.value for k in node.value.keys if k.value.startswith("VLLM_")}
+    raise AssertionError("vmmkv/testing/vllm/host.py has no ENV")
+
+
 def test_every_environment_variable_the_code_reads_is_in_the_readme_table():
-    missing = {n: f for n, f in variables_in_code().items() if n not in variables_in_readme()}
+    sets = vllm_variables_the_harness_sets()
+    assert sets == {"VLLM_WORKER_MULTIPROC_METHOD", "VLLM_NO_USAGE_STATS",
+                    "VLLM_ENABLE_V1_MULTIPROCESSING"}  # fmt: skip
+    readme = variables_in_readme()
+    missing = {n: f for n, f in variables_in_code().items() if n not in readme | sets}
     assert not missing, f"not in README.md's table: {missing}"
 
 
