@@ -64,7 +64,9 @@ LAYOUTS = ("LB", "BL")
 STAMP = 64  # bytes written per stamped block
 
 
-def padded_geometry(layout: str, layers: int, capacity: int) -> tuple[list[tuple[int, int]], int]:
+def padded_geometry(
+    layout: str, layers: int, capacity: int, granule: int = GRANULE
+) -> tuple[list[tuple[int, int]], int]:
     """``(segments, bytes)`` as vLLM 0.34 lays out a ``capacity``-block cache under its
     extensible cache: ``(offset, block stride)`` per segment, every LB region starting on the
     granule (BL is not padded)."""
@@ -76,7 +78,7 @@ def padded_geometry(layout: str, layers: int, capacity: int) -> tuple[list[tuple
     segs, off = [], 0
     for stride in (IDX_BLOCK,) * layers + (MLA_BLOCK,) * layers:
         segs.append((off, stride))
-        off += -(-capacity * stride // GRANULE) * GRANULE
+        off += -(-capacity * stride // granule) * granule
     return segs, off
 
 

@@ -36,10 +36,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from bench_extensible_gpu import LAYOUTS, padded_geometry  # noqa: E402
 from common import arguments, device_name, ranks_per_config, table, write_json  # noqa: E402
 
-MLA_BLOCK, IDX_BLOCK = 64 * 656, 64 * 132  # 41,984 and 8,448 bytes per block and layer
-LAYOUTS = ("LB", "BL")
 STEPS = ("own", "export", "pass", "import", "wake", "sleep")
 FDS_PER_MESSAGE = 250  # below the kernel's SCM_MAX_FD (253)
 
@@ -50,16 +49,9 @@ def _up(x: int, m: int) -> int:
 
 def runs_of(layout: str, layers: int, capacity: int, budget: int, granule: int) -> list:
     """``(offset, size)`` of every run: each segment's first ``budget`` blocks, granule-rounded,
-    at its offset in the padded layout of ``capacity`` blocks."""
-    if layout == "BL":
-        return [(0, _up(budget * layers * (MLA_BLOCK + IDX_BLOCK), granule))]
-    if layout != "LB":
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    out, off = [], 0
-    for stride in (IDX_BLOCK,) * layers + (MLA_BLOCK,) * layers:
-        out.append((off, _up(budget * stride, granule)))
-        off += _up(capacity * stride, granule)
-    return out
+    at its offset in the padded layout of ``capacity`` blocks (``bench_extensible_gpu``'s)."""
+    segs, _ = padded_geometry(layout, layers, capacity, granule)
+    return [(off, _up(budget * stride, granule)) for off, stride in segs]
 
 
 def _check(res: tuple, what: str) -> Any:
