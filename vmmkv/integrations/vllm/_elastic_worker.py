@@ -145,8 +145,9 @@ class ElasticWorker:
         if not ids or vllm_cache_of(cache) is not None:
             return
         need = max(ids) + 1
-        if need > cache.committed_blocks and cache.committed_block_set == blockset.prefix(
-            cache.committed_blocks
+        if (
+            need > cache.committed_blocks
+            and blockset.as_prefix(cache.committed_block_set) is not None
         ):
             cache.grow(need)
 
